@@ -1,0 +1,38 @@
+"""Drafters: ``none`` (plain decoding), ``ngram`` (prompt lookup), ``model`` (an independent small model)."""
+
+from __future__ import annotations
+
+from dflash2.drafters.base import Draft, Drafter
+
+DRAFTER_NAMES = ("none", "ngram", "model")
+DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 8, "model": 4}
+# target -> the independent draft model of the same tokenizer used when none is named
+DEFAULT_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
+
+
+def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draft_tokens: int | None = None,
+                  dtype: str = "bf16", pull: bool = True) -> Drafter:
+    """Build the named drafter for ``engine``'s target. Refuses a draft model whose tokenizer differs."""
+    k = num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS.get(name, 4)
+    if name == "ngram":
+        from dflash2.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(k, stop_ids=engine.tokenizer.eos_token_ids)
+    if name == "model":
+        from dflash2.drafters.model import ModelDrafter
+        from dflash2.models.loading import load_transformer
+        from dflash2.models.store import canonical_name, resolve_model
+        from dflash2.models.tokenizer import Tokenizer
+
+        ref = draft_model or DEFAULT_DRAFT_MODELS.get(canonical_name(engine.name) or "")
+        if ref is None:
+            raise ValueError(f"no default draft model for {engine.name!r}; pass draft_model / --draft-model")
+        draft_dir = resolve_model(ref, dtype, pull=pull)
+        if Tokenizer(draft_dir).fingerprint() != engine.tokenizer.fingerprint():
+            raise ValueError(f"draft model {ref!r} has a different tokenizer from the target; it cannot draft for it")
+        model = load_transformer(draft_dir, dtype, engine.target.device)
+        return ModelDrafter(model, k, target_vocab_size=engine.target.config.vocab_size)
+    raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
+
+
+__all__ = ["DRAFTER_NAMES", "Draft", "Drafter", "build_drafter"]

@@ -1,0 +1,15 @@
+"""dflash2: lossless speculative decoding for LLMs.
+
+    import dflash2
+    engine = dflash2.load()                      # Qwen2.5-Coder-1.5B-Instruct, bf16
+    result = engine.generate("Write a prime checker in Python.", max_new_tokens=128)
+    print(result.text, result.stats.tokens_per_s)
+"""
+
+from dflash2.api import load
+from dflash2.decode.engine import Engine, GenerationResult, StreamChunk
+from dflash2.decode.stats import DecodeStats
+from dflash2.verify.sampling import SamplingParams
+
+__all__ = ["DecodeStats", "Engine", "GenerationResult", "SamplingParams", "StreamChunk", "load"]
+__version__ = "0.1.0"

@@ -1,0 +1,44 @@
+"""The Python entry point: ``engine = dflash2.load(); engine.generate("...")``."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash2.decode.engine import Engine
+from dflash2.models.loading import load_transformer
+from dflash2.models.tokenizer import Tokenizer
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load(
+    target: str = "qwen2.5-coder-1.5b-instruct",
+    *,
+    drafter: str | None = None,
+    draft_model: str | None = None,
+    num_draft_tokens: int | None = None,
+    dtype: str = "bf16",
+    device: str | None = None,
+    pull: bool = True,
+) -> Engine:
+    """Load a target (model-store name, HF directory or .gguf path) and optionally a drafter.
+
+    drafter: None / "none" (plain decoding), "ngram" (prompt lookup), "model" (an independent small model of the
+    same tokenizer, ``draft_model``; default: the store's pairing for the target).
+    """
+    from dflash2.models.store import resolve_model
+
+    device = device or default_device()
+    target_dir = resolve_model(target, dtype, pull=pull)
+    model = load_transformer(target_dir, dtype, device)
+    tokenizer = Tokenizer(target_dir)
+    engine = Engine(model, tokenizer, name=target)
+    if drafter not in (None, "none"):
+        from dflash2.drafters import build_drafter
+
+        engine.drafter = build_drafter(
+            drafter, engine, draft_model=draft_model, num_draft_tokens=num_draft_tokens, dtype=dtype, pull=pull
+        )
+    return engine

@@ -1,0 +1,208 @@
+"""``dflash2`` command line: generate | models | bench. A thin layer over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+DEFAULT_PROMPT_HINT = "Write a Python function that checks whether a number is prime."
+
+
+class CliError(Exception):
+    """An error to report in one line (no traceback)."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.handler(args) or 0
+    except KeyboardInterrupt:
+        print("\ndflash2: interrupted", file=sys.stderr)
+        return 130
+    except (CliError, ValueError, FileNotFoundError, RuntimeError) as error:
+        print(f"dflash2: error: {error}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash2", description="Lossless speculative decoding for LLMs.")
+    commands = parser.add_subparsers(dest="command")
+    _add_generate(commands)
+    _add_models(commands)
+    from dflash2.bench.cli import add_bench_parser
+
+    add_bench_parser(commands)
+    return parser
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that loads a target (and maybe a drafter)."""
+    from dflash2.drafters import DRAFTER_NAMES
+
+    parser.add_argument("--model", "--target", dest="model", default="qwen2.5-coder-1.5b-instruct",
+                        help="model-store name or alias, HF directory, or .gguf path (default: %(default)s)")
+    parser.add_argument("--drafter", choices=DRAFTER_NAMES, default="none", help="draft method (default: none)")
+    parser.add_argument("--draft-model", default=None, help="small model for --drafter model (default: the pairing)")
+    parser.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="drafts per step")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+
+
+def _add_generate(commands) -> None:
+    p = commands.add_parser("generate", help="generate a completion", description="Generate a completion.")
+    p.add_argument("prompt", help=f'the prompt, e.g. "{DEFAULT_PROMPT_HINT}"')
+    add_model_options(p)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="print one final JSON line with the text and stats")
+    p.set_defaults(handler=run_generate)
+
+
+def _add_models(commands) -> None:
+    p = commands.add_parser("models", help="the model store: list | pull | verify")
+    sub = p.add_subparsers(dest="models_command", required=True)
+    sub.add_parser("list", help="known models and what is in the cache").set_defaults(handler=run_models_list)
+    pull = sub.add_parser("pull", help="download, assemble, verify and convert models")
+    pull.add_argument("names", nargs="*", help="models to pull (default: the default target and its draft model)")
+    pull.add_argument("--dtype", action="append", default=None, help="dtypes to convert to (default: bf16)")
+    pull.set_defaults(handler=run_models_pull)
+    verify = sub.add_parser("verify", help="re-check hashes and converted files")
+    verify.add_argument("names", nargs="*", help="models to verify (default: every pulled model)")
+    verify.set_defaults(handler=run_models_verify)
+
+
+def validate_generation_args(args: argparse.Namespace) -> None:
+    if not args.prompt.strip():
+        raise CliError("the prompt is empty")
+    if args.max_new_tokens <= 0:
+        raise CliError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    if args.num_draft_tokens is not None and args.num_draft_tokens <= 0:
+        raise CliError(f"--num-draft-tokens must be > 0, got {args.num_draft_tokens}")
+
+
+def load_engine(args: argparse.Namespace):
+    import torch
+
+    import dflash2
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return dflash2.load(
+        args.model,
+        drafter=args.drafter,
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+        dtype=args.dtype,
+        device=args.device,
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    validate_generation_args(args)
+    engine = load_engine(args)
+    stream = engine.stream(
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        raw=args.raw,
+    )
+    while True:
+        try:
+            chunk = next(stream)
+        except StopIteration as done:
+            result = done.value
+            break
+        if not args.json:
+            print(chunk.text, end="", flush=True)
+    stats = result.stats
+    if args.json:
+        print(json.dumps(generation_json(result)))
+    else:
+        print()
+        summary = (f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tok/s, prefill {stats.prefill_seconds:.2f}s "
+                   f"({stats.prompt_tokens} prompt tokens), finish: {result.finish_reason}")
+        if engine.drafter is not None:
+            acceptance = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
+            summary += (f", tau {stats.tau:.2f}, draft {stats.draft_seconds:.2f}s / verify {stats.verify_seconds:.2f}s"
+                        f", acceptance by position: {acceptance}")
+        print(summary + "]", file=sys.stderr)
+    return 0
+
+
+def generation_json(result) -> dict:
+    stats = result.stats
+    return {
+        "text": result.text,
+        "new_tokens": stats.new_tokens,
+        "prompt_tokens": stats.prompt_tokens,
+        "seconds": round(stats.seconds, 4),
+        "prefill_seconds": round(stats.prefill_seconds, 4),
+        "decode_seconds": round(stats.decode_seconds, 4),
+        "tokens_per_s": round(stats.tokens_per_s, 3),
+        "decode_tokens_per_s": round(stats.decode_tokens_per_s, 3),
+        "finish_reason": result.finish_reason,
+        "tau": round(stats.tau, 4),
+        "target_forwards": stats.target_forwards,
+        "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position],
+        "draft_seconds": round(stats.draft_seconds, 4),
+        "verify_seconds": round(stats.verify_seconds, 4),
+        "token_ids": result.token_ids,
+    }
+
+
+def run_models_list(args: argparse.Namespace) -> int:
+    from dflash2.models import store
+
+    for status in store.list_models():
+        print(_format_status(status))
+    return 0
+
+
+def _format_status(status) -> str:
+    fields = {k: v for k, v in vars(status).items()} if hasattr(status, "__dict__") else dict(status._asdict())
+    name = fields.pop("name")
+    parts = [f"{k}={v}" for k, v in fields.items()]
+    return f"{name:32s} " + "  ".join(parts)
+
+
+def run_models_pull(args: argparse.Namespace) -> int:
+    from dflash2.models import store
+
+    names = args.names or [store.DEFAULT_TARGET, store.DEFAULT_DRAFT]
+    for name in names:
+        paths = store.pull(name, dtypes=tuple(args.dtype or ("bf16",)))
+        for dtype, path in paths.items():
+            print(f"{name} [{dtype}] -> {path}")
+    return 0
+
+
+def run_models_verify(args: argparse.Namespace) -> int:
+    from dflash2.models import store
+
+    names = args.names or [s.name for s in store.list_models() if s.pulled]
+    if not names:
+        raise CliError("no model is pulled; run `dflash2 models pull`")
+    for name in names:
+        store.verify(name)
+        print(f"{name}: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

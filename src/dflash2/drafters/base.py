@@ -1,0 +1,52 @@
+"""The drafter protocol: what a drafter needs from the target, and the three calls the speculative step makes."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from dflash2.verify.sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [k] int64 proposed ids (k may be 0)
+    q_draft: torch.Tensor | None  # [k, vocab] float32 distributions the tokens were sampled from; None = deterministic
+
+
+class Drafter(ABC):
+    """Proposes tokens that the target then verifies.
+
+    The sequence passed around is the prompt plus every committed token; its LAST token is "pending": committed
+    but not yet written into the target's KV cache (it is the first input of the next verification pass).
+    """
+
+    name: str = "drafter"
+    hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads (empty: none)
+
+    def __init__(self, num_draft_tokens: int) -> None:
+        if num_draft_tokens <= 0:
+            raise ValueError(f"num_draft_tokens must be > 0, got {num_draft_tokens}")
+        self.num_draft_tokens = num_draft_tokens
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.num_draft_tokens
+
+    def reset(self, capacity: int) -> None:
+        """Start a new sequence; ``capacity`` bounds its length (prompt + generated + one draft block)."""
+
+    @abstractmethod
+    def propose(
+        self, sequence: list[int], num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        """Draft at most ``num_draft_tokens`` tokens to follow ``sequence``."""
+
+    def observe(self, sequence: list[int], num_accepted: int, target_hidden: tuple[torch.Tensor, ...]) -> None:
+        """After prefill (num_accepted = -1) or a verification: ``sequence`` is the new committed sequence.
+
+        target_hidden: for each of ``hidden_layers``, [1, n, D] states of the n positions the target has just
+        written to its cache and kept (the prompt after prefill; the pending token + accepted drafts after a step).
+        """

@@ -1,0 +1,74 @@
+"""A static, position-indexed KV cache: preallocated slots, a length pointer, O(1) rollback.
+
+Slot s holds the keys/values of the s-th token written. For chains slot == position; a verified tree is
+written in input order and :meth:`StaticKVCache.compact` moves the accepted branch into consecutive slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    """Keys and values of every layer, ``[num_layers, batch, num_kv_heads, capacity, head_dim]``.
+
+    ``length`` is the number of committed slots. A forward pass writes its T new tokens at
+    ``[length, length + T)`` and then :meth:`advance` moves the pointer; :meth:`rollback` moves it back.
+    Slots at or after ``length`` are garbage and are overwritten by the next write.
+    """
+
+    supports_rollback = True
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        *,
+        batch_size: int = 1,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, Dh]
+        self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, Dh]
+        self.capacity = capacity
+        self.length = 0
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new keys/values [B, H_kv, T, Dh] at ``[length, length + T)`` of one layer.
+
+        Returns views over all slots a query of this pass may see: ``[B, H_kv, length + T, Dh]`` each.
+        The length pointer does not move here (every layer writes at the same offset); call :meth:`advance`.
+        """
+        end = self.length + keys.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache overflow: {end} slots needed, capacity {self.capacity}")
+        self.keys[layer, :, :, self.length : end] = keys
+        self.values[layer, :, :, self.length : end] = values
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+    def rollback(self, length: int) -> None:
+        """Forget every slot at or after ``length``: O(1), nothing is copied."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}: cache holds {self.length} slots")
+        self.length = length
+
+    def compact(self, source_slots: torch.Tensor, destination: int) -> None:
+        """Copy the slots ``source_slots`` [n] (ascending, >= destination) to ``[destination, destination + n)``.
+
+        Used after tree verification: the accepted branch becomes a contiguous chain. Sets ``length`` to the
+        end of the copied range.
+        """
+        n = int(source_slots.numel())
+        index = source_slots.to(self.keys.device)
+        self.keys[:, :, :, destination : destination + n] = self.keys.index_select(3, index)
+        self.values[:, :, :, destination : destination + n] = self.values.index_select(3, index)
+        self.length = destination + n
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,209 @@
+"""A lean decoder for the Llama / Qwen2 family, written for this engine.
+
+RMSNorm, rotary embeddings (the model's theta and scaling), grouped-query attention, SwiGLU, q/k/v biases
+where Qwen2 has them, tied or untied head. The forward pass takes token ids, explicit positions, an optional
+explicit attention mask (tree verification) and a :class:`~dflash2.kv.StaticKVCache`, and can return the
+hidden states of any layers (drafters read them). Device and dtype are whatever the weights are on.
+
+Linear layers are fused where the math allows it (q/k/v into one, gate/up into one): fewer, larger
+matrix-vector products are what memory-bound decoding wants.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash2.kv.static import StaticKVCache
+from dflash2.models.config import ModelConfig
+
+LogitsSelection = Literal["all", "last", "none"]
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [B, T, V] ("all"), [B, 1, V] ("last") or None ("none"); float32
+    hidden_states: tuple[torch.Tensor, ...]  # one [B, T, D] per requested layer, in the order requested
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., D]
+        x_f32 = x.float()
+        normed = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, with the model's rope scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, scaling).float()
+    raise ValueError(f"unsupported rope scaling {rope_type!r} (supported: linear, llama3)")
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, blended)
+    return torch.where(wavelength < original / high, inv_freq, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:  # x: [..., Dh]
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_width = config.num_heads * config.head_dim
+        kv_width = config.num_kv_heads * config.head_dim
+        self.split_sizes = (q_width, kv_width, kv_width)
+        self.wqkv = nn.Linear(config.hidden_size, q_width + 2 * kv_width, bias=config.qkv_bias)
+        self.wo = nn.Linear(q_width, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, D]
+        cos: torch.Tensor,  # [B, 1, T, Dh]
+        sin: torch.Tensor,  # [B, 1, T, Dh]
+        layer: int,
+        cache: StaticKVCache | None,
+        attn_mask: torch.Tensor | None,  # [B or 1, 1, T, S] bool, True = may attend; None = causal
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.wqkv(x).split(self.split_sizes, dim=-1)
+        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Dh]
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, Dh]
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, Dh]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.write(layer, k, v)  # [B, H_kv, S, Dh], S = cached + T
+        is_causal = attn_mask is None and seq > 1 and k.shape[2] == seq
+        if attn_mask is None and seq > 1 and k.shape[2] > seq:
+            attn_mask = causal_mask(seq, k.shape[2], x.device)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads
+        )  # [B, H, T, Dh]
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def causal_mask(num_queries: int, num_keys: int, device: torch.device | str) -> torch.Tensor:
+    """[1, 1, T, S] bool: query i (at slot S - T + i) sees every slot up to and including its own."""
+    query_slots = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+    return (torch.arange(num_keys, device=device)[None, :] <= query_slots)[None, None]
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
+        gate, up = self.w_gate_up(x).split(self.intermediate_size, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn = FeedForward(config)
+
+    def forward(self, x, cos, sin, layer, cache, attn_mask):  # x: [B, T, D] -> [B, T, D]
+        x = x + self.attn(self.attn_norm(x), cos, sin, layer, cache, attn_mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The target (or a small independent drafter) model."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, capacity: int, batch_size: int = 1) -> StaticKVCache:
+        c = self.config
+        return StaticKVCache(
+            c.num_layers, c.num_kv_heads, c.head_dim, capacity, batch_size=batch_size, dtype=self.dtype, device=self.device
+        )
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> (cos, sin), each [B, 1, T, Dh] in the model dtype (angles computed in fp32)."""
+        angles = positions.float()[..., None] * self.inv_freq  # [B, T, Dh / 2]
+        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, Dh]
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T] int64
+        positions: torch.Tensor | None = None,  # [B, T] int64; default: cache.length + arange(T)
+        cache: StaticKVCache | None = None,
+        attn_mask: torch.Tensor | None = None,  # [B or 1, T, S] bool over the S = cache.length + T visible slots
+        *,
+        hidden_layers: Sequence[int] = (),  # return the output of these decoder layers (0-based)
+        logits: LogitsSelection = "all",
+    ) -> ForwardOutput:
+        start = cache.length if cache is not None else 0
+        seq = input_ids.shape[1]
+        if positions is None:
+            positions = torch.arange(start, start + seq, device=input_ids.device).expand(input_ids.shape[0], seq)
+        cos, sin = self.rope(positions)
+        mask = attn_mask[:, None] if attn_mask is not None else None  # [B, 1, T, S]
+        wanted = set(hidden_layers)
+        taps: dict[int, torch.Tensor] = {}
+        x = self.embed(input_ids)  # [B, T, D]
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, index, cache, mask)
+            if index in wanted:
+                taps[index] = x
+        if cache is not None:
+            cache.advance(seq)
+        out_logits = None
+        if logits != "none":
+            x = x[:, -1:] if logits == "last" else x
+            out_logits = self.lm_head(self.norm(x)).float()
+        return ForwardOutput(logits=out_logits, hidden_states=tuple(taps[i] for i in hidden_layers))

@@ -1,0 +1,71 @@
+"""Load a Hugging Face style directory (config.json + *.safetensors) into the lean decoder. Never uses pickle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dflash2.models.config import ModelConfig
+from dflash2.models.decoder import Transformer, rope_inverse_frequencies
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                tensors[name] = handle.get_tensor(name)
+    return tensors
+
+
+def hf_to_lean_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename Hugging Face Llama/Qwen2 tensors to this decoder's names, fusing q/k/v and gate/up."""
+    state = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = hf["lm_head.weight"]
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        state[dst + "attn.wqkv.weight"] = torch.cat([hf[attn + f"{p}_proj.weight"] for p in "qkv"])
+        if config.qkv_bias:
+            state[dst + "attn.wqkv.bias"] = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
+        state[dst + "attn.wo.weight"] = hf[attn + "o_proj.weight"]
+        state[dst + "ffn.w_gate_up.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
+        state[dst + "ffn.w_down.weight"] = hf[src + "mlp.down_proj.weight"]
+        state[dst + "attn_norm.weight"] = hf[src + "input_layernorm.weight"]
+        state[dst + "ffn_norm.weight"] = hf[src + "post_attention_layernorm.weight"]
+    return state
+
+
+def load_transformer(
+    model_dir: str | Path, dtype: str | torch.dtype = "bf16", device: str | torch.device = "cpu"
+) -> Transformer:
+    """Build the lean decoder from an HF-style directory, with weights in ``dtype`` on ``device``."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    torch_dtype = parse_dtype(dtype)
+    state = hf_to_lean_state_dict(read_safetensors(model_dir), config)
+    state = {name: tensor.to(device=device, dtype=torch_dtype) for name, tensor in state.items()}
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_state_dict(state, strict=not config.tie_word_embeddings, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = rope_inverse_frequencies(config).to(device)
+    return model.eval().requires_grad_(False)
