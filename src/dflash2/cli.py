@@ -41,13 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_model_options(parser: argparse.ArgumentParser) -> None:
+def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool = True) -> None:
     """Options shared by every command that loads a target (and maybe a drafter)."""
     from dflash2.drafters import DRAFTER_NAMES
 
     parser.add_argument("--model", "--target", dest="model", default="qwen2.5-coder-1.5b-instruct",
                         help="model-store name or alias, HF directory, or .gguf path (default: %(default)s)")
-    parser.add_argument("--drafter", choices=DRAFTER_NAMES, default="none", help="draft method (default: none)")
+    if drafter_choice:
+        parser.add_argument("--drafter", choices=DRAFTER_NAMES, default="none", help="draft method (default: none)")
     parser.add_argument("--draft-model", default=None, help="small model for --drafter model (default: the pairing)")
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="drafts per step")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))

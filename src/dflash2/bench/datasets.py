@@ -1,0 +1,82 @@
+"""Evaluation prompts (read from the shared data folder, never bundled, never trained on)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SUITES = ("humaneval", "gsm8k", "mt_bench", "spec_bench")
+SPEC_BENCH_MT_IDS = range(81, 161)  # Spec-Bench's first 80 questions are MT-bench's
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    suite: str
+    category: str
+    prompt_id: str
+    text: str  # the user turn, already formatted with the suite's protocol
+
+
+def data_root() -> Path:
+    """``$DFLASH2_DATA``, else ``shared/data`` beside the working directory or beside the source checkout."""
+    env = os.environ.get("DFLASH2_DATA")
+    candidates = [Path(env)] if env else []
+    candidates += [Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[3].parent / "shared" / "data"]
+    for path in candidates:
+        if (path / "eval").is_dir():
+            return path
+    raise FileNotFoundError("evaluation data not found; set DFLASH2_DATA to the folder holding eval/")
+
+
+def load_suite(suite: str, limit: int | None = None) -> list[BenchPrompt]:
+    """Prompts of one suite; ``limit`` keeps the first N (per category for spec_bench)."""
+    loaders = {"humaneval": _humaneval, "gsm8k": _gsm8k, "mt_bench": _mt_bench, "spec_bench": _spec_bench}
+    if suite not in loaders:
+        raise ValueError(f"unknown suite {suite!r}; choose one of {', '.join(SUITES)}")
+    prompts = loaders[suite](data_root() / "eval")
+    if limit is None:
+        return prompts
+    if limit <= 0:
+        raise ValueError(f"--limit must be > 0, got {limit}")
+    kept: dict[str, int] = {}
+    out = []
+    for prompt in prompts:
+        if kept.get(prompt.category, 0) < limit:
+            kept[prompt.category] = kept.get(prompt.category, 0) + 1
+            out.append(prompt)
+    return out
+
+
+def _jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _humaneval(root: Path) -> list[BenchPrompt]:
+    template = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"
+    return [BenchPrompt("humaneval", "humaneval", row["task_id"], template.format(row["prompt"]))
+            for row in _jsonl(root / "humaneval" / "HumanEval.jsonl.gz")]
+
+
+def _gsm8k(root: Path) -> list[BenchPrompt]:
+    suffix = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+    return [BenchPrompt("gsm8k", "gsm8k", str(i), row["question"] + suffix)
+            for i, row in enumerate(_jsonl(root / "gsm8k" / "test.jsonl"))]
+
+
+def _mt_bench(root: Path) -> list[BenchPrompt]:
+    return [BenchPrompt("mt_bench", "mt_bench", str(row["question_id"]), row["turns"][0])
+            for row in _jsonl(root / "mt_bench" / "question.jsonl")]
+
+
+def _spec_bench(root: Path) -> list[BenchPrompt]:
+    rows = _jsonl(root / "spec_bench" / "question.jsonl")
+    return [
+        BenchPrompt("spec_bench", "mt_bench" if row["question_id"] in SPEC_BENCH_MT_IDS else row["category"],
+                    str(row["question_id"]), row["turns"][0])
+        for row in rows
+    ]

@@ -1,0 +1,116 @@
+"""``dflash2 bench``: every method on the same prompts, interleaved in one run; raw JSONL first, summary from it."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import mean
+
+import torch
+from tqdm import tqdm
+
+from dflash2.bench.datasets import BenchPrompt
+
+BASELINE = "none"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    suites: tuple[str, ...]
+    methods: tuple[str, ...]  # drafter names; "none" (plain decoding, the baseline) is always run
+    limit: int | None
+    max_new_tokens: int
+    out_dir: Path
+    temperature: float = 0.0
+    seed: int = 0
+
+
+def run_bench(engine, drafters: dict, prompts: list[BenchPrompt], config: BenchConfig) -> Path:
+    """Run each prompt through every method (baseline first), append one JSON line per request."""
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    raw_path = config.out_dir / "requests.jsonl"
+    (config.out_dir / "run.json").write_text(json.dumps(_run_info(engine, config), indent=2))
+    _warm_up(engine, drafters)
+    with raw_path.open("w") as raw, tqdm(total=len(prompts) * len(drafters), desc="bench", unit="req") as bar:
+        for prompt in prompts:
+            baseline_ids = None
+            for method, drafter in drafters.items():
+                engine.drafter = drafter
+                result = engine.generate(prompt.text, max_new_tokens=config.max_new_tokens,
+                                         temperature=config.temperature, seed=config.seed)
+                if method == BASELINE:
+                    baseline_ids = result.token_ids
+                row = _request_row(prompt, method, result, baseline_ids)
+                raw.write(json.dumps(row) + "\n")
+                raw.flush()
+                bar.set_postfix(method=method, tps=f"{row['decode_tokens_per_s']:.1f}", tau=f"{row['tau']:.2f}")
+                bar.update()
+    engine.drafter = None
+    return raw_path
+
+
+def _warm_up(engine, drafters: dict) -> None:
+    for drafter in drafters.values():
+        engine.drafter = drafter
+        engine.generate("Say hello.", max_new_tokens=8)
+
+
+def _request_row(prompt: BenchPrompt, method: str, result, baseline_ids: list[int] | None) -> dict:
+    stats = result.stats
+    return {
+        "suite": prompt.suite, "category": prompt.category, "prompt_id": prompt.prompt_id, "method": method,
+        "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
+        "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
+        "tokens_per_s": stats.tokens_per_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "tau": stats.tau, "target_forwards": stats.target_forwards,
+        "acceptance_by_position": stats.acceptance_by_position,
+        "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
+        "finish_reason": result.finish_reason,
+        "matches_baseline": None if baseline_ids is None else result.token_ids == baseline_ids,
+        "token_ids": result.token_ids,
+    }
+
+
+def summarize(raw_path: Path) -> list[dict]:
+    """Per (category, method): mean decode tokens/s, speedup vs the baseline on the same prompts, tau, identity."""
+    rows = [json.loads(line) for line in raw_path.read_text().splitlines() if line.strip()]
+    baseline = {(r["category"], r["prompt_id"]): r["decode_tokens_per_s"] for r in rows if r["method"] == BASELINE}
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["category"], row["method"]), []).append(row)
+    summary = []
+    for (category, method), group in groups.items():
+        ratios = [r["decode_tokens_per_s"] / baseline[(category, r["prompt_id"])] for r in group
+                  if baseline.get((category, r["prompt_id"]))]
+        matches = [r["matches_baseline"] for r in group if r["matches_baseline"] is not None]
+        summary.append({
+            "category": category, "method": method, "requests": len(group),
+            "decode_tokens_per_s": mean(r["decode_tokens_per_s"] for r in group),
+            "speedup": mean(ratios) if ratios else None,
+            "tau": mean(r["tau"] for r in group),
+            "identical_to_baseline": (sum(matches) / len(matches)) if matches else None,
+        })
+    return sorted(summary, key=lambda s: (s["category"], s["method"] != BASELINE, s["method"]))
+
+
+def format_summary(summary: list[dict]) -> str:
+    lines = [f"{'category':16s} {'method':8s} {'n':>4s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s} {'identical':>9s}"]
+    for s in summary:
+        speedup = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
+        identical = f"{s['identical_to_baseline']:.0%}" if s["identical_to_baseline"] is not None else "-"
+        lines.append(f"{s['category']:16s} {s['method']:8s} {s['requests']:4d} {s['decode_tokens_per_s']:8.2f} "
+                     f"{speedup:>8s} {s['tau']:6.2f} {identical:>9s}")
+    return "\n".join(lines)
+
+
+def _run_info(engine, config: BenchConfig) -> dict:
+    return {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "target": engine.name,
+        "dtype": str(engine.target.dtype), "device": str(engine.target.device),
+        "threads": torch.get_num_threads(), "machine": platform.platform(), "processor": platform.processor(),
+        "suites": config.suites, "methods": config.methods, "limit": config.limit,
+        "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
+    }

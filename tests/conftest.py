@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny random Llama / Qwen2 models saved in HF layout (transformers is the oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def make_hf_model(kind: str, seed: int = 0, vocab_size: int = 256, num_layers: int = 3, max_positions: int = 512):
+    """A tiny random transformers model (fp32): ``kind`` is "qwen2" (biases, untied head) or "llama" (tied)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=10000.0, tie_word_embeddings=False, **common))
+        for name, param in model.named_parameters():  # random biases so that their handling is tested
+            if name.endswith("bias"):
+                param.data.normal_(0, 0.5)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=50000.0, tie_word_embeddings=True, **common))
+    for param in model.parameters():  # sharper logits than the default init: fewer near-ties in argmax
+        param.data.mul_(2.0) if param.dim() == 2 else None
+    return model.float().eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """HF-layout directories of tiny random models: {"qwen2": dir, "llama": dir, "qwen2_other": dir}."""
+    dirs = {}
+    for key, kind, seed in (("qwen2", "qwen2", 0), ("llama", "llama", 1), ("qwen2_other", "qwen2", 2)):
+        path = tmp_path_factory.mktemp(key)
+        make_hf_model(kind, seed).save_pretrained(str(path))
+        dirs[key] = str(path)
+    return dirs

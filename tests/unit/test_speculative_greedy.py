@@ -1,0 +1,100 @@
+"""Greedy speculative decoding must reproduce plain greedy decoding token for token (fp32, tiny random models)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from dflash2.decode.plain import plain_decode
+from dflash2.decode.speculative import speculative_decode
+from dflash2.decode.stats import DecodeStats
+from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.model import ModelDrafter
+from dflash2.drafters.ngram import NgramDrafter
+from dflash2.models.loading import load_transformer
+from dflash2.verify.sampling import GREEDY
+
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dirs):
+    return {key: load_transformer(path, "fp32") for key, path in tiny_model_dirs.items()}
+
+
+def repetitive_prompt() -> torch.Tensor:
+    """A prompt with repeats, so that prompt lookup finds matches."""
+    gen = torch.Generator().manual_seed(11)
+    motif = torch.randint(0, 256, (6,), generator=gen)
+    return torch.cat([motif, torch.randint(0, 256, (5,), generator=gen), motif, motif[:3]])
+
+
+def run(steps, limit: int) -> list[int]:
+    return list(itertools.islice(itertools.chain.from_iterable(steps), limit))
+
+
+def plain_ids(model, prompt, capacity, limit=NEW_TOKENS):
+    return run(plain_decode(model, prompt, GREEDY, None, capacity, DecodeStats()), limit)
+
+
+def spec_ids(model, drafter, prompt, capacity, limit=NEW_TOKENS, stats=None):
+    stats = stats if stats is not None else DecodeStats()
+    return run(speculative_decode(model, drafter, prompt, GREEDY, None, capacity, stats), limit)
+
+
+class RandomDrafter(Drafter):
+    """Garbage proposals: nothing should be accepted, output must not change."""
+
+    name = "random"
+
+    def propose(self, sequence, num_draft_tokens, params, generator):
+        gen = torch.Generator().manual_seed(len(sequence))
+        return Draft(tokens=torch.randint(0, 256, (num_draft_tokens,), generator=gen), q_draft=None)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 15])
+@pytest.mark.parametrize("target_key", ["qwen2", "llama"])
+def test_model_drafter_equal_to_target_accepts_everything(models, target_key, k):
+    target, prompt = models[target_key], repetitive_prompt()
+    capacity = len(prompt) + NEW_TOKENS + k + 1
+    stats = DecodeStats()
+    assert spec_ids(target, ModelDrafter(target, k), prompt, capacity, stats=stats) == plain_ids(target, prompt, capacity)
+    assert stats.accepted_by_position == stats.drafted_by_position  # every draft accepted
+    assert stats.target_forwards <= -(-NEW_TOKENS // (k + 1)) + 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 15])
+def test_independent_model_drafter_is_lossless(models, k):
+    target, prompt = models["qwen2"], repetitive_prompt()
+    capacity = len(prompt) + NEW_TOKENS + k + 1
+    drafter = ModelDrafter(models["qwen2_other"], k)
+    assert spec_ids(target, drafter, prompt, capacity) == plain_ids(target, prompt, capacity)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 15])
+def test_ngram_drafter_is_lossless(models, k):
+    target, prompt = models["llama"], repetitive_prompt()
+    capacity = len(prompt) + NEW_TOKENS + k + 1
+    assert spec_ids(target, NgramDrafter(k), prompt, capacity) == plain_ids(target, prompt, capacity)
+
+
+@pytest.mark.parametrize("k", [1, 4, 15])
+def test_garbage_drafter_accepts_nothing_and_changes_nothing(models, k):
+    target, prompt = models["qwen2"], repetitive_prompt()
+    capacity = len(prompt) + NEW_TOKENS + k + 1
+    stats = DecodeStats()
+    assert spec_ids(target, RandomDrafter(k), prompt, capacity, stats=stats) == plain_ids(target, prompt, capacity)
+    assert sum(stats.accepted_by_position) <= 2  # a random id can match by chance, rarely
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_near_the_context_limit_output_ends_exactly_like_plain(models, k):
+    """Capacity smaller than prompt + k * steps: drafts shrink near the end, nothing overflows."""
+    target, prompt = models["qwen2"], repetitive_prompt()
+    capacity = len(prompt) + 13
+    expected = plain_ids(target, prompt, capacity, limit=10_000)
+    assert len(expected) == 14  # the prefill token + one per remaining slot
+    assert spec_ids(target, ModelDrafter(target, k), prompt, capacity, limit=10_000) == expected
+    assert spec_ids(target, NgramDrafter(k), prompt, capacity, limit=10_000) == expected
