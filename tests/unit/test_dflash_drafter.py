@@ -173,6 +173,26 @@ def test_the_block_sees_no_cached_slot_at_or_after_its_start(targets):
     assert torch.equal(before, after)
 
 
+def test_observe_crops_context_past_the_new_taps(targets):
+    """Taps for positions the cache already holds (a rewound sequence) replace them: no stale context stays."""
+    target, prompt = targets["qwen2"], prompt_ids()
+    drafter = DFlashDrafter(make_model(target, 8), target)
+    drafter.reset(64)
+    with torch.inference_mode():
+        out = target(prompt[None], hidden_layers=drafter.hidden_layers, logits="none")
+        sequence = prompt.tolist() + [7]
+        drafter.observe(sequence, -1, out.hidden_states)
+        rewound = sequence[:6] + [9]  # positions 0..5 committed, 9 pending; taps of positions 4, 5 again
+        drafter.observe(rewound, 1, tuple(h[:, 4:6] for h in out.hidden_states))
+        assert drafter.context_length == 6
+        fresh = DFlashDrafter(drafter.model, target)
+        fresh.reset(64)
+        fresh.observe(rewound, -1, tuple(h[:, :6] for h in out.hidden_states))
+        assert torch.allclose(drafter.block_logits(9, 6), fresh.block_logits(9, 6), atol=1e-5)
+        with pytest.raises(RuntimeError, match="gap"):
+            drafter.observe(rewound + [1, 2, 3], 0, tuple(h[:, :1] for h in out.hidden_states))
+
+
 def test_attention_inside_the_block_is_bidirectional(targets):
     target = targets["qwen2"]
     model = make_model(target, 8)
@@ -236,8 +256,9 @@ def test_state_dict_holds_no_embedding_or_head(targets):
     assert not any("embed" in name or "lm_head" in name for name in names)
     c = model.config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = 2 * c.hidden_size + c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    expected = c.num_layers * per_layer + len(c.target_layer_ids) * c.hidden_size**2 + 2 * c.hidden_size
+    width = c.hidden_size
+    per_layer = 2 * width + width * (q + 2 * kv) + q * width + 3 * width * c.intermediate_size
+    expected = c.num_layers * per_layer + len(c.target_layer_ids) * width**2 + 2 * width
     assert sum(p.numel() for p in model.parameters()) == expected  # no vocabulary-sized table anywhere
 
 

@@ -118,7 +118,9 @@ class DFlashConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
         if self.num_target_layers and max(self.target_layer_ids) >= self.num_target_layers:
-            raise ValueError(f"target_layer_ids {self.target_layer_ids} exceed the target's {self.num_target_layers} layers")
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids} exceed the target's {self.num_target_layers} layers"
+            )
 
     @property
     def num_draft_tokens(self) -> int:
@@ -499,9 +501,15 @@ class DFlashDrafter(Drafter):
         limit = model.config.block_size - 1
         num_draft_tokens = limit if num_draft_tokens is None else num_draft_tokens
         if num_draft_tokens > limit:
-            raise ValueError(f"a block of {model.config.block_size} yields at most {limit} drafts, asked {num_draft_tokens}")
-        if model.config.vocab_size != target.config.vocab_size or model.config.hidden_size != target.config.hidden_size:
+            raise ValueError(f"a block of {model.config.block_size} yields at most {limit} drafts, "
+                             f"asked for {num_draft_tokens}")
+        config = model.config
+        if (config.vocab_size, config.hidden_size) != (target.config.vocab_size, target.config.hidden_size):
             raise ValueError("the DFlash drafter was made for a target of another width or vocabulary")
+        if max(config.target_layer_ids) >= target.config.num_layers:
+            raise ValueError(
+                f"target_layer_ids {config.target_layer_ids} exceed the target's {target.config.num_layers} layers"
+            )
         super().__init__(num_draft_tokens)
         self.model = model.eval()
         self.target = target
@@ -574,7 +582,10 @@ class DFlashDrafter(Drafter):
 
 
 def load_dflash_drafter(
-    directory: str | Path, target: Transformer, num_draft_tokens: int | None = None, dtype: str | torch.dtype | None = None
+    directory: str | Path,
+    target: Transformer,
+    num_draft_tokens: int | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> DFlashDrafter:
     """Load a saved drafter for ``target`` (dtype and device default to the target's)."""
     model = DFlashDraftModel.from_pretrained(directory, dtype or target.dtype, target.device)
