@@ -18,6 +18,8 @@ import torch
 from dflash2.verify.greedy import ChainVerdict, chain_tokens, check_chain_inputs
 from dflash2.verify.sampling import sample
 
+__all__ = ["ChainVerdict", "verify_chain"]  # ChainVerdict is defined in greedy.py and re-exported here
+
 
 def verify_chain(
     draft_ids: torch.Tensor,  # [batch, k] int64
