@@ -10,9 +10,7 @@ import torch
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.models.decoder import Transformer
-from dflash2.verify.greedy import verify_greedy
-from dflash2.verify.rejection import ChainVerdict, verify_chain
-from dflash2.verify.sampling import SamplingParams, choose_token, logits_to_probs
+from dflash2.verify import ChainVerdict, SamplingParams, choose_token, logits_to_probs, verify_chain, verify_greedy
 
 
 @torch.inference_mode()

@@ -1,0 +1,54 @@
+"""The command line: bad input gives a one-line error and a non-zero exit; --json prints the stats."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.conftest import SMOLLM2, model_dir
+
+
+def dflash2(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash2.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+
+
+def test_unknown_model_name():
+    assert_one_line_error(dflash2("generate", "hi", "--model", "no-such-model"), "no-such-model")
+
+
+def test_empty_prompt():
+    assert_one_line_error(dflash2("generate", "   "), "empty")
+
+
+def test_non_positive_max_new_tokens():
+    assert_one_line_error(dflash2("generate", "hi", "--max-new-tokens", "0"), "max-new-tokens")
+
+
+@pytest.mark.model
+def test_prompt_longer_than_the_context():
+    model_dir(SMOLLM2, "bf16")
+    proc = dflash2("generate", "word " * 9000, "--model", SMOLLM2, "--raw")
+    assert_one_line_error(proc, "context")
+
+
+@pytest.mark.model
+def test_json_output_has_the_stats():
+    model_dir(SMOLLM2, "bf16")
+    proc = dflash2("generate", "Write a haiku about the sea.", "--model", SMOLLM2, "--max-new-tokens", "12",
+                   "--drafter", "ngram", "--json")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("new_tokens", "seconds", "tokens_per_s", "prefill_seconds", "text", "tau",
+                "acceptance_by_position", "target_forwards"):
+        assert key in record
+    assert 0 < record["new_tokens"] <= 12 and record["tau"] >= 1.0

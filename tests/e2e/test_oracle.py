@@ -1,0 +1,34 @@
+"""The lean decoder against transformers on the real models' weights, in fp32: logits and 64 greedy tokens."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tests.e2e.conftest import MODEL_PARAMS, lean_engine, model_dir
+
+PROMPT = "Write a Python function that checks whether a number is prime."
+
+
+@pytest.mark.parametrize("name", MODEL_PARAMS)
+@torch.inference_mode()
+def test_logits_and_greedy_tokens_match_transformers(name):
+    from transformers import AutoModelForCausalLM
+
+    engine = lean_engine(name, "fp32")
+    oracle = AutoModelForCausalLM.from_pretrained(str(model_dir(name, "fp32")), dtype=torch.float32).eval()
+    prompt_ids = torch.tensor([engine.encode_prompt(PROMPT)])
+
+    expected_logits = oracle(prompt_ids).logits[0]  # [T, V]
+    lean_logits = engine.target(prompt_ids).logits[0]
+    assert (lean_logits - expected_logits).abs().max().item() < 2e-3
+    assert torch.equal(lean_logits.argmax(-1), expected_logits.argmax(-1))
+
+    expected = oracle.generate(prompt_ids, max_new_tokens=64, do_sample=False)[0, prompt_ids.shape[1] :].tolist()
+    expected = [t for t in expected if t not in engine.tokenizer.eos_token_ids][:64]
+    result = engine.generate(PROMPT, max_new_tokens=64)
+    assert result.token_ids == expected
+    del oracle
+    gc.collect()

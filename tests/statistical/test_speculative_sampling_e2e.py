@@ -1,0 +1,111 @@
+"""End to end at T > 0: speculative sampling through the real loop has exactly the target's distribution.
+
+A tiny random model with an 8-token vocabulary: the exact distribution of the 2nd and 3rd generated tokens is
+computed by enumeration, then thousands of seeded speculative runs (sampled small-model drafts, q != p; and the
+deterministic n-gram rule) are compared with it by a chi-square test.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dflash2.decode.speculative import speculative_decode
+from dflash2.decode.stats import DecodeStats
+from dflash2.drafters.model import ModelDrafter
+from dflash2.drafters.ngram import NgramDrafter
+from dflash2.models.loading import load_transformer
+from dflash2.verify.sampling import SamplingParams, logits_to_probs
+from tests.conftest import make_hf_model
+
+VOCAB = 8
+RUNS = 2000
+PARAMS = SamplingParams(temperature=1.0, top_k=6)  # warps are applied before verification
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: thread hand-offs would cost more than the math."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """(target, drafter): a fairly flat target and a peaked, different drafter, so that q is far from p."""
+    models = []
+    for seed, scale in ((5, 0.6), (6, 1.6)):
+        path = tmp_path_factory.mktemp(f"vocab8-{seed}")
+        hf = make_hf_model("qwen2", seed=seed, vocab_size=VOCAB, num_layers=1)
+        for param in hf.parameters():
+            param.data.mul_(scale)
+        hf.save_pretrained(str(path))
+        models.append(load_transformer(path, "fp32"))
+    return models
+
+
+@torch.inference_mode()
+def exact_marginals(target, prompt: list[int], steps: int = 3) -> list[torch.Tensor]:
+    """P(token at generated position i) for i < steps, by enumerating every prefix (VOCAB ** (steps - 1))."""
+    marginals = [torch.zeros(VOCAB, dtype=torch.float64) for _ in range(steps)]
+    prefixes = {(): 1.0}
+    for step in range(steps):
+        next_prefixes = {}
+        for prefix, mass in prefixes.items():
+            logits = target(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+            p = logits_to_probs(logits, PARAMS).double()
+            marginals[step] += mass * p
+            for token in range(VOCAB):
+                if p[token] > 0:
+                    next_prefixes[prefix + (token,)] = mass * float(p[token])
+        prefixes = next_prefixes
+    return marginals
+
+
+def sample_runs(target, make_drafter, prompt: list[int]) -> torch.Tensor:
+    """[RUNS, 3] first three generated tokens of seeded speculative runs."""
+    out = []
+    for run in range(RUNS):
+        generator = torch.Generator().manual_seed(run)
+        steps = speculative_decode(target, make_drafter(), torch.tensor(prompt), PARAMS, generator, 64, DecodeStats())
+        out.append(list(itertools.islice(itertools.chain.from_iterable(steps), 3)))
+    return torch.tensor(out)
+
+
+def assert_matches(samples: torch.Tensor, marginals: list[torch.Tensor]) -> None:
+    for position in (1, 2):  # position 0 comes from prefill, not from verification
+        observed = torch.bincount(samples[:, position], minlength=VOCAB).double()
+        expected = marginals[position] / marginals[position].sum() * RUNS  # float32 probabilities sum to 1 +- 1e-7
+        support = expected > 0
+        assert observed[~support].sum() == 0, "a token with zero target probability was emitted"
+        result = chisquare(observed[support].numpy(), expected[support].numpy())
+        assert result.pvalue > 1e-3, (position, observed.tolist(), expected.tolist())
+
+
+def test_sampled_small_model_drafts_keep_the_target_distribution(tiny_pair):
+    target, draft = tiny_pair
+    prompt = [1, 2, 3]
+    samples = sample_runs(target, lambda: ModelDrafter(draft, 2), prompt)
+    assert_matches(samples, exact_marginals(target, prompt))
+
+
+def test_deterministic_ngram_drafts_keep_the_target_distribution(tiny_pair):
+    target, _ = tiny_pair
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # the lookup always finds a continuation to propose
+    samples = sample_runs(target, lambda: NgramDrafter(3), prompt)
+    assert_matches(samples, exact_marginals(target, prompt))
+
+
+def test_seeded_runs_are_reproducible(tiny_pair):
+    target, draft = tiny_pair
+    runs = []
+    for _ in range(2):
+        generator = torch.Generator().manual_seed(1234)
+        steps = speculative_decode(target, ModelDrafter(draft, 3), torch.tensor([1, 2]), PARAMS, generator, 64, DecodeStats())
+        runs.append(list(itertools.islice(itertools.chain.from_iterable(steps), 30)))
+    assert runs[0] == runs[1]
