@@ -340,7 +340,11 @@ def write_safetensors_streaming(
     offset = 0
     for name, shape in entries:
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPE[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned
