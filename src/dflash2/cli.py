@@ -1,4 +1,4 @@
-"""``dflash2`` command line: generate | models | bench. A thin layer over the Python API."""
+"""``dflash2`` command line: generate | models | bench | train. A thin layer over the Python API."""
 
 from __future__ import annotations
 
@@ -36,8 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_models(commands)
     from dflash2.bench.cli import add_bench_parser
+    from dflash2.train.cli import add_train_parser
 
     add_bench_parser(commands)
+    add_train_parser(commands)
     return parser
 
 

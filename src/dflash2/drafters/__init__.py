@@ -1,10 +1,11 @@
-"""Drafters: ``none`` (plain decoding), ``ngram`` (prompt lookup), ``model`` (an independent small model)."""
+"""Drafters: ``none`` (plain decoding), ``ngram`` (prompt lookup), ``model`` (an independent small model),
+``dflash`` (a block drafter reading the target's hidden states; needs a trained drafter directory)."""
 
 from __future__ import annotations
 
 from dflash2.drafters.base import Draft, Drafter
 
-DRAFTER_NAMES = ("none", "ngram", "model")
+DRAFTER_NAMES = ("none", "ngram", "model", "dflash")
 DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 8, "model": 4}
 # target -> the independent draft model of the same tokenizer used when none is named
 DEFAULT_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
@@ -32,6 +33,12 @@ def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draf
             raise ValueError(f"draft model {ref!r} has a different tokenizer from the target; it cannot draft for it")
         model = load_transformer(draft_dir, dtype, engine.target.device)
         return ModelDrafter(model, k, target_vocab_size=engine.target.config.vocab_size)
+    if name == "dflash":
+        from dflash2.drafters.dflash import load_dflash_drafter
+
+        if draft_model is None:
+            raise ValueError("the dflash drafter needs a trained drafter directory: pass draft_model / --draft-model")
+        return load_dflash_drafter(draft_model, engine.target, num_draft_tokens)  # None -> block_size - 1
     raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
 
 

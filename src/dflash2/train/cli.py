@@ -1,0 +1,91 @@
+"""``dflash2 train data | dflash``: regenerate responses with the target, then train a DFlash drafter."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_train_parser(commands) -> None:
+    p = commands.add_parser("train", help="drafter training: data generation with the target, DFlash training")
+    sub = p.add_subparsers(dest="train_command", required=True)
+
+    data = sub.add_parser("data", help="regenerate responses with the target into resumable token shards")
+    data.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the target (default: %(default)s)")
+    data.add_argument("--out", required=True, help="shard directory (a re-run resumes)")
+    data.add_argument("--num-sequences", type=int, required=True, help="total sequences wanted in --out")
+    data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument("--max-prompt-tokens", type=int, default=512)
+    data.add_argument("--shard-size", type=int, default=64)
+    data.add_argument("--sources", default="gsm8k,stdlib", help="prompt sources, comma-separated")
+    data.add_argument("--gsm8k", default=None, help="GSM8K train jsonl (default: shared/data/train)")
+    data.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    data.add_argument("--threads", type=int, default=None)
+    data.set_defaults(handler=run_train_data)
+
+    dflash = sub.add_parser("dflash", help="train a DFlash block drafter on token shards (resumable)")
+    dflash.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the target (default: %(default)s)")
+    dflash.add_argument("--data", required=True, help="token shards from `dflash2 train data`")
+    dflash.add_argument("--out", required=True, help="run directory: checkpoints/, drafter/, logs")
+    dflash.add_argument("--num-layers", type=int, default=1)
+    dflash.add_argument("--block-size", type=int, default=16)
+    dflash.add_argument("--target-layers", default=None, help="comma-separated tapped layers (default: spread)")
+    dflash.add_argument("--mask-token-id", type=int, default=None)
+    dflash.add_argument("--intermediate-size", type=int, default=None)
+    dflash.add_argument("--init-from-target", action="store_true", help="warm start from the target's layers")
+    dflash.add_argument("--gamma", type=float, default=None)
+    dflash.add_argument("--anchors", type=int, default=64, help="blocks per sequence per step")
+    dflash.add_argument("--max-seq-len", type=int, default=1024)
+    dflash.add_argument("--sequences-per-step", type=int, default=4)
+    dflash.add_argument("--steps", type=int, default=1000)
+    dflash.add_argument("--lr", type=float, default=6e-4)
+    dflash.add_argument("--warmup", type=int, default=50)
+    dflash.add_argument("--heldout", type=int, default=16)
+    dflash.add_argument("--seed", type=int, default=0)
+    dflash.add_argument("--eval-every", type=int, default=0)
+    dflash.add_argument("--checkpoint-every", type=int, default=100)
+    dflash.add_argument("--stop-at-step", type=int, default=None, help="end this session here; a re-run resumes")
+    dflash.add_argument("--no-resume", action="store_true")
+    dflash.add_argument("--dtype", default="fp32", help="drafter weights and optimizer state")
+    dflash.add_argument("--target-dtype", default="bf16")
+    dflash.add_argument("--threads", type=int, default=None)
+    dflash.set_defaults(handler=run_train_dflash)
+
+
+def run_train_data(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflash2.models.loading import load_transformer
+    from dflash2.models.store import canonical_name, resolve_model
+    from dflash2.models.tokenizer import Tokenizer
+    from dflash2.train.data import DataConfig, chat_encoder, generate_training_data
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model, args.dtype)
+    target = load_transformer(model_dir, args.dtype)
+    tokenizer = Tokenizer(model_dir)
+    config = DataConfig(args.out, args.num_sequences, args.max_new_tokens, args.max_prompt_tokens, args.shard_size,
+                        tuple(s for s in args.sources.split(",") if s), args.gsm8k,
+                        target_model=canonical_name(args.model) or args.model)
+    print(generate_training_data(config, target, chat_encoder(tokenizer), stop_ids=tokenizer.eos_token_ids))
+    return 0
+
+
+def run_train_dflash(args: argparse.Namespace) -> int:
+    from dflash2.models.store import canonical_name, resolve_model
+    from dflash2.train.dflash_trainer import TrainConfig, train_dflash
+
+    layers = tuple(int(x) for x in args.target_layers.split(",")) if args.target_layers else None
+    config = TrainConfig(
+        target_dir=str(resolve_model(args.model, args.target_dtype)), data_dir=args.data, out_dir=args.out,
+        target_model=canonical_name(args.model) or args.model, target_dtype=args.target_dtype, dtype=args.dtype,
+        num_layers=args.num_layers, block_size=args.block_size, target_layer_ids=layers,
+        mask_token_id=args.mask_token_id, intermediate_size=args.intermediate_size,
+        init_from_target=args.init_from_target, gamma=args.gamma, anchors_per_sequence=args.anchors,
+        max_sequence_length=args.max_seq_len, sequences_per_step=args.sequences_per_step, num_steps=args.steps,
+        learning_rate=args.lr, warmup_steps=args.warmup, heldout_sequences=args.heldout, seed=args.seed,
+        eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, stop_at_step=args.stop_at_step,
+        resume=not args.no_resume, threads=args.threads,
+    )
+    print(train_dflash(config))
+    return 0
