@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.statistical.chisq import chi_square_p_value
 from dflash2.verify import SamplingParams, TreeLayout, compile_tree, logits_to_probs, sample, tree_from_paths, verify_tree
 
 VOCAB = 6
@@ -22,23 +23,6 @@ MIN_P_VALUE = 1e-3
 LAYOUT = compile_tree(tree_from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]))
 
 
-def chi_square_p_value(
-    counts: torch.Tensor,  # [cells] observed counts
-    probs: torch.Tensor,  # [cells] expected probabilities
-) -> float:
-    """Pearson chi-square goodness of fit; cells with expected count < 5 pooled; a count where p == 0 gives 0."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    if (counts[probs <= 0] > 0).any():
-        return 0.0
-    expected = probs * counts.sum()
-    small = expected < 5
-    observed = torch.cat([counts[~small], counts[small].sum()[None]])
-    expected = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = expected > 0
-    observed, expected = observed[keep], expected[keep]
-    statistic = ((observed - expected) ** 2 / expected).sum()
-    dof = observed.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
 
 
 def draw_trees(

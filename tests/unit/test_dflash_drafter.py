@@ -27,15 +27,6 @@ from dflash2.verify.sampling import GREEDY, SamplingParams
 NEW_TOKENS = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls are far faster on one thread than on two contended ones."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def targets(tiny_model_dirs):
     return {key: load_transformer(tiny_model_dirs[key], "fp32") for key in ("qwen2", "llama")}

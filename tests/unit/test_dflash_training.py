@@ -36,14 +36,6 @@ from dflash2.train.dflash_trainer import (
 MASK = 255
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def target(tiny_model_dirs):
     return load_transformer(tiny_model_dirs["qwen2"], "fp32")

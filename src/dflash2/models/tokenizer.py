@@ -18,6 +18,7 @@ class Tokenizer:
 
         model_dir = Path(model_dir)
         self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self._tok.model_max_length = 1 << 62  # the engine checks the context itself; no warning on long prompts
         self.eos_token_ids = frozenset(_eos_ids(model_dir, self._tok.eos_token_id))
         self.vocab_size = len(self._tok)
 
