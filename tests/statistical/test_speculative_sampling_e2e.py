@@ -90,6 +90,13 @@ def test_deterministic_ngram_drafts_keep_the_target_distribution(tiny_pair):
     assert_matches(samples, exact_marginals(target, prompt))
 
 
+def test_ngram_tree_drafts_keep_the_target_distribution(tiny_pair):
+    target, _ = tiny_pair
+    prompt = [1, 2, 3, 1, 4, 5, 1, 2, 6, 1]  # [1] is followed by three different continuations: a tree
+    samples = sample_runs(target, lambda: NgramDrafter(2, num_candidates=3), prompt)
+    assert_matches(samples, exact_marginals(target, prompt))
+
+
 def test_seeded_runs_are_reproducible(tiny_pair):
     target, draft = tiny_pair
     runs = []

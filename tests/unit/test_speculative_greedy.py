@@ -98,3 +98,35 @@ def test_near_the_context_limit_output_ends_exactly_like_plain(models, k):
     assert len(expected) == 14  # the prefill token + one per remaining slot
     assert spec_ids(target, ModelDrafter(target, k), prompt, capacity, limit=10_000) == expected
     assert spec_ids(target, NgramDrafter(k), prompt, capacity, limit=10_000) == expected
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("num_candidates", [2, 4])
+def test_ngram_tree_drafts_are_lossless(models, k, num_candidates):
+    """Several continuations verified at once with tree attention; the accepted branch is compacted in the cache."""
+    target, prompt = models["qwen2"], repetitive_prompt()
+    drafter = NgramDrafter(k, num_candidates=num_candidates)
+    capacity = len(prompt) + NEW_TOKENS + drafter.max_draft_tokens + 1
+    stats = DecodeStats()
+    assert spec_ids(target, drafter, prompt, capacity, stats=stats) == plain_ids(target, prompt, capacity)
+    assert stats.target_forwards > 0
+
+
+def test_tree_verification_accepts_a_branch_other_than_the_first(models):
+    """A drafter whose first candidate is wrong and second right: the second branch must be accepted."""
+    target, prompt = models["llama"], repetitive_prompt()
+    capacity = len(prompt) + NEW_TOKENS + 16
+    expected = plain_ids(target, prompt, capacity)
+
+    class TwoBranches(Drafter):
+        name = "two-branches"
+
+        def propose(self, sequence, num_draft_tokens, params, generator):
+            done = len(sequence) - len(prompt)
+            right = expected[done : done + 3]
+            wrong = [(t + 1) % 256 for t in right]
+            return Draft(tokens=torch.tensor(wrong + right), q_draft=None, parents=[-1, 0, 1, -1, 3, 4])
+
+    stats = DecodeStats()
+    assert spec_ids(target, TwoBranches(3), prompt, capacity, stats=stats) == expected
+    assert stats.accepted_by_position[:3] == stats.drafted_by_position[:3]  # the right branch always wins

@@ -3,14 +3,33 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft, Drafter
+from dflash2.kv.static import StaticKVCache
 from dflash2.models.decoder import Transformer
-from dflash2.verify import ChainVerdict, SamplingParams, choose_token, logits_to_probs, verify_chain, verify_greedy
+from dflash2.verify import (
+    SamplingParams,
+    choose_token,
+    compile_tree,
+    logits_to_probs,
+    target_positions,
+    tree_attention_mask,
+    verify_chain,
+    verify_greedy,
+    verify_tree,
+    verify_tree_greedy,
+)
+
+
+@dataclass
+class StepOutcome:
+    emitted: list[int]  # accepted drafts, then the recovered-or-bonus token
+    kept_positions: list[int]  # verify-input indices whose KV entries stay (0 = the pending token)
 
 
 @torch.inference_mode()
@@ -35,36 +54,70 @@ def speculative_decode(
     while cache.length < capacity:
         room = capacity - cache.length - 1  # slots left after the pending token
         started = time.perf_counter()
-        draft = drafter.propose(sequence, min(drafter.num_draft_tokens, room), params, generator)
+        draft = _fit(drafter.propose(sequence, min(drafter.num_draft_tokens, room), params, generator), room)
         drafted = time.perf_counter()
-        verdict, hidden = _verify(target, cache, sequence[-1], draft, params, generator, taps)
+        start = cache.length
+        outcome, hidden = _verify(target, cache, sequence[-1], draft, params, generator, taps)
+        _commit(cache, start, outcome.kept_positions)
         stats.draft_seconds += drafted - started
         stats.verify_seconds += time.perf_counter() - drafted
-        num_accepted = int(verdict.num_accepted[0])
-        emitted = verdict.tokens[0, : num_accepted + 1].tolist()
-        cache.rollback(cache.length - len(draft.tokens) + num_accepted)  # keep pending + accepted drafts
         stats.target_forwards += 1
-        stats.record_draft(len(draft.tokens), num_accepted)
-        sequence.extend(emitted)
-        drafter.observe(sequence, num_accepted, tuple(h[:, : num_accepted + 1] for h in hidden))
-        yield emitted
+        stats.record_draft(draft.depth, len(outcome.emitted) - 1)
+        sequence.extend(outcome.emitted)
+        kept = torch.tensor(outcome.kept_positions, device=target.device)
+        drafter.observe(sequence, len(outcome.emitted) - 1, tuple(h[:, kept] for h in hidden))
+        yield outcome.emitted
+
+
+def _fit(draft: Draft, room: int) -> Draft:
+    """Drop nodes that would not fit in the cache (a tree keeps a valid prefix: parents precede children)."""
+    if len(draft.tokens) <= room:
+        return draft
+    q_draft = None if draft.q_draft is None else draft.q_draft[:room]
+    parents = None if draft.parents is None else draft.parents[:room]
+    return Draft(tokens=draft.tokens[:room], q_draft=q_draft, parents=parents)
+
+
+def _commit(cache: StaticKVCache, start: int, kept_positions: list[int]) -> None:
+    """Keep the KV entries of the accepted path: a chain is a rollback, a tree branch is compacted first."""
+    if kept_positions == list(range(len(kept_positions))):
+        cache.rollback(start + len(kept_positions))
+    else:
+        cache.compact(torch.tensor(kept_positions) + start, destination=start)
 
 
 def _verify(
     target: Transformer,
-    cache,
+    cache: StaticKVCache,
     pending: int,
     draft: Draft,
     params: SamplingParams,
     generator: torch.Generator | None,
     taps: tuple[int, ...],
-) -> tuple[ChainVerdict, tuple[torch.Tensor, ...]]:
-    """One target pass over [pending, drafts...]; returns the verdict and the taps of those k + 1 positions."""
-    draft_ids = draft.tokens.to(target.device)  # [k]
-    inputs = torch.cat([torch.tensor([pending], device=target.device), draft_ids])[None]  # [1, k + 1]
-    out = target(inputs, cache=cache, hidden_layers=taps)  # logits [1, k + 1, V]
+) -> tuple[StepOutcome, tuple[torch.Tensor, ...]]:
+    """One target pass over [pending, drafts...]; returns the outcome and the taps of all n + 1 inputs."""
+    draft_ids = draft.tokens.to(target.device)  # [n]
+    inputs = torch.cat([torch.tensor([pending], device=target.device), draft_ids])[None]  # [1, n + 1]
+    if draft.parents is None:
+        out = target(inputs, cache=cache, hidden_layers=taps)  # logits [1, k + 1, V]
+        verdict = _verify_chain(draft_ids, draft.q_draft, out.logits, params, generator)
+        emitted = verdict.tokens[0, : int(verdict.num_accepted[0]) + 1].tolist()
+        return StepOutcome(emitted, list(range(len(emitted)))), out.hidden_states
+    layout = compile_tree(draft.parents)
+    positions = target_positions(layout, cache.length).to(target.device)[None]  # [1, n + 1]
+    mask = tree_attention_mask(layout, cache.length).to(target.device)[None]  # [1, n + 1, S]
+    out = target(inputs, positions=positions, cache=cache, attn_mask=mask, hidden_layers=taps)
     if params.greedy:
-        return verify_greedy(draft_ids[None], out.logits), out.hidden_states
-    p_target = logits_to_probs(out.logits, params)  # [1, k + 1, V]
-    q_draft = None if draft.q_draft is None else draft.q_draft[None].to(target.device)  # [1, k, V]
-    return verify_chain(draft_ids[None], p_target, q_draft, generator), out.hidden_states
+        verdict = verify_tree_greedy(layout, draft_ids, out.logits[0])
+    else:
+        verdict = verify_tree(layout, draft_ids, logits_to_probs(out.logits[0], params), None, generator)
+    return StepOutcome(verdict.tokens.tolist(), verdict.kept_positions), out.hidden_states
+
+
+def _verify_chain(draft_ids, q_draft, logits, params: SamplingParams, generator):
+    """draft_ids [k], q_draft [k, V] | None, logits [1, k + 1, V] -> ChainVerdict for one row."""
+    if params.greedy:
+        return verify_greedy(draft_ids[None], logits)
+    p_target = logits_to_probs(logits, params)  # [1, k + 1, V]
+    q = None if q_draft is None else q_draft[None].to(logits.device)  # [1, k, V]
+    return verify_chain(draft_ids[None], p_target, q, generator)

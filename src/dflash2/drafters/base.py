@@ -12,8 +12,21 @@ from dflash2.verify.sampling import SamplingParams
 
 @dataclass
 class Draft:
-    tokens: torch.Tensor  # [k] int64 proposed ids (k may be 0)
-    q_draft: torch.Tensor | None  # [k, vocab] float32 distributions the tokens were sampled from; None = deterministic
+    """A chain of k proposals, or a tree of n nodes when ``parents`` is given (several candidates at once)."""
+
+    tokens: torch.Tensor  # [k] (chain) or [n] (tree nodes) int64 proposed ids; may be empty
+    q_draft: torch.Tensor | None  # chain: [k, vocab] distributions the tokens were sampled from; None = deterministic
+    parents: list[int] | None = None  # tree: parent node of each node (-1 = child of the pending token); None = chain
+
+    @property
+    def depth(self) -> int:
+        """Longest path of drafts: k for a chain, the tree's depth for a tree."""
+        if self.parents is None:
+            return len(self.tokens)
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return max(depths, default=0)
 
 
 class Drafter(ABC):
