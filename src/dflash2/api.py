@@ -19,6 +19,7 @@ def load(
     drafter: str | None = None,
     draft_model: str | None = None,
     num_draft_tokens: int | None = None,
+    num_candidates: int = 1,
     dtype: str = "bf16",
     device: str | None = None,
     pull: bool = True,
@@ -26,7 +27,8 @@ def load(
     """Load a target (model-store name, HF directory or .gguf path) and optionally a drafter.
 
     drafter: None / "none" (plain decoding), "ngram" (prompt lookup), "model" (an independent small model of the
-    same tokenizer, ``draft_model``; default: the store's pairing for the target).
+    same tokenizer, ``draft_model``; default: the store's pairing for the target), "dflash" (a trained block drafter
+    directory in ``draft_model``). ``num_candidates`` > 1 makes the n-gram drafter verify a tree of continuations.
     """
     from dflash2.models.store import resolve_model
 
@@ -39,6 +41,7 @@ def load(
         from dflash2.drafters import build_drafter
 
         engine.drafter = build_drafter(
-            drafter, engine, draft_model=draft_model, num_draft_tokens=num_draft_tokens, dtype=dtype, pull=pull
+            drafter, engine, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
+            num_candidates=num_candidates, dtype=dtype, pull=pull,
         )
     return engine

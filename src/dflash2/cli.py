@@ -53,6 +53,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
         parser.add_argument("--drafter", choices=DRAFTER_NAMES, default="none", help="draft method (default: none)")
     parser.add_argument("--draft-model", default=None, help="small model for --drafter model (default: the pairing)")
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="drafts per step")
+    parser.add_argument("--num-candidates", type=int, default=1,
+                        help="ngram: continuations verified together as a tree (default: 1, a chain)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
@@ -107,6 +109,7 @@ def load_engine(args: argparse.Namespace):
         drafter=args.drafter,
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
+        num_candidates=args.num_candidates,
         dtype=args.dtype,
         device=args.device,
     )

@@ -286,3 +286,15 @@ def test_end_to_end_a_trained_drafter_is_accepted_and_lossless(tiny_model_dirs, 
     first_40 = [list(itertools.islice(itertools.chain.from_iterable(steps), 40)) for steps in (speculative, plain)]
     assert first_40[0] == first_40[1]
     assert sum(stats.accepted_by_position) > 10
+
+
+def test_greedy_response_through_a_drafter_equals_plain(target):
+    """Data generation may use lossless speculative decoding: the stored ids must not change."""
+    from dflash2.drafters.ngram import NgramDrafter
+
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    plain = greedy_response(target, prompt, 30, stop_ids=())
+    assert len(plain) == 30
+    assert greedy_response(target, prompt, 30, stop_ids=(), drafter=NgramDrafter(4)) == plain
+    stop = {plain[10]}
+    assert greedy_response(target, prompt, 30, stop, NgramDrafter(4)) == greedy_response(target, prompt, 30, stop)

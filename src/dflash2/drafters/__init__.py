@@ -12,13 +12,13 @@ DEFAULT_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instr
 
 
 def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draft_tokens: int | None = None,
-                  dtype: str = "bf16", pull: bool = True) -> Drafter:
+                  num_candidates: int = 1, dtype: str = "bf16", pull: bool = True) -> Drafter:
     """Build the named drafter for ``engine``'s target. Refuses a draft model whose tokenizer differs."""
     k = num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS.get(name, 4)
     if name == "ngram":
         from dflash2.drafters.ngram import NgramDrafter
 
-        return NgramDrafter(k, stop_ids=engine.tokenizer.eos_token_ids)
+        return NgramDrafter(k, stop_ids=engine.tokenizer.eos_token_ids, num_candidates=num_candidates)
     if name == "model":
         from dflash2.drafters.model import ModelDrafter
         from dflash2.models.loading import load_transformer

@@ -20,6 +20,8 @@ def add_train_parser(commands) -> None:
     data.add_argument("--gsm8k", default=None, help="GSM8K train jsonl (default: shared/data/train)")
     data.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     data.add_argument("--threads", type=int, default=None)
+    data.add_argument("--speculate", choices=("none", "ngram"), default="ngram",
+                      help="generate through lossless greedy speculative decoding (same ids, faster)")
     data.set_defaults(handler=run_train_data)
 
     dflash = sub.add_parser("dflash", help="train a DFlash block drafter on token shards (resumable)")
@@ -67,7 +69,13 @@ def run_train_data(args: argparse.Namespace) -> int:
     config = DataConfig(args.out, args.num_sequences, args.max_new_tokens, args.max_prompt_tokens, args.shard_size,
                         tuple(s for s in args.sources.split(",") if s), args.gsm8k,
                         target_model=canonical_name(args.model) or args.model)
-    print(generate_training_data(config, target, chat_encoder(tokenizer), stop_ids=tokenizer.eos_token_ids))
+    drafter = None
+    if args.speculate == "ngram":
+        from dflash2.drafters.ngram import NgramDrafter
+
+        drafter = NgramDrafter(8, stop_ids=tokenizer.eos_token_ids)
+    print(generate_training_data(config, target, chat_encoder(tokenizer), stop_ids=tokenizer.eos_token_ids,
+                                 drafter=drafter))
     return 0
 
 

@@ -34,7 +34,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash2.decode.plain import plain_decode
+from dflash2.decode.speculative import speculative_decode
 from dflash2.decode.stats import DecodeStats
+from dflash2.drafters.base import Drafter
 from dflash2.models.decoder import Transformer
 from dflash2.verify.sampling import GREEDY
 
@@ -244,17 +246,30 @@ def write_token_shards(out_dir: str | Path, sequences: Iterable[TrainingSequence
 
 
 def greedy_response(
-    target: Transformer, prompt_ids: list[int], max_new_tokens: int, stop_ids: Iterable[int]
+    target: Transformer,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    stop_ids: Iterable[int],
+    drafter: Drafter | None = None,
 ) -> list[int]:
-    """The target's plain greedy continuation: at most ``max_new_tokens`` ids, a stop id included and final."""
+    """The target's greedy continuation: at most ``max_new_tokens`` ids, a stop id included and final.
+
+    With a ``drafter`` the same ids come faster through (lossless) greedy speculative decoding.
+    """
     stop = set(stop_ids)
-    capacity = min(len(prompt_ids) + max_new_tokens, target.config.max_position_embeddings)
+    slack = 0 if drafter is None else drafter.max_draft_tokens + 1
+    capacity = min(len(prompt_ids) + max_new_tokens + slack, target.config.max_position_embeddings)
+    prompt = torch.tensor(prompt_ids)
+    if drafter is None:
+        steps = plain_decode(target, prompt, GREEDY, None, capacity, DecodeStats())
+    else:
+        steps = speculative_decode(target, drafter, prompt, GREEDY, None, capacity, DecodeStats())
     response: list[int] = []
-    steps = plain_decode(target, torch.tensor(prompt_ids), GREEDY, None, capacity, DecodeStats())
     for token in itertools.islice(itertools.chain.from_iterable(steps), max_new_tokens):
         response.append(token)
         if token in stop:
             break
+    steps.close()
     return response
 
 
@@ -264,6 +279,7 @@ def generate_training_data(
     encode: Encoder,
     stop_ids: Iterable[int] | None = None,
     prompts: Iterable[Prompt] | None = None,
+    drafter: Drafter | None = None,
 ) -> Path:
     """Generate until ``config.num_sequences`` sequences are stored; resumes from the manifest. Returns out_dir.
 
@@ -293,7 +309,7 @@ def generate_training_data(
                 break
             prompt_ids = encode(prompt.text)
             if 0 < len(prompt_ids) <= config.max_prompt_tokens:
-                response = greedy_response(target, prompt_ids, config.max_new_tokens, stop)
+                response = greedy_response(target, prompt_ids, config.max_new_tokens, stop, drafter)
                 ids = torch.tensor(prompt_ids + response, dtype=torch.int64)
                 buffer.append(TrainingSequence(ids=ids, prompt_length=len(prompt_ids)))
                 bar.update(1)
