@@ -1,0 +1,355 @@
+"""CPU linear layer over pre-packed bf16 weights, backed by a JIT-built AVX2/FMA kernel.
+
+Why: torch's CPU ``F.linear`` with bf16 weights is compute-bound on machines without native bf16
+(its cost grows linearly with the number of activation rows), so verifying 1 + k speculative
+tokens costs ~k times one decode step.  The kernel in ``gemm_avx2.cpp`` reads the bf16 weights
+once per call and converts them to fp32 in registers, so 2..16 rows cost about what one does.
+
+The kernel is built on first use with ``torch.utils.cpp_extension.load`` (needs ninja and a C++
+compiler) into ``$DFLASH2_HOME/kernels/<torch+python tag>`` (default ``~/.cache/dflash2``), once
+per process, and checked against ``F.linear`` on a small case before it is used.  If the CPU
+lacks AVX2/FMA, the build fails, or ``DFLASH2_KERNELS=off`` is set, a pure-PyTorch path with the
+same semantics is used instead; that choice is made once and announced by one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "PackedLinear",
+    "kernel_status",
+    "kernels_available",
+    "pack_weight",
+    "unpack_weight",
+]
+
+log = logging.getLogger(__name__)
+
+PANEL = 16  # output features per packed panel (must match kPanel in gemm_avx2.cpp)
+_EXT_NAME = "dflash2_kernels"
+_SOURCE = Path(__file__).with_name("gemm_avx2.cpp")
+# -fopenmp: at::parallel_for is a header template that expands to `#pragma omp parallel` (torch's
+# CPU builds use OpenMP); without the flag it silently runs on one thread.  The resulting
+# libgomp.so.1 dependency resolves to the copy torch has already loaded.
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+# Backend names of a PackedLinear.
+KERNEL = "avx2"
+TORCH = "torch"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "available": bool, "status": str, "op": callable
+
+
+# ----------------------------------------------------------------------------------------------
+# Building / loading the kernel (once per process)
+# ----------------------------------------------------------------------------------------------
+
+
+def _build_dir() -> Path:
+    home = Path(os.environ.get("DFLASH2_HOME") or "~/.cache/dflash2").expanduser()
+    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    tag = "".join(c if c.isalnum() or c in "._-" else "_" for c in tag)
+    return home / "kernels" / tag
+
+
+def _cpu_has_avx2_fma() -> tuple[bool, str]:
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64", "i686", "x86"):
+        return False, f"CPU architecture {platform.machine()!r} is not x86"
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    if flags:
+        missing = [f for f in ("avx2", "fma") if f not in flags]
+        if missing:
+            return False, f"CPU lacks {'/'.join(missing).upper()}"
+        return True, ""
+    # No /proc/cpuinfo (not Linux): ask torch what its own dispatch found.
+    cap = str(getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()).upper()
+    if cap.startswith("AVX2") or cap.startswith("AVX512"):
+        return True, ""
+    return False, f"CPU capability {cap or 'unknown'} has no AVX2/FMA"
+
+
+def _ensure_ninja() -> bool:
+    """torch's JIT build runs ``ninja`` from PATH; the PyPI ``ninja`` package ships one that is on
+    PATH only inside an activated venv, so add its directory when needed."""
+    if shutil.which("ninja"):
+        return True
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except Exception:  # noqa: BLE001 - the package is optional here
+        pass
+    for d in candidates:
+        if (d / "ninja").exists() or (d / "ninja.exe").exists():
+            os.environ["PATH"] = str(d) + os.pathsep + os.environ.get("PATH", "")
+            return shutil.which("ninja") is not None
+    return False
+
+
+def _self_check(op) -> str:
+    """Compare the kernel with F.linear on small shapes that hit every code path."""
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in ((3, 24, 40), (1, 7, 19), (30, 33, 300)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=g)
+        b = torch.randn(n, generator=g)
+        got = op(x, pack_weight(w), b, n)
+        ref = F.linear(x, w.float(), b)
+        if not torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * (k**0.5)):
+            err = (got - ref).abs().max().item()
+            return f"self-check failed for M={m} N={n} K={k} (max abs err {err:.3g})"
+    return ""
+
+
+def _load() -> tuple[bool, str, object]:
+    env = os.environ.get("DFLASH2_KERNELS", "").strip().lower()
+    if env in ("0", "off", "false", "no", "disable", "disabled"):
+        return False, f"disabled by DFLASH2_KERNELS={os.environ['DFLASH2_KERNELS']}", None
+    ok, why = _cpu_has_avx2_fma()
+    if not ok:
+        return False, why, None
+    if not _ensure_ninja():
+        return False, "ninja not found (pip install ninja)", None
+    build_dir = _build_dir()
+    try:
+        from torch.utils import cpp_extension
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=_EXT_NAME,
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=_LDFLAGS,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+        op = torch.ops.dflash2_kernels.packed_linear.default
+    except Exception as e:  # noqa: BLE001 - any build/load failure means: use the fallback
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        return False, f"kernel build failed in {build_dir}: {first}", None
+    with torch.inference_mode():
+        bad = _self_check(op)
+    if bad:
+        return False, bad, None
+    return True, f"AVX2/FMA kernel loaded from {build_dir}", op
+
+
+def _ensure_loaded() -> None:
+    if "available" in _state:
+        return
+    with _lock:
+        if "available" in _state:
+            return
+        ok, status, op = _load()
+        _state["status"] = status
+        _state["op"] = op
+        _state["available"] = ok
+        if ok:
+            log.info("dflash2 kernels: %s", status)
+        else:
+            warnings.warn(
+                f"dflash2: packed CPU linear kernel unavailable ({status}); "
+                "using the slower PyTorch fallback",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+def kernels_available() -> bool:
+    """True when the AVX2/FMA kernel is built, loaded and passed its self-check.  The first call
+    builds it (tens of seconds the first time on a machine, then cached on disk)."""
+    _ensure_loaded()
+    return bool(_state["available"])
+
+
+def kernel_status() -> str:
+    """One line: where the kernel was loaded from, or why it is not available."""
+    _ensure_loaded()
+    return str(_state["status"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing
+# ----------------------------------------------------------------------------------------------
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float weight -> bf16 [ceil(N/16), K, 16] panels (rows past N are zero).
+
+    Within panel p and column k, element 2*i + h holds W[16p + 8h + i, k] (i < 8, h < 2): the
+    32-bit word i carries output i in its low half and output 8 + i in its high half.  Converted
+    to bf16 with round-to-nearest-even, exactly like ``weight.to(torch.bfloat16)``.  Works in
+    chunks of panels so the only full-size allocation is the result.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    w = weight.detach()
+    if w.device.type != "cpu":
+        w = w.cpu()
+    n, k = w.shape
+    p = -(-n // PANEL)
+    out = torch.empty(p, k, PANEL, dtype=torch.bfloat16)
+    full = n // PANEL
+    step = max(1, (1 << 24) // max(1, k * PANEL * 4))  # ~16 MB of source per chunk
+    for p0 in range(0, full, step):
+        p1 = min(full, p0 + step)
+        src = w[p0 * PANEL : p1 * PANEL].reshape(p1 - p0, 2, 8, k).permute(0, 3, 2, 1)
+        out[p0:p1].view(p1 - p0, k, 8, 2).copy_(src)
+    if full < p:
+        tail = torch.zeros(PANEL, k, dtype=torch.bfloat16)
+        tail[: n - full * PANEL].copy_(w[full * PANEL :])
+        out[full].view(k, 8, 2).copy_(tail.view(2, 8, k).permute(2, 1, 0))
+    return out
+
+
+def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_weight`: bf16 [P, K, 16] -> bf16 [N, K] (exact)."""
+    p, k, _ = packed.shape
+    return packed.view(p, k, 8, 2).permute(0, 3, 2, 1).reshape(p * PANEL, k)[:out_features].clone()
+
+
+# ----------------------------------------------------------------------------------------------
+# Module
+# ----------------------------------------------------------------------------------------------
+
+
+class PackedLinear(nn.Module):
+    """Inference-only CPU replacement for ``nn.Linear`` with bf16 weights.
+
+    ``y = x @ W^T + b`` computed as ``F.linear(x.float(), W_bf16.float(), b_fp32)`` (fp32
+    accumulation), returned in ``x``'s dtype.  The weight is rounded to bf16 and packed once by
+    :meth:`from_linear`; afterwards only the packed tensor is held (no fp32 or [N, K] copy), as a
+    plain attribute rather than a parameter or buffer, so ``.to()``/``.half()`` leave it alone
+    and ``state_dict()`` does not include it -- export with :meth:`unpacked_weight`.
+
+    CPU tensors only: on CUDA keep the ``nn.Linear`` (the caller decides; ``forward`` raises on
+    a non-CPU input).  No autograd.
+
+    Backends: ``"avx2"`` (the packed kernel) or ``"torch"`` (fallback: the bf16 [N, K] weight and
+    ``F.linear`` on fp32 chunks).  ``from_linear(..., backend=None)`` picks ``"avx2"`` when
+    :func:`kernels_available`.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        in_features: int,
+        out_features: int,
+        backend: str,
+    ) -> None:
+        super().__init__()
+        if backend not in (KERNEL, TORCH):
+            raise ValueError(f"unknown backend {backend!r} (expected {KERNEL!r} or {TORCH!r})")
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.backend = backend
+        # Plain attributes on purpose (see class docstring).
+        self.weight_data = weight  # avx2: packed [P, K, 16]; torch: [N, K]; both bf16
+        self.bias_data = bias  # fp32 [N] or None
+        if backend == KERNEL and not kernels_available():
+            raise RuntimeError(f"dflash2 kernel backend requested but unavailable: {kernel_status()}")
+        self._op = _state["op"] if backend == KERNEL else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, backend: str | None = None) -> "PackedLinear":
+        """Pack ``linear`` (weight of any float dtype -> bf16; bias kept as fp32)."""
+        return cls.from_weight(linear.weight, linear.bias, backend=backend)
+
+    @classmethod
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str | None = None
+    ) -> "PackedLinear":
+        """Same as :meth:`from_linear` from a raw [N, K] weight and optional [N] bias."""
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be [out_features, in_features], got {tuple(weight.shape)}")
+        if backend is None:
+            backend = KERNEL if kernels_available() else TORCH
+        elif backend == KERNEL and not kernels_available():
+            raise RuntimeError(f"dflash2 kernel backend requested but unavailable: {kernel_status()}")
+        n, k = weight.shape
+        with torch.no_grad():
+            if backend == KERNEL:
+                w = pack_weight(weight)
+            else:
+                w = weight.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+            b = None
+            if bias is not None:
+                b = bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
+                if b.shape != (n,):
+                    raise ValueError(f"bias shape {tuple(b.shape)} != ({n},)")
+        return cls(w, b, k, n, backend)
+
+    def unpacked_weight(self) -> torch.Tensor:
+        """The bf16 [out_features, in_features] weight (a new tensor)."""
+        if self.backend == KERNEL:
+            return unpack_weight(self.weight_data, self.out_features)
+        return self.weight_data.clone()
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.bias_data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            raise RuntimeError(f"PackedLinear runs on CPU only (got input on {x.device})")
+        k = self.in_features
+        if x.shape[-1] != k:
+            raise ValueError(f"PackedLinear: expected last dim {k}, got shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if self.backend == KERNEL:
+            y = self._op(x2, self.weight_data, self.bias_data, self.out_features)
+        else:
+            y = _fallback_linear(x2, self.weight_data, self.bias_data)
+        y = y.view(*lead, self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias_data is not None}, backend={self.backend}"
+        )
+
+
+def _fallback_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 ``F.linear`` over bf16 weight rows, converted in ~32 MB chunks."""
+    n, k = w.shape
+    rows = max(PANEL, (1 << 25) // max(1, 4 * k))
+    if rows >= n:
+        return F.linear(x, w.float(), bias)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        b = None if bias is None else bias[n0:n1]
+        y[:, n0:n1] = F.linear(x, w[n0:n1].float(), b)
+    return y
