@@ -28,12 +28,13 @@ def measure_read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
     return buffer.numel() * 2 / best / 1e9
 
 
-def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: every matrix, but only one row of the embedding table."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.embed.weight
-    tied = model.lm_head.weight is embed
-    return total - (0 if tied else embed.numel() * embed.element_size()) + embed.shape[1] * embed.element_size()
+def weight_bytes_per_token(config, bytes_per_weight: int = 2) -> int:
+    """Bytes of weights one decode step reads: every projection and the head, one embedding row, the norms."""
+    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = (config.hidden_size * (q_width + 2 * kv_width) + q_width * config.hidden_size
+                 + 3 * config.hidden_size * config.intermediate_size + 2 * config.hidden_size)
+    head = config.vocab_size * config.hidden_size
+    return bytes_per_weight * (config.num_layers * per_layer + head + 2 * config.hidden_size)
 
 
 def time_lean(engine, tokens: int) -> float:
@@ -75,7 +76,7 @@ def main() -> None:
         lean.append(time_lean(engine, args.tokens))
         hf.append(time_transformers(hf_model, prompt_ids, args.tokens))
     bandwidth = measure_read_bandwidth()
-    bytes_per_token = weight_bytes_per_token(engine.target)
+    bytes_per_token = weight_bytes_per_token(engine.target.config, engine.target.dtype.itemsize)
     roofline = bandwidth * 1e9 / bytes_per_token
     best_lean, best_hf = max(lean), max(hf)
     report = {

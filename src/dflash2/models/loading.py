@@ -54,9 +54,18 @@ def hf_to_lean_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> d
 
 
 def load_transformer(
-    model_dir: str | Path, dtype: str | torch.dtype = "bf16", device: str | torch.device = "cpu"
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "bf16",
+    device: str | torch.device = "cpu",
+    *,
+    packed: bool | None = None,
 ) -> Transformer:
-    """Build the lean decoder from an HF-style directory, with weights in ``dtype`` on ``device``."""
+    """Build the lean decoder from an HF-style directory, with weights in ``dtype`` on ``device``.
+
+    packed: run the linear layers through dflash2's packed bf16 CPU kernel (:mod:`dflash2.kernels`), whose cost
+    stays near one weight read for the 1..16 rows of decoding and verification. None = auto: on for bf16/fp16
+    weights on a CPU, off for fp32 (kept on torch's kernels, the reference for exactness tests) and on CUDA.
+    """
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = parse_dtype(dtype)
@@ -68,4 +77,28 @@ def load_transformer(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_inverse_frequencies(config).to(device)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if packed if packed is not None else should_pack(device, torch_dtype):
+        pack_linear_layers(model)
+    return model
+
+
+def should_pack(device: str | torch.device, dtype: str | torch.dtype) -> bool:
+    """The auto rule of ``load_transformer(packed=None)``: bf16 / fp16 weights on a CPU."""
+    return torch.device(device).type == "cpu" and parse_dtype(dtype) in (torch.bfloat16, torch.float16)
+
+
+def pack_linear_layers(model: Transformer, *, include_head: bool = True) -> None:
+    """Swap every projection (and the head) for a :class:`~dflash2.kernels.PackedLinear` (CPU, inference only).
+
+    Training that backpropagates through the frozen head keeps it as ``nn.Linear`` (``include_head=False``).
+    """
+    from dflash2.kernels import PackedLinear
+
+    for layer in model.layers:
+        layer.attn.wqkv = PackedLinear.from_linear(layer.attn.wqkv)
+        layer.attn.wo = PackedLinear.from_linear(layer.attn.wo)
+        layer.ffn.w_gate_up = PackedLinear.from_linear(layer.ffn.w_gate_up)
+        layer.ffn.w_down = PackedLinear.from_linear(layer.ffn.w_down)
+    if include_head:
+        model.lm_head = PackedLinear.from_linear(model.lm_head)

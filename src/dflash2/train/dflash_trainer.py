@@ -277,6 +277,16 @@ class _Boundary:
     rng_state: torch.Tensor  # the anchor generator's state
 
 
+def _load_frozen_target(config: TrainConfig) -> Transformer:
+    """The target with packed CPU kernels for its layers, but an autograd-capable head (the loss goes through it)."""
+    from dflash2.models.loading import load_transformer, pack_linear_layers, should_pack
+
+    target = load_transformer(config.target_dir, config.target_dtype, packed=False)
+    if should_pack(target.device, target.dtype):
+        pack_linear_layers(target, include_head=False)
+    return target
+
+
 def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path:
     """Train (or resume training) a DFlash drafter; returns the directory of the final drafter.
 
@@ -284,13 +294,13 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
     """
     from tqdm import tqdm
 
-    from dflash2.models.loading import load_transformer, parse_dtype
+    from dflash2.models.loading import parse_dtype
 
     if config.threads:
         torch.set_num_threads(config.threads)
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = target if target is not None else load_transformer(config.target_dir, config.target_dtype)
+    target = target if target is not None else _load_frozen_target(config)
     target.requires_grad_(False)
     shards = TokenShards(config.data_dir)
     num_heldout = min(config.heldout_sequences, max(len(shards) - 1, 0))
