@@ -34,3 +34,16 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
         make_hf_model(kind, seed).save_pretrained(str(path))
         dirs[key] = str(path)
     return dirs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread_for_tiny_models(request):
+    """Unit and statistical tests run tiny models: on a 2-core machine thread hand-offs would cost more than the
+    math. End-to-end tests on real weights keep every core."""
+    if "e2e" in request.node.path.parts:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -7,8 +7,6 @@ from dflash2.drafters.base import Draft, Drafter
 
 DRAFTER_NAMES = ("none", "ngram", "model", "dflash")
 DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 8, "model": 4}
-# target -> the independent draft model of the same tokenizer used when none is named
-DEFAULT_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 
 
 def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draft_tokens: int | None = None,
@@ -22,10 +20,11 @@ def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draf
     if name == "model":
         from dflash2.drafters.model import ModelDrafter
         from dflash2.models.loading import load_transformer
-        from dflash2.models.store import canonical_name, resolve_model
+        from dflash2.models.store import DEFAULT_DRAFT, DEFAULT_TARGET, canonical_name, resolve_model
         from dflash2.models.tokenizer import Tokenizer
 
-        ref = draft_model or DEFAULT_DRAFT_MODELS.get(canonical_name(engine.name) or "")
+        default = DEFAULT_DRAFT if canonical_name(engine.name) == DEFAULT_TARGET else None  # same tokenizer
+        ref = draft_model or default
         if ref is None:
             raise ValueError(f"no default draft model for {engine.name!r}; pass draft_model / --draft-model")
         draft_dir = resolve_model(ref, dtype, pull=pull)
