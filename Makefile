@@ -24,7 +24,7 @@ models: setup
 	$(DFLASH2) models pull qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 
 demo: models
-	$(DFLASH2) generate "$(PROMPT)" --drafter ngram
+	$(DFLASH2) generate "$(PROMPT)"
 
 test: setup
 	$(PY) -m pytest -m "not slow" -q

@@ -68,7 +68,7 @@ def main() -> None:
     from dflash2.models.store import resolve_model
     from transformers import AutoModelForCausalLM
 
-    engine = dflash2.load(args.model, dtype=args.dtype)
+    engine = dflash2.load(args.model, drafter="none", dtype=args.dtype)
     model_dir = resolve_model(args.model, args.dtype)
     torch_dtype = engine.target.dtype
     hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype).eval()

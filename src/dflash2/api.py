@@ -16,7 +16,7 @@ def default_device() -> str:
 def load(
     target: str = "qwen2.5-coder-1.5b-instruct",
     *,
-    drafter: str | None = None,
+    drafter: str | None = "ngram",
     draft_model: str | None = None,
     num_draft_tokens: int | None = None,
     num_candidates: int = 1,
@@ -26,9 +26,9 @@ def load(
 ) -> Engine:
     """Load a target (model-store name, HF directory or .gguf path) and optionally a drafter.
 
-    drafter: None / "none" (plain decoding), "ngram" (prompt lookup), "model" (an independent small model of the
-    same tokenizer, ``draft_model``; default: the store's pairing for the target), "dflash" (a trained block drafter
-    directory in ``draft_model``). ``num_candidates`` > 1 makes the n-gram drafter verify a tree of continuations.
+    drafter: "ngram" (prompt lookup, the default), None / "none" (plain decoding), "model" (an independent small
+    model of the same tokenizer, ``draft_model``; default: the store's pairing for the target), "dflash" (a trained
+    block drafter directory in ``draft_model``). Every drafter is lossless. ``num_candidates`` > 1 makes the n-gram drafter verify a tree of continuations.
     """
     from dflash2.models.store import resolve_model
 

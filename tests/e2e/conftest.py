@@ -29,4 +29,4 @@ def lean_engine(name: str, dtype: str):
     """A cached engine (plain decoding); tests set ``engine.drafter`` themselves and reset it."""
     import dflash2
 
-    return dflash2.load(name, dtype=dtype, device="cpu")
+    return dflash2.load(name, drafter="none", dtype=dtype, device="cpu")
