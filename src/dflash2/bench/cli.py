@@ -17,6 +17,10 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--suite", default="humaneval", help=f"comma-separated: {', '.join(SUITES)}")
     p.add_argument("--drafters", default="ngram,model", help="comma-separated drafters; plain decoding always runs")
     p.add_argument("--limit", type=int, default=None, help="first N prompts (per category for spec_bench)")
+    p.add_argument("--category", default=None, help="only these categories, comma-separated (e.g. summarization)")
+    p.add_argument("--data", default=None, help="folder holding eval/ (default: ../shared/data or $DFLASH2_DATA)")
+    p.add_argument("--quick", action="store_true",
+                   help="a few minutes: humaneval + gsm8k, 2 prompts each, 64 new tokens (overrides those options)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/bench-<time>)")
@@ -35,8 +39,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise CliError(f"unknown drafter(s) {', '.join(unknown)}; choose from {', '.join(DRAFTER_NAMES)}")
     if args.max_new_tokens <= 0:
         raise CliError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    if args.quick:
+        args.suite, args.limit, args.max_new_tokens = "humaneval,gsm8k", 2, 64
     suites = tuple(s for s in args.suite.split(",") if s)
-    prompts = [p for suite in suites for p in load_suite(suite, args.limit)]
+    prompts = [p for suite in suites for p in load_suite(suite, args.limit, data=args.data)]
+    if args.category:
+        wanted = set(args.category.split(","))
+        prompts = [p for p in prompts if p.category in wanted]
+        if not prompts:
+            raise CliError(f"no prompt in categories {args.category!r} of suites {args.suite!r}")
     args.drafter = "none"
     engine = load_engine(args)
     drafters = {m: None if m == BASELINE else build_drafter(m, engine, draft_model=args.draft_model,

@@ -20,8 +20,12 @@ class BenchPrompt:
     text: str  # the user turn, already formatted with the suite's protocol
 
 
-def data_root() -> Path:
-    """``$DFLASH2_DATA``, else ``shared/data`` beside the working directory or beside the source checkout."""
+def data_root(explicit: str | Path | None = None) -> Path:
+    """``explicit``, else ``$DFLASH2_DATA``, else ``shared/data`` beside the working directory or the checkout."""
+    if explicit is not None:
+        if not (Path(explicit) / "eval").is_dir():
+            raise FileNotFoundError(f"{explicit} has no eval/ folder")
+        return Path(explicit)
     env = os.environ.get("DFLASH2_DATA")
     candidates = [Path(env)] if env else []
     candidates += [Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[3].parent / "shared" / "data"]
@@ -31,12 +35,12 @@ def data_root() -> Path:
     raise FileNotFoundError("evaluation data not found; set DFLASH2_DATA to the folder holding eval/")
 
 
-def load_suite(suite: str, limit: int | None = None) -> list[BenchPrompt]:
+def load_suite(suite: str, limit: int | None = None, data: str | Path | None = None) -> list[BenchPrompt]:
     """Prompts of one suite; ``limit`` keeps the first N (per category for spec_bench)."""
     loaders = {"humaneval": _humaneval, "gsm8k": _gsm8k, "mt_bench": _mt_bench, "spec_bench": _spec_bench}
     if suite not in loaders:
         raise ValueError(f"unknown suite {suite!r}; choose one of {', '.join(SUITES)}")
-    prompts = loaders[suite](data_root() / "eval")
+    prompts = loaders[suite](data_root(data) / "eval")
     if limit is None:
         return prompts
     if limit <= 0:

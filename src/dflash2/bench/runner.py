@@ -67,6 +67,7 @@ def _request_row(prompt: BenchPrompt, method: str, result, baseline_ids: list[in
         "tokens_per_s": stats.tokens_per_s, "decode_tokens_per_s": stats.decode_tokens_per_s,
         "tau": stats.tau, "target_forwards": stats.target_forwards,
         "acceptance_by_position": stats.acceptance_by_position,
+        "drafted_by_position": stats.drafted_by_position, "accepted_by_position": stats.accepted_by_position,
         "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
         "finish_reason": result.finish_reason,
         "matches_baseline": None if baseline_ids is None else result.token_ids == baseline_ids,
@@ -75,33 +76,55 @@ def _request_row(prompt: BenchPrompt, method: str, result, baseline_ids: list[in
 
 
 def summarize(raw_path: Path) -> list[dict]:
-    """Per (category, method): mean decode tokens/s, speedup vs the baseline on the same prompts, tau, identity."""
+    """Per category and overall, per method: mean decode tokens/s, the baseline's on the same prompts, speedup
+    (ratio of means, Spec-Bench style), tau, pooled acceptance by position, share of outputs identical to plain."""
     rows = [json.loads(line) for line in raw_path.read_text().splitlines() if line.strip()]
-    baseline = {(r["category"], r["prompt_id"]): r["decode_tokens_per_s"] for r in rows if r["method"] == BASELINE}
+    baseline = {(r["category"], r["prompt_id"]): r for r in rows if r["method"] == BASELINE}
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["category"], row["method"]), []).append(row)
+        for category in (row["category"], "overall"):
+            groups.setdefault((category, row["method"]), []).append(row)
     summary = []
     for (category, method), group in groups.items():
-        ratios = [r["decode_tokens_per_s"] / baseline[(category, r["prompt_id"])] for r in group
-                  if baseline.get((category, r["prompt_id"]))]
+        paired = [r for r in group if (r["category"], r["prompt_id"]) in baseline]
+        tokens_per_s = mean(r["decode_tokens_per_s"] for r in group)
+        ar_tokens_per_s = mean(baseline[(r["category"], r["prompt_id"])]["decode_tokens_per_s"] for r in paired) \
+            if paired else None
         matches = [r["matches_baseline"] for r in group if r["matches_baseline"] is not None]
         summary.append({
             "category": category, "method": method, "requests": len(group),
-            "decode_tokens_per_s": mean(r["decode_tokens_per_s"] for r in group),
-            "speedup": mean(ratios) if ratios else None,
+            "tokens_per_s": tokens_per_s, "ar_tokens_per_s": ar_tokens_per_s,
+            "speedup": tokens_per_s / ar_tokens_per_s if ar_tokens_per_s else None,
             "tau": mean(r["tau"] for r in group),
-            "identical_to_baseline": (sum(matches) / len(matches)) if matches else None,
+            "acceptance_by_position": _pooled_acceptance(group),
+            "identical_to_ar": (sum(matches) / len(matches)) if matches else None,
         })
-    return sorted(summary, key=lambda s: (s["category"], s["method"] != BASELINE, s["method"]))
+    return sorted(summary, key=lambda s: (s["category"] == "overall", s["category"], s["method"] != BASELINE,
+                                          s["method"]))
+
+
+def _pooled_acceptance(rows: list[dict]) -> list[float]:
+    """Accepted / drafted at each draft position, summed over all steps of all requests."""
+    drafted: list[int] = []
+    accepted: list[int] = []
+    for row in rows:
+        for position, (d, a) in enumerate(zip(row["drafted_by_position"], row["accepted_by_position"])):
+            if position == len(drafted):
+                drafted.append(0)
+                accepted.append(0)
+            drafted[position] += d
+            accepted[position] += a
+    return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
 
 
 def format_summary(summary: list[dict]) -> str:
-    lines = [f"{'category':16s} {'method':8s} {'n':>4s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s} {'identical':>9s}"]
+    lines = [f"{'category':16s} {'method':8s} {'n':>4s} {'tok/s':>8s} {'AR tok/s':>8s} {'speedup':>8s} {'tau':>6s} "
+             f"{'identical':>9s}"]
     for s in summary:
         speedup = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
-        identical = f"{s['identical_to_baseline']:.0%}" if s["identical_to_baseline"] is not None else "-"
-        lines.append(f"{s['category']:16s} {s['method']:8s} {s['requests']:4d} {s['decode_tokens_per_s']:8.2f} "
+        ar = f"{s['ar_tokens_per_s']:.2f}" if s["ar_tokens_per_s"] is not None else "-"
+        identical = f"{s['identical_to_ar']:.0%}" if s["identical_to_ar"] is not None else "-"
+        lines.append(f"{s['category']:16s} {s['method']:8s} {s['requests']:4d} {s['tokens_per_s']:8.2f} {ar:>8s} "
                      f"{speedup:>8s} {s['tau']:6.2f} {identical:>9s}")
     return "\n".join(lines)
 

@@ -1,0 +1,48 @@
+import json
+
+import pytest
+
+from dflash2.bench.datasets import load_suite
+from dflash2.bench.runner import format_summary, summarize
+
+
+def row(category, prompt_id, method, tps, tau=1.0, drafted=(), accepted=(), matches=True):
+    return {"category": category, "prompt_id": prompt_id, "method": method, "decode_tokens_per_s": tps, "tau": tau,
+            "drafted_by_position": list(drafted), "accepted_by_position": list(accepted),
+            "matches_baseline": matches}
+
+
+def test_summary_is_ratio_of_means_with_pooled_acceptance_per_category_and_overall(tmp_path):
+    rows = [
+        row("a", "1", "none", 2.0), row("a", "1", "ngram", 6.0, 3.0, (4, 4), (3, 1)),
+        row("a", "2", "none", 4.0), row("a", "2", "ngram", 6.0, 2.0, (2, 1), (1, 0), matches=False),
+        row("b", "1", "none", 5.0), row("b", "1", "ngram", 5.0, 1.0, (1,), (0,)),
+    ]
+    raw = tmp_path / "requests.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {(s["category"], s["method"]): s for s in summarize(raw)}
+    a = summary[("a", "ngram")]
+    assert a["tokens_per_s"] == 6.0 and a["ar_tokens_per_s"] == 3.0 and a["speedup"] == 2.0
+    assert a["acceptance_by_position"] == [4 / 6, 1 / 5]
+    assert a["identical_to_ar"] == 0.5
+    overall = summary[("overall", "ngram")]
+    assert overall["requests"] == 3 and overall["speedup"] == pytest.approx((17 / 3) / (11 / 3))
+    assert overall["acceptance_by_position"] == [4 / 7, 1 / 5]
+    assert "overall" in format_summary(list(summary.values()))
+
+
+@pytest.mark.parametrize("suite, first_category", [("humaneval", "humaneval"), ("gsm8k", "gsm8k"),
+                                                  ("mt_bench", "mt_bench"), ("spec_bench", "mt_bench")])
+def test_suites_load_with_their_prompt_formats_and_limits(suite, first_category):
+    prompts = load_suite(suite, limit=2)
+    assert prompts[0].category == first_category
+    per_category = {}
+    for prompt in prompts:
+        per_category[prompt.category] = per_category.get(prompt.category, 0) + 1
+    assert max(per_category.values()) == 2
+    if suite == "spec_bench":
+        assert {"translation", "summarization", "qa", "math_reasoning", "rag", "mt_bench"} <= set(per_category)
+    if suite == "gsm8k":
+        assert prompts[0].text.endswith("put your final answer within \\boxed{}.")
+    if suite == "humaneval":
+        assert prompts[0].text.startswith("Write a solution to the following problem")
