@@ -55,3 +55,15 @@ def test_qwen_pair_is_lossless_with_the_small_model_and_ngram_drafters():
     assert small.token_ids == plain.token_ids
     assert ngram.token_ids == plain.token_ids
     assert small.stats.tau > 1.5  # the 0.5B sibling agrees with the 1.5B on most code tokens
+
+
+@pytest.mark.model
+@pytest.mark.qwen
+def test_a_draft_model_with_another_tokenizer_is_refused():
+    from dflash2.drafters import build_drafter
+
+    engine = lean_engine(SMOLLM2, "fp32")
+    with pytest.raises(ValueError, match="different tokenizer"):
+        build_drafter("model", engine, draft_model=QWEN_DRAFT, dtype="bf16")
+    with pytest.raises(ValueError, match="no default draft model"):
+        build_drafter("model", engine)
