@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dflash2.drafters.base import Draft, Drafter
+
+TRAINED_DIR = Path(__file__).parent / "trained"  # trained drafters shipped with the package, one per target
 
 DRAFTER_NAMES = ("none", "ngram", "model", "dflash")
 DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 8, "model": 4}
@@ -35,10 +39,22 @@ def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draf
     if name == "dflash":
         from dflash2.drafters.dflash import load_dflash_drafter
 
-        if draft_model is None:
-            raise ValueError("the dflash drafter needs a trained drafter directory: pass draft_model / --draft-model")
-        return load_dflash_drafter(draft_model, engine.target, num_draft_tokens)  # None -> block_size - 1
+        directory = draft_model or shipped_dflash_drafter(engine.name)
+        return load_dflash_drafter(directory, engine.target, num_draft_tokens)  # None -> block_size - 1
     raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
 
 
-__all__ = ["DRAFTER_NAMES", "Draft", "Drafter", "build_drafter"]
+def shipped_dflash_drafter(target_name: str) -> Path:
+    """The trained DFlash drafter shipped in the package for a store target (``drafters/trained/<target>``)."""
+    from dflash2.models.store import canonical_name
+
+    name = canonical_name(target_name) or target_name
+    directory = TRAINED_DIR / name
+    if not (directory / "config.json").exists():
+        shipped = ", ".join(sorted(p.name for p in TRAINED_DIR.glob("*") if (p / "config.json").exists())) or "none"
+        raise ValueError(f"no trained DFlash drafter is shipped for {name!r} (shipped: {shipped}); train one with "
+                         "`dflash2 train dflash` and pass its directory as --draft-model")
+    return directory
+
+
+__all__ = ["DRAFTER_NAMES", "Draft", "Drafter", "TRAINED_DIR", "build_drafter", "shipped_dflash_drafter"]

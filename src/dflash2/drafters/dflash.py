@@ -364,8 +364,14 @@ class DFlashDraftModel(nn.Module):
 
     @staticmethod
     def logits(target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., D] -> float32 logits [..., V] through the target's (frozen) LM head."""
-        return target.lm_head(hidden.to(target.dtype)).float()
+        """hidden [..., D] -> float32 logits [..., V] through the target's (frozen) LM head.
+
+        The input is cast to the head's weight dtype when the head is an ``nn.Linear`` (a trainer may hold an fp32
+        copy of a bf16 target's head); a packed head takes any float dtype.
+        """
+        head = target.lm_head
+        dtype = head.weight.dtype if isinstance(head, nn.Linear) else target.dtype
+        return head(hidden.to(dtype)).float()
 
     # ---- warm start, save, load ----------------------------------------------------------------------------
 

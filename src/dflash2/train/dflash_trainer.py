@@ -278,12 +278,19 @@ class _Boundary:
 
 
 def _load_frozen_target(config: TrainConfig) -> Transformer:
-    """The target with packed CPU kernels for its layers, but an autograd-capable head (the loss goes through it)."""
+    """The target with packed CPU kernels for its layers, but an autograd-capable head (the loss goes through it).
+
+    On a CPU the head becomes an fp32 copy: torch's bf16 matmul is compute-bound on CPUs without native bf16, and
+    the head's forward and backward over every anchor block dominate a training step.
+    """
     from dflash2.models.loading import load_transformer, pack_linear_layers, should_pack
 
     target = load_transformer(config.target_dir, config.target_dtype, packed=False)
     if should_pack(target.device, target.dtype):
         pack_linear_layers(target, include_head=False)
+        head = target.lm_head.weight.detach().float()  # [V, D]; a copy, also when tied to the embeddings
+        target.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False).requires_grad_(False)
+        target.lm_head.weight.data = head
     return target
 
 
