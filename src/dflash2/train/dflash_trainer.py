@@ -289,9 +289,16 @@ def _load_frozen_target(config: TrainConfig) -> Transformer:
     if should_pack(target.device, target.dtype):
         pack_linear_layers(target, include_head=False)
         head = target.lm_head.weight.detach().float()  # [V, D]; a copy, also when tied to the embeddings
-        target.lm_head = torch.nn.Linear(head.shape[1], head.shape[0], bias=False).requires_grad_(False)
+        target.lm_head = _Fp32Head(head.shape[1], head.shape[0], bias=False).requires_grad_(False)
         target.lm_head.weight.data = head
     return target
+
+
+class _Fp32Head(torch.nn.Linear):
+    """An fp32 head that accepts the bf16 hidden states of the target's own forward pass as well."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., V] float32
+        return F.linear(x.to(self.weight.dtype), self.weight)
 
 
 def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path:
