@@ -130,3 +130,13 @@ def test_tree_verification_accepts_a_branch_other_than_the_first(models):
     stats = DecodeStats()
     assert spec_ids(target, TwoBranches(3), prompt, capacity, stats=stats) == expected
     assert stats.accepted_by_position[:3] == stats.drafted_by_position[:3]  # the right branch always wins
+
+
+def test_tau_counts_every_committed_token_per_target_pass(models):
+    target, prompt = models["qwen2"], repetitive_prompt()
+    capacity = len(prompt) + NEW_TOKENS + 5
+    plain_stats, spec_stats = DecodeStats(), DecodeStats()
+    run(plain_decode(target, prompt, GREEDY, None, capacity, plain_stats), NEW_TOKENS)
+    assert plain_stats.tau == 1.0 and plain_stats.target_forwards == NEW_TOKENS - 1
+    run(speculative_decode(target, ModelDrafter(target, 4), prompt, GREEDY, None, capacity, spec_stats), NEW_TOKENS)
+    assert spec_stats.tau == 5.0  # drafter == target: 4 drafts + the bonus every pass

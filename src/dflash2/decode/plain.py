@@ -28,5 +28,6 @@ def plain_decode(
     while cache.length < capacity:
         out = target(token.view(1, 1), cache=cache, logits="last")
         stats.target_forwards += 1
+        stats.committed_tokens += 1
         token = choose_token(out.logits[0, -1], params, generator)
         yield [int(token)]

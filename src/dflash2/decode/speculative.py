@@ -62,6 +62,7 @@ def speculative_decode(
         stats.draft_seconds += drafted - started
         stats.verify_seconds += time.perf_counter() - drafted
         stats.target_forwards += 1
+        stats.committed_tokens += len(outcome.emitted)
         stats.record_draft(draft.depth, len(outcome.emitted) - 1)
         sequence.extend(outcome.emitted)
         kept = torch.tensor(outcome.kept_positions, device=target.device)

@@ -10,6 +10,7 @@ class DecodeStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     target_forwards: int = 0  # decode-phase target passes (prefill excluded), each commits >= 1 token
+    committed_tokens: int = 0  # tokens those passes committed (a final EOS included, drafts past max_new_tokens too)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # wall time after prefill
     draft_seconds: float = 0.0  # time spent in the drafter (speculative decoding only)
@@ -43,8 +44,8 @@ class DecodeStats:
 
     @property
     def tau(self) -> float:
-        """Tokens committed per decode-phase target forward (plain decoding: 1.0)."""
-        return max(self.new_tokens - 1, 0) / self.target_forwards if self.target_forwards else 1.0
+        """Tokens committed per decode-phase target forward, recovered/bonus included (plain decoding: 1.0)."""
+        return self.committed_tokens / self.target_forwards if self.target_forwards else 1.0
 
     @property
     def acceptance_by_position(self) -> list[float]:
