@@ -182,7 +182,9 @@ def run_models_list(args: argparse.Namespace) -> int:
 
 
 def _format_status(status) -> str:
-    fields = {k: v for k, v in vars(status).items()} if hasattr(status, "__dict__") else dict(status._asdict())
+    from dataclasses import asdict
+
+    fields = asdict(status)  # a store.ModelStatus
     name = fields.pop("name")
     parts = [f"{k}={v}" for k, v in fields.items()]
     return f"{name:32s} " + "  ".join(parts)
