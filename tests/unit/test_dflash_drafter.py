@@ -58,6 +58,16 @@ def spec_ids(target, drafter, prompt, capacity, limit=NEW_TOKENS, stats=None, pa
     return run(speculative_decode(target, drafter, prompt, params, generator, capacity, stats), limit)
 
 
+def first_draft(drafter, target, prompt, capacity, params, num_draft_tokens: int = 5) -> Draft:
+    """The drafter's first draft after the prompt's prefill (the pending token is the target's argmax)."""
+    drafter.reset(capacity)
+    with torch.inference_mode():
+        out = target(prompt[None], hidden_layers=drafter.hidden_layers, logits="last")
+        sequence = prompt.tolist() + [int(out.logits[0, -1].argmax())]
+        drafter.observe(sequence, -1, out.hidden_states)
+        return drafter.propose(sequence, num_draft_tokens, params, torch.Generator().manual_seed(0))
+
+
 def test_default_target_layer_ids_follow_the_reference_spread():
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
     assert default_target_layer_ids(36, 1) == (18,)
@@ -258,12 +268,7 @@ def test_sampled_drafts_come_with_their_distributions(targets):
     drafter = DFlashDrafter(make_model(target, 8), target)
     params = SamplingParams(temperature=0.8, top_k=50)
     capacity = len(prompt) + NEW_TOKENS + 8
-    drafter.reset(capacity)
-    with torch.inference_mode():
-        out = target(prompt[None], hidden_layers=drafter.hidden_layers, logits="last")
-        sequence = prompt.tolist() + [int(out.logits[0, -1].argmax())]
-        drafter.observe(sequence, -1, out.hidden_states)
-        draft = drafter.propose(sequence, 5, params, torch.Generator().manual_seed(0))
+    draft = first_draft(drafter, target, prompt, capacity, params)
     assert draft.tokens.shape == (5,) and draft.q_draft.shape == (5, target.config.vocab_size)
     assert torch.allclose(draft.q_draft.sum(-1), torch.ones(5))
     assert bool((draft.q_draft[torch.arange(5), draft.tokens] > 0).all())

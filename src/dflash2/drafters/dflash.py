@@ -107,6 +107,7 @@ class DFlashConfig:
     attention_bias: bool = False  # biases on q/k/v (set when warm-starting from a Qwen2 target)
     num_target_layers: int = 0  # the target's depth (recorded in config.json; 0 = unknown)
     target_model: str = ""  # the target's name, recorded in config.json
+    draft_vocab_size: int = 0  # > 0: the head scores only this many frequent ids (``draft_vocab``); 0 = all V
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # unknown config.json keys, kept on save
 
     def __post_init__(self) -> None:
@@ -117,6 +118,8 @@ class DFlashConfig:
             raise ValueError("target_layer_ids is empty: a DFlash drafter needs at least one tapped layer")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} outside [0, {self.vocab_size}]")
         if self.num_target_layers and max(self.target_layer_ids) >= self.num_target_layers:
             raise ValueError(
                 f"target_layer_ids {self.target_layer_ids} exceed the target's {self.num_target_layers} layers"
@@ -138,6 +141,7 @@ class DFlashConfig:
         intermediate_size: int | None = None,
         attention_bias: bool | None = None,
         target_model: str = "",
+        draft_vocab_size: int = 0,
     ) -> "DFlashConfig":
         """A drafter shaped like ``target``'s layers; ``num_layers`` taps by default (one per drafter layer)."""
         if mask_token_id is None:
@@ -162,6 +166,7 @@ class DFlashConfig:
             attention_bias=target.qkv_bias if attention_bias is None else attention_bias,
             num_target_layers=target.num_layers,
             target_model=target_model,
+            draft_vocab_size=draft_vocab_size,
         )
 
     def layer_config(self) -> ModelConfig:
@@ -196,6 +201,7 @@ class DFlashConfig:
             "tie_word_embeddings": False,
             "num_target_layers": self.num_target_layers,
             "target_model": self.target_model,
+            "draft_vocab_size": self.draft_vocab_size,
             **dflash,
             "dflash_config": dflash,
         })
@@ -214,7 +220,8 @@ class DFlashConfig:
         known = {"architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
                  "rope_scaling", "vocab_size", "attention_bias", "hidden_act", "tie_word_embeddings",
-                 "num_target_layers", "target_model", "block_size", "target_layer_ids", "mask_token_id",
+                 "num_target_layers", "target_model", "draft_vocab_size", "block_size", "target_layer_ids",
+                 "mask_token_id",
                  "dflash_config"}
         return cls(
             hidden_size=raw["hidden_size"],
@@ -233,6 +240,7 @@ class DFlashConfig:
             attention_bias=bool(raw.get("attention_bias", False)),
             num_target_layers=int(raw.get("num_target_layers") or 0),
             target_model=raw.get("target_model") or "",
+            draft_vocab_size=int(raw.get("draft_vocab_size") or 0),
             extra={key: value for key, value in raw.items() if key not in known},
         )
 
@@ -249,6 +257,7 @@ class DFlashAttention(nn.Module):
         self.kv_width = config.num_kv_heads * config.head_dim
         self.wqkv = nn.Linear(config.hidden_size, self.q_width + 2 * self.kv_width, bias=config.qkv_bias)
         self.wo = nn.Linear(self.q_width, config.hidden_size, bias=False)
+        self.wkv_context: nn.Module | None = None  # set by DFlashDraftModel.pack(): the k/v rows of wqkv, packed
 
     def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:  # [B, T, H * Dh] -> [B, H, T, Dh]
         return x.view(x.shape[0], x.shape[1], num_heads, self.head_dim).transpose(1, 2)
@@ -260,8 +269,12 @@ class DFlashAttention(nn.Module):
         sin: torch.Tensor,  # [B, 1, S, Dh]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's keys/values of the context: ([B, H_kv, S, Dh], [B, H_kv, S, Dh]); q is not computed."""
-        bias = None if self.wqkv.bias is None else self.wqkv.bias[self.q_width :]
-        k, v = F.linear(context, self.wqkv.weight[self.q_width :], bias).split(self.kv_width, dim=-1)
+        if self.wkv_context is not None:
+            kv = self.wkv_context(context)
+        else:
+            bias = None if self.wqkv.bias is None else self.wqkv.bias[self.q_width :]
+            kv = F.linear(context, self.wqkv.weight[self.q_width :], bias)
+        k, v = kv.split(self.kv_width, dim=-1)
         k = self._heads(k, self.num_kv_heads)
         return k * cos + rotate_half(k) * sin, self._heads(v, self.num_kv_heads)
 
@@ -317,14 +330,18 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(width, config.rms_norm_eps)  # on the projected context
         self.norm = RMSNorm(width, config.rms_norm_eps)  # before the target's head
         self.register_buffer("inv_freq", rope_inverse_frequencies(layer_config), persistent=False)
+        # [V'] int64 ids the head scores (ascending by rank: most frequent first); None = the whole vocabulary.
+        vocab = torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None
+        self.register_buffer("draft_vocab", vocab)
+        self._sub_head: tuple[nn.Module, nn.Module] | None = None  # (the target head it came from, its rows)
 
     @property
     def device(self) -> torch.device:
-        return self.fc.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        return self.norm.weight.dtype
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> (cos, sin), each [B, 1, T, Dh] in the model dtype (angles in fp32)."""
@@ -362,16 +379,74 @@ class DFlashDraftModel(nn.Module):
         """ids [B, T] -> the target's (frozen) embeddings [B, T, D]."""
         return target.embed(ids.to(target.device))
 
-    @staticmethod
-    def logits(target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] -> float32 logits [..., V] through the target's (frozen) LM head.
+
+        With a draft vocabulary only its V' rows are computed; every other id gets -inf (probability 0), so
+        argmax, sampling and the q_draft handed to verification stay over the target's full vocabulary.
+        """
+        draft = self.draft_logits(target, hidden)  # [..., V']
+        if self.draft_vocab is None:
+            return draft
+        full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab.to(draft.device), draft)
+
+    def draft_logits(self, target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> float32 logits [..., V'] over ``draft_vocab`` (all V ids without one).
 
         The input is cast to the head's weight dtype when the head is an ``nn.Linear`` (a trainer may hold an fp32
         copy of a bf16 target's head); a packed head takes any float dtype.
         """
-        head = target.lm_head
+        head = target.lm_head if self.draft_vocab is None else self._draft_head(target.lm_head)
         dtype = head.weight.dtype if isinstance(head, nn.Linear) else target.dtype
         return head(hidden.to(dtype)).float()
+
+    def draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Target ids [...] -> their index in ``draft_vocab`` (-1 for ids outside it); identity without one."""
+        if self.draft_vocab is None:
+            return labels
+        index = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=self.draft_vocab.device)
+        index[self.draft_vocab] = torch.arange(self.draft_vocab.numel(), device=index.device)
+        return index[labels.to(index.device)]
+
+    def _draft_head(self, head: nn.Module) -> nn.Module:
+        """The rows ``draft_vocab`` of the target's head, as a frozen module of the same kind (built once)."""
+        if self._sub_head is not None and self._sub_head[0] is head:
+            return self._sub_head[1]
+        rows = self.draft_vocab.to("cpu")
+        if hasattr(head, "unpacked_weight"):  # a packed CPU head
+            from dflash2.kernels import PackedLinear
+
+            sub = PackedLinear.from_weight(head.unpacked_weight()[rows], backend=head.backend)
+        else:
+            weight = head.weight.detach()[rows.to(head.weight.device)]
+            sub = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+            sub.weight = nn.Parameter(weight.clone(), requires_grad=False)
+        self._sub_head = (head, sub)
+        return sub
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Use the ids [V'] (distinct, in vocabulary) as the draft vocabulary; V' must equal draft_vocab_size."""
+        ids = ids.to(torch.int64).flatten()
+        if ids.numel() != self.config.draft_vocab_size or ids.unique().numel() != ids.numel():
+            raise ValueError(f"need {self.config.draft_vocab_size} distinct ids, got {ids.numel()}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError("draft vocabulary ids outside the target's vocabulary")
+        self.draft_vocab = ids.to(self.device)
+        self._sub_head = None
+
+    def pack(self) -> "DFlashDraftModel":
+        """Inference on a CPU: run the projections through dflash2's packed bf16 kernel (no autograd after this)."""
+        from dflash2.kernels import PackedLinear
+        from dflash2.models.loading import pack_layer_projections
+
+        for layer in self.layers:
+            attn = layer.attn
+            bias = None if attn.wqkv.bias is None else attn.wqkv.bias[attn.q_width :]
+            attn.wkv_context = PackedLinear.from_weight(attn.wqkv.weight[attn.q_width :], bias)
+        pack_layer_projections(self.layers)
+        self.fc = PackedLinear.from_linear(self.fc)
+        return self
 
     # ---- warm start, save, load ----------------------------------------------------------------------------
 
@@ -425,7 +500,8 @@ class DFlashDraftModel(nn.Module):
         torch_dtype = parse_dtype(dtype)
         with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as handle:
             hf = {name: handle.get_tensor(name) for name in handle.keys()}
-        state = {k: v.to(device=device, dtype=torch_dtype) for k, v in from_hf_state_dict(hf, config).items()}
+        state = {k: v.to(device=device, dtype=torch_dtype if v.is_floating_point() else v.dtype)
+                 for k, v in from_hf_state_dict(hf, config).items()}
         with torch.device("meta"):
             model = cls(config)
         model.load_state_dict(state, assign=True)
@@ -458,6 +534,8 @@ def to_hf_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
     q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     out = {"fc.weight": state["fc.weight"], "hidden_norm.weight": state["hidden_norm.weight"],
            "norm.weight": state["norm.weight"]}
+    if model.draft_vocab is not None:
+        out["draft_vocab"] = state["draft_vocab"]  # [V'] int64 target ids the head scores
     for i in range(config.num_layers):
         src, dst = f"layers.{i}.", f"layers.{i}."
         for ours, theirs in _LAYER_NAMES.items():
@@ -475,6 +553,11 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: DFlashConfig) -> dic
     """Inverse of :func:`to_hf_state_dict`; refuses checkpoints carrying weights this model does not have."""
     state = {"fc.weight": hf["fc.weight"], "hidden_norm.weight": hf["hidden_norm.weight"],
              "norm.weight": hf["norm.weight"]}
+    if config.draft_vocab_size:
+        if "draft_vocab" not in hf or hf["draft_vocab"].numel() != config.draft_vocab_size:
+            raise ValueError(f"config.json says draft_vocab_size {config.draft_vocab_size}: the weights need "
+                             "a draft_vocab tensor of that many ids")
+        state["draft_vocab"] = hf["draft_vocab"].to(torch.int64)
     used = set(state)
     for i in range(config.num_layers):
         src = f"layers.{i}."
@@ -593,8 +676,15 @@ def load_dflash_drafter(
     num_draft_tokens: int | None = None,
     dtype: str | torch.dtype | None = None,
 ) -> DFlashDrafter:
-    """Load a saved drafter for ``target`` (dtype and device default to the target's)."""
+    """Load a saved drafter for ``target`` (dtype and device default to the target's).
+
+    bf16 / fp16 drafters on a CPU run their projections through the packed kernel, like the target.
+    """
+    from dflash2.models.loading import should_pack
+
     model = DFlashDraftModel.from_pretrained(directory, dtype or target.dtype, target.device)
+    if should_pack(model.device, model.dtype):
+        model.pack()
     return DFlashDrafter(model, target, num_draft_tokens)
 
 

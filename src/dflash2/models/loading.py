@@ -88,6 +88,17 @@ def should_pack(device: str | torch.device, dtype: str | torch.dtype) -> bool:
     return torch.device(device).type == "cpu" and parse_dtype(dtype) in (torch.bfloat16, torch.float16)
 
 
+def pack_layer_projections(layers) -> None:
+    """Swap the q/k/v, output, gate/up and down projections of decoder-shaped ``layers`` for packed ones."""
+    from dflash2.kernels import PackedLinear
+
+    for layer in layers:
+        layer.attn.wqkv = PackedLinear.from_linear(layer.attn.wqkv)
+        layer.attn.wo = PackedLinear.from_linear(layer.attn.wo)
+        layer.ffn.w_gate_up = PackedLinear.from_linear(layer.ffn.w_gate_up)
+        layer.ffn.w_down = PackedLinear.from_linear(layer.ffn.w_down)
+
+
 def pack_linear_layers(model: Transformer, *, include_head: bool = True) -> None:
     """Swap every projection (and the head) for a :class:`~dflash2.kernels.PackedLinear` (CPU, inference only).
 
@@ -95,10 +106,6 @@ def pack_linear_layers(model: Transformer, *, include_head: bool = True) -> None
     """
     from dflash2.kernels import PackedLinear
 
-    for layer in model.layers:
-        layer.attn.wqkv = PackedLinear.from_linear(layer.attn.wqkv)
-        layer.attn.wo = PackedLinear.from_linear(layer.attn.wo)
-        layer.ffn.w_gate_up = PackedLinear.from_linear(layer.ffn.w_gate_up)
-        layer.ffn.w_down = PackedLinear.from_linear(layer.ffn.w_down)
+    pack_layer_projections(model.layers)
     if include_head:
         model.lm_head = PackedLinear.from_linear(model.lm_head)

@@ -20,8 +20,14 @@ def add_train_parser(commands) -> None:
     data.add_argument("--gsm8k", default=None, help="GSM8K train jsonl (default: shared/data/train)")
     data.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     data.add_argument("--threads", type=int, default=None)
-    data.add_argument("--speculate", choices=("none", "ngram"), default="ngram",
-                      help="generate through lossless greedy speculative decoding (same ids, faster)")
+    data.add_argument("--batch-size", type=int, default=16,
+                      help="prompts generated together (default: %(default)s; 1 = batch-1 decoding)")
+    data.add_argument("--hidden-taps", type=int, default=5,
+                      help="store the target's hidden states of this many spread layers with the data, so that "
+                           "training needs no target forward (batched generation only; 0 = none)")
+    data.add_argument("--speculate", choices=("none", "ngram"), default=None,
+                      help="with --batch-size 1: generate through lossless greedy speculative decoding "
+                           "(same ids, faster; default ngram)")
     data.set_defaults(handler=run_train_data)
 
     dflash = sub.add_parser("dflash", help="train a DFlash block drafter on token shards (resumable)")
@@ -34,6 +40,8 @@ def add_train_parser(commands) -> None:
     dflash.add_argument("--mask-token-id", type=int, default=None)
     dflash.add_argument("--intermediate-size", type=int, default=None)
     dflash.add_argument("--init-from-target", action="store_true", help="warm start from the target's layers")
+    dflash.add_argument("--draft-vocab", type=int, default=0,
+                        help="score only this many frequent ids in the drafter's head (0 = whole vocabulary)")
     dflash.add_argument("--gamma", type=float, default=None)
     dflash.add_argument("--anchors", type=int, default=64, help="blocks per sequence per step")
     dflash.add_argument("--max-seq-len", type=int, default=1024)
@@ -56,21 +64,31 @@ def add_train_parser(commands) -> None:
 def run_train_data(args: argparse.Namespace) -> int:
     import torch
 
+    from dflash2.drafters.dflash import default_target_layer_ids
     from dflash2.models.loading import load_transformer
     from dflash2.models.store import canonical_name, resolve_model
     from dflash2.models.tokenizer import Tokenizer
     from dflash2.train.data import DataConfig, chat_encoder, generate_training_data
 
+    if args.batch_size < 1:
+        raise SystemExit("--batch-size must be >= 1")
+    if args.batch_size > 1 and args.speculate not in (None, "none"):
+        raise SystemExit("--speculate applies to --batch-size 1 only (batched generation is plain greedy)")
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model, args.dtype)
     target = load_transformer(model_dir, args.dtype)
     tokenizer = Tokenizer(model_dir)
-    config = DataConfig(args.out, args.num_sequences, args.max_new_tokens, args.max_prompt_tokens, args.shard_size,
-                        tuple(s for s in args.sources.split(",") if s), args.gsm8k,
+    taps = ()
+    if args.hidden_taps > 0 and args.batch_size > 1:
+        taps = default_target_layer_ids(target.config.num_layers, args.hidden_taps)
+    config = DataConfig(args.out, args.num_sequences, max_new_tokens=args.max_new_tokens,
+                        max_prompt_tokens=args.max_prompt_tokens, shard_size=args.shard_size,
+                        batch_size=args.batch_size, hidden_layers=taps,
+                        sources=tuple(s for s in args.sources.split(",") if s), gsm8k_path=args.gsm8k,
                         target_model=canonical_name(args.model) or args.model)
     drafter = None
-    if args.speculate == "ngram":
+    if args.batch_size == 1 and args.speculate in (None, "ngram"):
         from dflash2.drafters.ngram import NgramDrafter
 
         drafter = NgramDrafter(8, stop_ids=tokenizer.eos_token_ids)
@@ -89,7 +107,8 @@ def run_train_dflash(args: argparse.Namespace) -> int:
         target_model=canonical_name(args.model) or args.model, target_dtype=args.target_dtype, dtype=args.dtype,
         num_layers=args.num_layers, block_size=args.block_size, target_layer_ids=layers,
         mask_token_id=args.mask_token_id, intermediate_size=args.intermediate_size,
-        init_from_target=args.init_from_target, gamma=args.gamma, anchors_per_sequence=args.anchors,
+        init_from_target=args.init_from_target, draft_vocab_size=args.draft_vocab, gamma=args.gamma,
+        anchors_per_sequence=args.anchors,
         max_sequence_length=args.max_seq_len, sequences_per_step=args.sequences_per_step, num_steps=args.steps,
         learning_rate=args.lr, warmup_steps=args.warmup, heldout_sequences=args.heldout, seed=args.seed,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, stop_at_step=args.stop_at_step,

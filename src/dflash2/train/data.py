@@ -38,9 +38,11 @@ from dflash2.decode.speculative import speculative_decode
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Drafter
 from dflash2.models.decoder import Transformer
+from dflash2.train.batched import batched_greedy
 from dflash2.verify.sampling import GREEDY
 
 MANIFEST = "manifest.json"
+HIDDEN_DIR = "hidden"  # per-shard hidden-state files (regenerable, too large for git)
 MANIFEST_VERSION = 1
 # In a source checkout the shared data sit next to the repository (<repo>/../shared); elsewhere pass a path.
 DEFAULT_GSM8K_PATH = Path(__file__).resolve().parents[4] / "shared" / "data" / "train" / "gsm8k_train.jsonl"
@@ -169,6 +171,8 @@ class DataConfig:
     max_new_tokens: int = 256  # response length cap (generation also stops at a stop id, which is kept)
     max_prompt_tokens: int = 512  # longer prompts are skipped
     shard_size: int = 64  # sequences per shard (at most this many are lost when a run is killed)
+    batch_size: int = 1  # prompts generated together (batched greedy; 1 = batch-1 decoding, optionally speculative)
+    hidden_layers: tuple[int, ...] = ()  # also store the target's hidden states of these layers (batched path only)
     sources: tuple[str, ...] = ("gsm8k", "stdlib")  # prompt sources, interleaved round-robin
     gsm8k_path: str | None = None  # default: shared/data/train/gsm8k_train.jsonl
     target_model: str = ""  # recorded in the manifest; a re-run for another target is refused
@@ -179,14 +183,18 @@ class DataConfig:
 class TrainingSequence:
     ids: torch.Tensor  # [N] int64 prompt + response
     prompt_length: int  # ids[:prompt_length] is the prompt
+    hidden: torch.Tensor | None = None  # [N - 1, taps, D] the target's tapped hidden states of ids[:-1], if stored
 
 
 def _settings(config: DataConfig) -> dict:
     """The manifest's record of the settings that must not change between runs into one directory."""
     settings = asdict(config)
-    for volatile in ("out_dir", "num_sequences", "progress", "shard_size", "gsm8k_path"):
+    for volatile in ("out_dir", "num_sequences", "progress", "shard_size", "gsm8k_path", "batch_size"):
         settings.pop(volatile)
     settings["sources"] = list(config.sources)
+    settings["hidden_layers"] = list(config.hidden_layers)
+    if not config.hidden_layers:  # data written before hidden states could be stored carry no such key
+        settings.pop("hidden_layers")
     return settings
 
 
@@ -215,17 +223,35 @@ def write_shard(path: str | Path, sequences: Sequence[TrainingSequence]) -> None
     os.replace(tmp, path)
 
 
+def write_hidden_shard(path: str | Path, sequences: Sequence[TrainingSequence]) -> None:
+    """The sequences' hidden states, concatenated: ``hidden [sum(N_i - 1), taps, D]`` (atomic)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for s in sequences:
+        if s.hidden is None or s.hidden.shape[0] != len(s.ids) - 1:
+            raise ValueError("every sequence of a shard with hidden states needs [N - 1, taps, D] of them")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({"hidden": torch.cat([s.hidden for s in sequences]).contiguous()}, str(tmp))
+    os.replace(tmp, path)
+
+
 def append_shard(out_dir: str | Path, sequences: Sequence[TrainingSequence], prompts_done: int | None = None,
                  settings: dict | None = None) -> None:
-    """Write ``sequences`` as the next shard and record it (and the prompt-stream position) in the manifest."""
+    """Write ``sequences`` as the next shard and record it (and the prompt-stream position) in the manifest.
+
+    Hidden states, when the sequences carry them, go to ``hidden/<shard name>`` (large: not meant for git).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(out_dir) or {"version": MANIFEST_VERSION, "settings": settings or {}, "shards": [],
                                           "num_sequences": 0, "prompts_done": 0}
     name = f"shard_{len(manifest['shards']):05d}.safetensors"
     write_shard(out_dir / name, sequences)
-    manifest["shards"].append({"file": name, "num_sequences": len(sequences),
-                               "num_tokens": sum(len(s.ids) for s in sequences)})
+    entry = {"file": name, "num_sequences": len(sequences), "num_tokens": sum(len(s.ids) for s in sequences)}
+    if sequences and sequences[0].hidden is not None:
+        write_hidden_shard(out_dir / HIDDEN_DIR / name, sequences)
+        entry["hidden"] = f"{HIDDEN_DIR}/{name}"
+    manifest["shards"].append(entry)
     manifest["num_sequences"] += len(sequences)
     if prompts_done is not None:
         manifest["prompts_done"] = prompts_done
@@ -302,22 +328,21 @@ def generate_training_data(
     buffer: list[TrainingSequence] = []
     bar = tqdm(total=config.num_sequences, initial=min(done, config.num_sequences), desc="generating responses",
                unit="seq", disable=not config.progress, dynamic_ncols=True)
+    if config.hidden_layers and config.batch_size < 2 and drafter is not None:
+        raise ValueError("hidden states are captured by batched generation: use batch_size >= 2 or no drafter")
     try:
         while done + len(buffer) < config.num_sequences:
-            prompt = next(stream, None)
-            if prompt is None:
+            wanted = min(config.batch_size, config.num_sequences - done - len(buffer))
+            taken, batch = _next_prompts(stream, encode, wanted, config.max_prompt_tokens)
+            if taken == 0:
                 break
-            prompt_ids = encode(prompt.text)
-            if 0 < len(prompt_ids) <= config.max_prompt_tokens:
-                response = greedy_response(target, prompt_ids, config.max_new_tokens, stop, drafter)
-                ids = torch.tensor(prompt_ids + response, dtype=torch.int64)
-                buffer.append(TrainingSequence(ids=ids, prompt_length=len(prompt_ids)))
-                bar.update(1)
-            prompts_done += 1
-            if len(buffer) == config.shard_size:
-                append_shard(out_dir, buffer, prompts_done, settings)
-                done += len(buffer)
-                buffer = []
+            buffer.extend(_respond(target, batch, config, stop, drafter))
+            bar.update(len(batch))
+            prompts_done += taken
+            while len(buffer) >= config.shard_size:
+                append_shard(out_dir, buffer[: config.shard_size], prompts_done, settings)
+                done += config.shard_size
+                buffer = buffer[config.shard_size :]
     finally:  # interrupted or not: keep what was generated
         if buffer:
             append_shard(out_dir, buffer, prompts_done, settings)
@@ -328,14 +353,43 @@ def generate_training_data(
     return out_dir
 
 
+def _next_prompts(stream: Iterator[Prompt], encode: Encoder, count: int, max_tokens: int) -> tuple[int, list[list[int]]]:
+    """Up to ``count`` encoded prompts of 1..max_tokens ids: (prompts consumed from the stream, the kept ones)."""
+    taken, kept = 0, []
+    while len(kept) < count:
+        prompt = next(stream, None)
+        if prompt is None:
+            break
+        taken += 1
+        ids = encode(prompt.text)
+        if 0 < len(ids) <= max_tokens:
+            kept.append(ids)
+    return taken, kept
+
+
+def _respond(target: Transformer, prompts: list[list[int]], config: DataConfig, stop: tuple[int, ...],
+             drafter: Drafter | None) -> list[TrainingSequence]:
+    """The target's greedy responses to ``prompts`` as training sequences (batched unless batch_size is 1)."""
+    if not prompts:
+        return []
+    if config.batch_size == 1 and not config.hidden_layers:
+        responses = [greedy_response(target, ids, config.max_new_tokens, stop, drafter) for ids in prompts]
+        return [TrainingSequence(torch.tensor(ids + r, dtype=torch.int64), len(ids)) for ids, r in zip(prompts, responses)]
+    outputs = batched_greedy(target, prompts, config.max_new_tokens, stop, config.hidden_layers)
+    return [TrainingSequence(torch.tensor(ids + out.response, dtype=torch.int64), len(ids),
+                             None if out.hidden is None else out.hidden)
+            for ids, out in zip(prompts, outputs)]
+
+
 # ---- reading ---------------------------------------------------------------------------------------------
 
 
 class TokenShards:
     """Random access to stored sequences; holds one shard in memory at a time."""
 
-    def __init__(self, data_dir: str | Path) -> None:
+    def __init__(self, data_dir: str | Path, load_hidden: bool = True) -> None:
         self.data_dir = Path(data_dir)
+        self.load_hidden = load_hidden  # False: sequences come without their stored hidden states (faster)
         manifest = read_manifest(self.data_dir)
         if manifest is None:
             raise FileNotFoundError(f"no {MANIFEST} in {self.data_dir}")
@@ -362,7 +416,23 @@ class TokenShards:
         local = index - self.starts[number]
         begin, end = int(shard["offsets"][local]), int(shard["offsets"][local + 1])
         prompt_length = int(shard["prompt_lengths"][local])
-        return TrainingSequence(ids=shard["tokens"][begin:end].long(), prompt_length=prompt_length)
+        return TrainingSequence(ids=shard["tokens"][begin:end].long(), prompt_length=prompt_length,
+                                hidden=self._hidden(number, begin - local, end - local - 1))
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states are stored with every shard (empty when none are)."""
+        if not all("hidden" in shard for shard in self.manifest["shards"]):
+            return ()
+        return tuple(self.manifest["settings"].get("hidden_layers", ()))
+
+    def _hidden(self, number: int, begin: int, end: int) -> torch.Tensor | None:
+        """Rows [begin, end) of a shard's hidden-state file, read from disk alone (memory stays bounded)."""
+        relative = self.manifest["shards"][number].get("hidden")
+        if relative is None or not self.load_hidden or not (self.data_dir / relative).exists():
+            return None
+        with safe_open(str(self.data_dir / relative), framework="pt") as handle:
+            return handle.get_slice("hidden")[begin:end]
 
     def __iter__(self) -> Iterator[TrainingSequence]:
         return (self[i] for i in range(len(self)))

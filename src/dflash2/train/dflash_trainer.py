@@ -56,6 +56,7 @@ class TrainConfig:
     mask_token_id: int | None = None  # default: DFlashConfig.for_target's safe choice
     intermediate_size: int | None = None  # drafter SwiGLU width; default: the target's
     init_from_target: bool = False  # warm start: drafter layers copied from the target's last layers
+    draft_vocab_size: int = 0  # > 0: the head scores only the most frequent response ids (0 = whole vocabulary)
     gamma: float | None = None  # loss decay over block positions; default 1 + 3 * block_size / 8 (8 -> 4, 16 -> 7)
     anchors_per_sequence: int = 64  # blocks per sequence per forward (512 on a GPU in the published recipe)
     max_sequence_length: int = 1024  # longer sequences are truncated
@@ -177,11 +178,42 @@ def block_loss(
 ) -> torch.Tensor:
     """Weighted cross-entropy of the block predictions (rows without weight skip the head)."""
     hidden = block_hidden(model, target, taps, batch)
-    keep = batch.weights > 0
-    logits = model.logits(target, hidden[keep.to(hidden.device)])  # [Q', V]
+    labels = model.draft_labels(batch.labels)  # [Q] index in the draft vocabulary, -1 outside it
+    keep = (batch.weights > 0) & (labels >= 0).cpu()
+    if not bool(keep.any()):
+        return hidden.sum() * 0.0  # no label the head can score: a zero loss that still backpropagates
+    logits = model.draft_logits(target, hidden[keep.to(hidden.device)])  # [Q', V']
     weights = batch.weights[keep].to(logits.device)
-    losses = F.cross_entropy(logits, batch.labels[keep].to(logits.device), reduction="none")
+    losses = F.cross_entropy(logits, labels[keep.to(labels.device)].to(logits.device), reduction="none")
     return (losses * weights).sum() / weights.sum()
+
+
+def frequent_ids(shards: TokenShards, num_sequences: int, count: int, always: Sequence[int] = ()) -> torch.Tensor:
+    """The ``count`` ids most frequent in the responses of the first ``num_sequences`` sequences, ``always`` included.
+
+    Ties break toward the smaller id, so the draft vocabulary is a deterministic function of the data.
+    """
+    reader = TokenShards(shards.data_dir, load_hidden=False)
+    counts = torch.zeros(0, dtype=torch.int64)
+    for index in range(num_sequences):
+        sequence = reader[index]
+        counts = _add_counts(counts, sequence.ids[sequence.prompt_length :])
+    must = torch.tensor(sorted(set(always)), dtype=torch.int64)
+    counts = _add_counts(counts, must)
+    if count > counts.numel():
+        counts = torch.cat([counts, torch.zeros(count - counts.numel(), dtype=torch.int64)])
+    boost = torch.zeros_like(counts)
+    boost[must] = counts.sum() + 1  # ahead of every counted id
+    order = torch.argsort(-(counts + boost), stable=True)
+    return order[:count]
+
+
+def _add_counts(counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    if ids.numel() == 0:
+        return counts
+    new = torch.bincount(ids, minlength=counts.numel())
+    new[: counts.numel()] += counts
+    return new
 
 
 @torch.no_grad()
@@ -326,6 +358,7 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
         target.config, num_layers=config.num_layers, block_size=config.block_size,
         target_layer_ids=config.target_layer_ids, mask_token_id=config.mask_token_id,
         intermediate_size=config.intermediate_size, target_model=config.target_model,
+        draft_vocab_size=config.draft_vocab_size,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
@@ -333,6 +366,8 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
     model.to(device=target.device, dtype=parse_dtype(config.dtype))
     if config.init_from_target:
         model.init_from_target(target)
+    if config.draft_vocab_size:
+        model.set_draft_vocab(frequent_ids(shards, num_train, config.draft_vocab_size, target.config.eos_token_ids))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cosine_with_warmup(
@@ -366,7 +401,7 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
                     if skipped > num_train:
                         raise ValueError("no training sequence has a response of >= 2 tokens")
                     continue
-                taps = target_pass(target, sequence.ids, drafter_config.target_layer_ids).hidden_states
+                taps = sequence_taps(target, sequence, shards.hidden_layers, drafter_config.target_layer_ids)
                 batch = build_anchor_batch(sequence.ids, anchors, config.block_size, drafter_config.mask_token_id,
                                            weights_by_position)
                 loss = block_loss(model, target, taps, batch)
@@ -405,7 +440,22 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
 def _truncate(sequence: TrainingSequence, max_length: int) -> TrainingSequence:
     if len(sequence.ids) <= max_length:
         return sequence
-    return TrainingSequence(ids=sequence.ids[:max_length], prompt_length=min(sequence.prompt_length, max_length))
+    hidden = None if sequence.hidden is None else sequence.hidden[: max_length - 1]
+    return TrainingSequence(ids=sequence.ids[:max_length], prompt_length=min(sequence.prompt_length, max_length),
+                            hidden=hidden)
+
+
+def sequence_taps(
+    target: Transformer, sequence: TrainingSequence, stored_layers: Sequence[int], layers: Sequence[int]
+) -> tuple[torch.Tensor, ...]:
+    """The target's hidden states of ``layers`` over the sequence, one [1, N or N - 1, D] each.
+
+    Taken from the data when it stores them (hidden states captured while the target generated the sequence),
+    otherwise computed by one target forward.
+    """
+    if sequence.hidden is not None and set(layers) <= set(stored_layers):
+        return tuple(sequence.hidden[None, :, list(stored_layers).index(layer)] for layer in layers)
+    return target_pass(target, sequence.ids, layers).hidden_states
 
 
 def _report_eval(model, target, heldout, config: TrainConfig, step: int, out_dir: Path, bar) -> EvalResult:
@@ -485,5 +535,5 @@ def _load_checkpoint(path: Path, config: TrainConfig, model, optimizer, schedule
 
 __all__ = [
     "AnchorBatch", "EvalResult", "TrainConfig", "build_anchor_batch", "block_loss", "default_gamma",
-    "evaluate_acceptance", "latest_checkpoint", "position_weights", "sample_anchors", "train_dflash",
+    "evaluate_acceptance", "frequent_ids", "latest_checkpoint", "sequence_taps", "position_weights", "sample_anchors", "train_dflash",
 ]
