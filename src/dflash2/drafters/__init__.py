@@ -1,5 +1,6 @@
 """Drafters: ``none`` (plain decoding), ``ngram`` (prompt lookup), ``model`` (an independent small model),
-``dflash`` (a block drafter reading the target's hidden states; needs a trained drafter directory)."""
+``dflash`` (a block drafter reading the target's hidden states; needs a trained drafter directory),
+``dflash+ngram`` (a long prompt-lookup match when there is one, the DFlash block otherwise)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dflash2.drafters.base import Draft, Drafter
 
 TRAINED_DIR = Path(__file__).parent / "trained"  # trained drafters shipped with the package, one per target
 
-DRAFTER_NAMES = ("none", "ngram", "model", "dflash")
+DRAFTER_NAMES = ("none", "ngram", "model", "dflash", "dflash+ngram")
 DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 8, "model": 4}
 
 
@@ -36,11 +37,13 @@ def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draf
             raise ValueError(f"draft model {ref!r} has a different tokenizer from the target; it cannot draft for it")
         model = load_transformer(draft_dir, dtype, engine.target.device)
         return ModelDrafter(model, k, target_vocab_size=engine.target.config.vocab_size)
-    if name == "dflash":
+    if name in ("dflash", "dflash+ngram"):
         from dflash2.drafters.dflash import load_dflash_drafter
+        from dflash2.drafters.hybrid import HybridDrafter
 
         directory = draft_model or shipped_dflash_drafter(engine.name)
-        return load_dflash_drafter(directory, engine.target, num_draft_tokens)  # None -> block_size - 1
+        block = load_dflash_drafter(directory, engine.target, num_draft_tokens)  # None -> block_size - 1
+        return block if name == "dflash" else HybridDrafter(block, stop_ids=engine.tokenizer.eos_token_ids)
     raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
 
 

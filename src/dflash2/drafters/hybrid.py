@@ -1,0 +1,51 @@
+"""A long prompt-lookup match when there is one, a DFlash block otherwise.
+
+Prompt lookup is nearly free and, when the text repeats (code edits, quoting the question, summaries), its
+long matches are accepted in full; the block drafter covers everything else. The block drafter observes every
+step (its context cache must follow the sequence) even when the n-gram draft is the one verified.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.dflash import DFlashDrafter
+from dflash2.drafters.ngram import find_ngram_continuation
+from dflash2.verify.sampling import SamplingParams
+
+
+class HybridDrafter(Drafter):
+    """Chooses per step: the n-gram continuation when its match is at least ``min_match`` tokens long and it
+    proposes at least ``min_tokens`` tokens, else the block drafter's draft."""
+
+    name = "dflash+ngram"
+
+    def __init__(self, block: DFlashDrafter, num_draft_tokens: int | None = None, *, min_match: int = 3,
+                 max_match: int = 8, min_tokens: int = 4, stop_ids=()) -> None:
+        super().__init__(num_draft_tokens or block.num_draft_tokens)
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        self.block = block
+        self.hidden_layers = block.hidden_layers
+        self.min_match, self.max_match, self.min_tokens = min_match, max_match, min_tokens
+        self.stop_ids = frozenset(stop_ids)
+        self.ngram_steps = 0  # steps drafted by prompt lookup (the rest came from the block drafter)
+        self.block_steps = 0
+
+    def reset(self, capacity: int) -> None:
+        self.block.reset(capacity)
+
+    def observe(self, sequence: list[int], num_accepted: int, target_hidden: tuple[torch.Tensor, ...]) -> None:
+        self.block.observe(sequence, num_accepted, target_hidden)
+
+    def propose(
+        self, sequence: list[int], num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        k = min(num_draft_tokens, self.num_draft_tokens)
+        lookup = find_ngram_continuation(sequence, k, self.min_match, self.max_match, self.stop_ids)
+        if len(lookup) >= min(self.min_tokens, k) and lookup:
+            self.ngram_steps += 1
+            return Draft(tokens=torch.tensor(lookup, dtype=torch.int64), q_draft=None)  # deterministic: exact rule
+        self.block_steps += 1
+        return self.block.propose(sequence, min(k, self.block.num_draft_tokens), params, generator)

@@ -1,0 +1,55 @@
+"""The dflash+ngram drafter: prompt lookup on long matches, the block drafter otherwise; lossless either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash2.drafters.dflash import DFlashDrafter
+from dflash2.drafters.hybrid import HybridDrafter
+from dflash2.models.loading import load_transformer
+from dflash2.verify.sampling import GREEDY, SamplingParams
+from tests.unit.test_dflash_drafter import NEW_TOKENS, first_draft, make_model, plain_ids, spec_ids
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dirs):
+    return load_transformer(tiny_model_dirs["qwen2"], "fp32")
+
+
+def hybrid(target, **kwargs) -> HybridDrafter:
+    return HybridDrafter(DFlashDrafter(make_model(target, 8), target), **kwargs)
+
+
+def test_a_long_match_is_drafted_by_lookup_and_a_short_one_by_the_block(target):
+    motif = [21, 22, 23, 24, 25, 26, 27, 28]
+    repeating = torch.tensor([5, *motif, 9, 30, 31, *motif[:3]])  # the last 3 tokens occurred before
+    drafter = hybrid(target, min_match=3, min_tokens=4)
+    draft = first_draft(drafter, target, repeating, len(repeating) + 24, GREEDY)
+    pending = drafter.block.cache.length  # the prompt's last position; the pending token was appended
+    assert drafter.ngram_steps + drafter.block_steps == 1 and pending == len(repeating)
+    random_prompt = torch.tensor([90, 17, 3, 250, 41, 8])
+    drafter = hybrid(target, min_match=3, min_tokens=4)
+    draft = first_draft(drafter, target, random_prompt, len(random_prompt) + 24, GREEDY)
+    assert drafter.block_steps == 1 and drafter.ngram_steps == 0 and len(draft.tokens) == 5
+
+
+def test_lookup_drafts_continue_the_earlier_occurrence(target):
+    sequence = [5, 21, 22, 23, 24, 25, 26, 9, 21, 22, 23]
+    drafter = hybrid(target, min_match=3, min_tokens=2)
+    draft = drafter.propose(sequence, 5, GREEDY, None)  # no block call needed: the lookup wins
+    assert draft.tokens.tolist() == [24, 25, 26, 9, 21] and draft.q_draft is None and drafter.ngram_steps == 1
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
+def test_hybrid_decoding_is_lossless_and_deterministic(target, params):
+    prompt = torch.tensor([7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 7, 8, 9])  # lookup fires, then the block
+    capacity = len(prompt) + NEW_TOKENS + 16
+    drafter = hybrid(target, min_match=2, min_tokens=2)
+    runs = [spec_ids(target, drafter, prompt, capacity, params=params, generator=torch.Generator().manual_seed(1))
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == NEW_TOKENS
+    assert drafter.block_steps > 0
+    if params.greedy:  # (sampled pending tokens need not repeat the pattern, so lookup may never fire there)
+        assert drafter.ngram_steps > 0
+        assert runs[0] == plain_ids(target, prompt, capacity)
