@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash2.drafters.dflash import DFlashConfig, DFlashDraftModel, replace_directory
+from dflash2.drafters.dflash_config import DFlashConfig
+from dflash2.drafters.dflash_model import DFlashDraftModel, replace_directory
 from dflash2.models.decoder import Transformer
 from dflash2.train.data import TokenShards, TrainingSequence
 

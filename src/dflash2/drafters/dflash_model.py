@@ -1,0 +1,353 @@
+"""The DFlash drafter network (attention over [context ; block], decoder layers, the model) and its checkpoint
+format: a Hugging Face style directory with ``config.json`` and ``model.safetensors`` without embedding or head.
+See :mod:`dflash2.drafters.dflash` for how drafting uses it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from dflash2.drafters.dflash_config import CONFIG_FILE, WEIGHTS_FILE, DFlashConfig
+from dflash2.models.config import ModelConfig
+from dflash2.models.decoder import FeedForward, RMSNorm, Transformer, rope_inverse_frequencies, rotate_half
+
+class DFlashAttention(nn.Module):
+    """Block queries over [context K/V ; block K/V]. Parameter names match the decoder's attention."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_width = config.num_heads * config.head_dim
+        self.kv_width = config.num_kv_heads * config.head_dim
+        self.wqkv = nn.Linear(config.hidden_size, self.q_width + 2 * self.kv_width, bias=config.qkv_bias)
+        self.wo = nn.Linear(self.q_width, config.hidden_size, bias=False)
+        self.wkv_context: nn.Module | None = None  # set by DFlashDraftModel.pack(): the k/v rows of wqkv, packed
+
+    def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:  # [B, T, H * Dh] -> [B, H, T, Dh]
+        return x.view(x.shape[0], x.shape[1], num_heads, self.head_dim).transpose(1, 2)
+
+    def context_kv(
+        self,
+        context: torch.Tensor,  # [B, S, D] projected context
+        cos: torch.Tensor,  # [B, 1, S, Dh] at the context positions
+        sin: torch.Tensor,  # [B, 1, S, Dh]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys/values of the context: ([B, H_kv, S, Dh], [B, H_kv, S, Dh]); q is not computed."""
+        if self.wkv_context is not None:
+            kv = self.wkv_context(context)
+        else:
+            bias = None if self.wqkv.bias is None else self.wqkv.bias[self.q_width :]
+            kv = F.linear(context, self.wqkv.weight[self.q_width :], bias)
+        k, v = kv.split(self.kv_width, dim=-1)
+        k = self._heads(k, self.num_kv_heads)
+        return k * cos + rotate_half(k) * sin, self._heads(v, self.num_kv_heads)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, D] block (normed)
+        cos: torch.Tensor,  # [B, 1, T, Dh] at the block positions
+        sin: torch.Tensor,  # [B, 1, T, Dh]
+        context_k: torch.Tensor,  # [B, H_kv, S, Dh]
+        context_v: torch.Tensor,  # [B, H_kv, S, Dh]
+        attn_mask: torch.Tensor | None,  # [B or 1, 1, T, S + T] bool, True = may attend; None = all
+    ) -> torch.Tensor:
+        q, k, v = self.wqkv(x).split((self.q_width, self.kv_width, self.kv_width), dim=-1)
+        q, k, v = self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys = torch.cat([context_k.to(k.dtype), k], dim=2)  # [B, H_kv, S + T, Dh]
+        values = torch.cat([context_v.to(v.dtype), v], dim=2)  # [B, H_kv, S + T, Dh]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=attn_mask, enable_gqa=self.num_kv_heads != self.num_heads
+        )  # [B, H, T, Dh]
+        return self.wo(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+
+class DFlashLayer(nn.Module):
+    """An ordinary pre-norm decoder layer (RMSNorm, attention, SwiGLU) whose attention takes the context K/V."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = DFlashAttention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn = FeedForward(config)
+
+    def forward(self, x, cos, sin, context_k, context_v, attn_mask):  # x: [B, T, D] -> [B, T, D]
+        x = x + self.attn(self.attn_norm(x), cos, sin, context_k, context_v, attn_mask)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+ContextKV = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per drafter layer: ([B, H_kv, S, Dh], [B, H_kv, S, Dh])
+
+
+class DFlashDraftModel(nn.Module):
+    """The drafter network. Holds no embedding or head: the target's are passed in (:meth:`embed`, :meth:`logits`)."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        layer_config = config.layer_config()
+        width = config.hidden_size
+        self.layers = nn.ModuleList(DFlashLayer(layer_config) for _ in range(config.num_layers))
+        self.fc = nn.Linear(len(config.target_layer_ids) * width, width, bias=False)
+        self.hidden_norm = RMSNorm(width, config.rms_norm_eps)  # on the projected context
+        self.norm = RMSNorm(width, config.rms_norm_eps)  # before the target's head
+        self.register_buffer("inv_freq", rope_inverse_frequencies(layer_config), persistent=False)
+        # [V'] int64 ids the head scores (ascending by rank: most frequent first); None = the whole vocabulary.
+        vocab = torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None
+        self.register_buffer("draft_vocab", vocab)
+        self._sub_head: tuple[nn.Module, nn.Module] | None = None  # (the target head it came from, its rows)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> (cos, sin), each [B, 1, T, Dh] in the model dtype (angles in fp32)."""
+        angles = positions.to(self.inv_freq.device).float()[..., None] * self.inv_freq  # [B, T, Dh / 2]
+        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, Dh]
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    def project_context(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Tapped target hidden states, one [B, S, D] per target_layer_ids entry -> the context [B, S, D]."""
+        stacked = torch.cat([t.to(self.dtype) for t in taps], dim=-1)  # [B, S, n_taps * D]
+        return self.hidden_norm(self.fc(stacked))
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """context [B, S, D] at positions [B, S] -> each layer's rotated context (K, V), [B, H_kv, S, Dh] each."""
+        cos, sin = self.rope(positions)
+        return [layer.attn.context_kv(context, cos, sin) for layer in self.layers]
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,  # [B, T, D] target embeddings of the block ids
+        positions: torch.Tensor,  # [B, T] int64 block positions
+        context_kv: ContextKV,  # per layer, the context K/V ([B, H_kv, S, Dh] each)
+        attn_mask: torch.Tensor | None = None,  # [B or 1, T, S + T] bool over [context ; block]; None = all
+    ) -> torch.Tensor:
+        """The block's final hidden states [B, T, D], normed by the drafter's own RMSNorm."""
+        cos, sin = self.rope(positions)
+        mask = attn_mask[:, None] if attn_mask is not None else None  # [B, 1, T, S + T]
+        x = block_embeds.to(self.dtype)
+        for layer, (context_k, context_v) in zip(self.layers, context_kv, strict=True):
+            x = layer(x, cos, sin, context_k, context_v, mask)
+        return self.norm(x)
+
+    @staticmethod
+    def embed(target: Transformer, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] -> the target's (frozen) embeddings [B, T, D]."""
+        return target.embed(ids.to(target.device))
+
+    def logits(self, target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> float32 logits [..., V] through the target's (frozen) LM head.
+
+        With a draft vocabulary only its V' rows are computed; every other id gets -inf (probability 0), so
+        argmax, sampling and the q_draft handed to verification stay over the target's full vocabulary.
+        """
+        draft = self.draft_logits(target, hidden)  # [..., V']
+        if self.draft_vocab is None:
+            return draft
+        full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab.to(draft.device), draft)
+
+    def draft_logits(self, target: Transformer, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> float32 logits [..., V'] over ``draft_vocab`` (all V ids without one).
+
+        The input is cast to the head's weight dtype when the head is an ``nn.Linear`` (a trainer may hold an fp32
+        copy of a bf16 target's head); a packed head takes any float dtype.
+        """
+        head = target.lm_head if self.draft_vocab is None else self._draft_head(target.lm_head)
+        dtype = head.weight.dtype if isinstance(head, nn.Linear) else target.dtype
+        return head(hidden.to(dtype)).float()
+
+    def draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Target ids [...] -> their index in ``draft_vocab`` (-1 for ids outside it); identity without one."""
+        if self.draft_vocab is None:
+            return labels
+        index = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=self.draft_vocab.device)
+        index[self.draft_vocab] = torch.arange(self.draft_vocab.numel(), device=index.device)
+        return index[labels.to(index.device)]
+
+    def _draft_head(self, head: nn.Module) -> nn.Module:
+        """The rows ``draft_vocab`` of the target's head, as a frozen module of the same kind (built once)."""
+        if self._sub_head is not None and self._sub_head[0] is head:
+            return self._sub_head[1]
+        rows = self.draft_vocab.to("cpu")
+        if hasattr(head, "unpacked_weight"):  # a packed CPU head
+            from dflash2.kernels import PackedLinear
+
+            sub = PackedLinear.from_weight(head.unpacked_weight()[rows], backend=head.backend)
+        else:
+            weight = head.weight.detach()[rows.to(head.weight.device)]
+            sub = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+            sub.weight = nn.Parameter(weight.clone(), requires_grad=False)
+        self._sub_head = (head, sub)
+        return sub
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Use the ids [V'] (distinct, in vocabulary) as the draft vocabulary; V' must equal draft_vocab_size."""
+        ids = ids.to(torch.int64).flatten()
+        if ids.numel() != self.config.draft_vocab_size or ids.unique().numel() != ids.numel():
+            raise ValueError(f"need {self.config.draft_vocab_size} distinct ids, got {ids.numel()}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError("draft vocabulary ids outside the target's vocabulary")
+        self.draft_vocab = ids.to(self.device)
+        self._sub_head = None
+
+    def pack(self) -> "DFlashDraftModel":
+        """Inference on a CPU: run the projections through dflash2's packed bf16 kernel (no autograd after this)."""
+        from dflash2.kernels import PackedLinear
+        from dflash2.models.loading import pack_layer_projections
+
+        for layer in self.layers:
+            attn = layer.attn
+            bias = None if attn.wqkv.bias is None else attn.wqkv.bias[attn.q_width :]
+            attn.wkv_context = PackedLinear.from_weight(attn.wqkv.weight[attn.q_width :], bias)
+        pack_layer_projections(self.layers)
+        self.fc = PackedLinear.from_linear(self.fc)
+        return self
+
+    # ---- warm start, save, load ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_from_target(self, target: Transformer, layer_ids: Sequence[int] | None = None) -> None:
+        """Copy target layers into the drafter layers (default: the target's last ``num_layers`` layers).
+
+        ``fc`` starts as the mean of the taps. Requires matching layer shapes. Whether this helps is unmeasured.
+        """
+        count = len(self.layers)
+        layer_ids = tuple(layer_ids) if layer_ids is not None else tuple(range(target.config.num_layers - count,
+                                                                              target.config.num_layers))
+        if len(layer_ids) != count:
+            raise ValueError(f"need {count} target layer ids, got {layer_ids}")
+        for layer, index in zip(self.layers, layer_ids):
+            source = target.layers[index].state_dict()
+            own = layer.state_dict()
+            if source.keys() != own.keys() or any(source[k].shape != own[k].shape for k in own):
+                raise ValueError(f"target layer {index} does not match the drafter's layer shape")
+            layer.load_state_dict({k: v.to(self.dtype) for k, v in source.items()})
+        width, taps = self.config.hidden_size, len(self.config.target_layer_ids)
+        eye = torch.eye(width, dtype=self.dtype, device=self.device) / taps
+        self.fc.weight.copy_(eye.repeat(1, taps))
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` (HF names, no embedding or head), atomically."""
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+        try:
+            tmp.chmod(0o755)
+            tensors = {name: t.detach().to("cpu").contiguous() for name, t in to_hf_state_dict(self).items()}
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            raw = self.config.to_hf_dict()
+            raw["torch_dtype"] = str(self.dtype).removeprefix("torch.")
+            (tmp / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n")
+            replace_directory(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return directory
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"
+    ) -> "DFlashDraftModel":
+        from dflash2.models.loading import parse_dtype
+
+        directory = Path(directory)
+        config = DFlashConfig.from_hf_dict(json.loads((directory / CONFIG_FILE).read_text()))
+        torch_dtype = parse_dtype(dtype)
+        with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as handle:
+            hf = {name: handle.get_tensor(name) for name in handle.keys()}
+        state = {k: v.to(device=device, dtype=torch_dtype if v.is_floating_point() else v.dtype)
+                 for k, v in from_hf_state_dict(hf, config).items()}
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(state, assign=True)
+        model.inv_freq = rope_inverse_frequencies(config.layer_config()).to(device)
+        return model.eval()
+
+
+def replace_directory(source: Path, destination: Path) -> None:
+    """Move the finished directory ``source`` to ``destination``, replacing what was there (atomic rename)."""
+    if destination.exists():
+        old = destination.with_name(f".{destination.name}.old-{os.getpid()}")
+        os.replace(destination, old)
+        os.replace(source, destination)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(source, destination)
+
+
+_LAYER_NAMES = {  # this module's per-layer names -> DFlash / HF names (q/k/v and gate/up are split on save)
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn.w_down.weight": "mlp.down_proj.weight",
+}
+
+
+def to_hf_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
+    """The drafter's weights under DFlash / HF names (``layers.i.self_attn.q_proj.weight``, ``fc.weight``, ...)."""
+    config, state = model.config, model.state_dict()
+    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    out = {"fc.weight": state["fc.weight"], "hidden_norm.weight": state["hidden_norm.weight"],
+           "norm.weight": state["norm.weight"]}
+    if model.draft_vocab is not None:
+        out["draft_vocab"] = state["draft_vocab"]  # [V'] int64 target ids the head scores
+    for i in range(config.num_layers):
+        src, dst = f"layers.{i}.", f"layers.{i}."
+        for ours, theirs in _LAYER_NAMES.items():
+            out[dst + theirs] = state[src + ours]
+        for kind in ("weight", "bias") if config.attention_bias else ("weight",):
+            q, k, v = state[src + f"attn.wqkv.{kind}"].split((q_width, kv_width, kv_width))
+            out.update({dst + f"self_attn.q_proj.{kind}": q, dst + f"self_attn.k_proj.{kind}": k,
+                        dst + f"self_attn.v_proj.{kind}": v})
+        gate, up = state[src + "ffn.w_gate_up.weight"].chunk(2)
+        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+    return out
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], config: DFlashConfig) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_hf_state_dict`; refuses checkpoints carrying weights this model does not have."""
+    state = {"fc.weight": hf["fc.weight"], "hidden_norm.weight": hf["hidden_norm.weight"],
+             "norm.weight": hf["norm.weight"]}
+    if config.draft_vocab_size:
+        if "draft_vocab" not in hf or hf["draft_vocab"].numel() != config.draft_vocab_size:
+            raise ValueError(f"config.json says draft_vocab_size {config.draft_vocab_size}: the weights need "
+                             "a draft_vocab tensor of that many ids")
+        state["draft_vocab"] = hf["draft_vocab"].to(torch.int64)
+    used = set(state)
+    for i in range(config.num_layers):
+        src = f"layers.{i}."
+        for ours, theirs in _LAYER_NAMES.items():
+            state[src + ours] = hf[src + theirs]
+            used.add(src + theirs)
+        for kind in ("weight", "bias") if config.attention_bias else ("weight",):
+            names = [src + f"self_attn.{p}_proj.{kind}" for p in "qkv"]
+            state[src + f"attn.wqkv.{kind}"] = torch.cat([hf[n] for n in names])
+            used.update(names)
+        names = [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"]
+        state[src + "ffn.w_gate_up.weight"] = torch.cat([hf[n] for n in names])
+        used.update(names)
+    unknown = sorted(set(hf) - used)
+    if unknown:
+        raise ValueError(f"the checkpoint has weights a DFlash drafter does not use: {unknown[:5]}")
+    return state
