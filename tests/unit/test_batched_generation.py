@@ -54,7 +54,8 @@ def test_batched_data_generation_stores_hidden_states_the_trainer_reads(target, 
     gsm8k.write_text("".join(json.dumps({"question": f"What is {i} times {i + 3}?"}) + "\n" for i in range(8)))
     encode = lambda text: list(text.encode("utf-8"))[:20]  # noqa: E731
     common = dict(max_new_tokens=6, gsm8k_path=str(gsm8k), sources=("gsm8k",), progress=False)
-    batched = DataConfig(str(tmp_path / "batched"), 5, shard_size=2, batch_size=3, hidden_layers=LAYERS, **common)
+    batched = DataConfig(str(tmp_path / "batched"), 5, shard_size=2, batch_size=3, hidden_layers=LAYERS,
+                         hidden_dir=str(tmp_path / "elsewhere"), **common)
     single = DataConfig(str(tmp_path / "single"), 5, shard_size=4, **common)
     generate_training_data(batched, target, encode, stop_ids=())
     generate_training_data(single, target, encode, stop_ids=())
@@ -68,3 +69,7 @@ def test_batched_data_generation_stores_hidden_states_the_trainer_reads(target, 
         assert from_data[0].shape[1] == len(sequence.ids) - 1
         torch.testing.assert_close(from_data[0], computed[0][:, :-1], atol=2e-4, rtol=1e-4)
     assert sequence_taps(target, stored[0], stored.hidden_layers, (1,))[0].shape[1] == len(stored[0].ids)
+    assert len(list((tmp_path / "elsewhere").glob("shard_*.safetensors"))) == 3  # outside the data directory
+    (tmp_path / "elsewhere" / "shard_00000.safetensors").unlink()  # e.g. a fresh clone on another machine
+    fresh = TokenShards(batched.out_dir)
+    assert fresh[0].hidden is None and fresh[4].hidden is not None  # missing files: the trainer recomputes

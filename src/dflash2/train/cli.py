@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import signal
+from pathlib import Path
 
 
 def add_train_parser(commands) -> None:
@@ -25,6 +27,9 @@ def add_train_parser(commands) -> None:
     data.add_argument("--hidden-taps", type=int, default=5,
                       help="store the target's hidden states of this many spread layers with the data, so that "
                            "training needs no target forward (batched generation only; 0 = none)")
+    data.add_argument("--hidden-dir", default=None,
+                      help="where the hidden states go (default: $DFLASH2_HOME/train-hidden/<name of --out>, outside "
+                           "the checkout, so that they survive a fresh clone; they are too large for git)")
     data.add_argument("--speculate", choices=("none", "ngram"), default=None,
                       help="with --batch-size 1: generate through lossless greedy speculative decoding "
                            "(same ids, faster; default ngram)")
@@ -61,12 +66,21 @@ def add_train_parser(commands) -> None:
     dflash.set_defaults(handler=run_train_dflash)
 
 
+def _stop_gracefully_on_signals() -> None:
+    """SIGTERM and SIGINT (ignored by default in background jobs) end a run like Ctrl-C: what is done is saved."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+
+
 def run_train_data(args: argparse.Namespace) -> int:
     import torch
 
     from dflash2.drafters.dflash import default_target_layer_ids
     from dflash2.models.loading import load_transformer
-    from dflash2.models.store import canonical_name, resolve_model
+    from dflash2.models.store import canonical_name, home, resolve_model
     from dflash2.models.tokenizer import Tokenizer
     from dflash2.train.data import DataConfig, chat_encoder, generate_training_data
 
@@ -74,6 +88,7 @@ def run_train_data(args: argparse.Namespace) -> int:
         raise SystemExit("--batch-size must be >= 1")
     if args.batch_size > 1 and args.speculate not in (None, "none"):
         raise SystemExit("--speculate applies to --batch-size 1 only (batched generation is plain greedy)")
+    _stop_gracefully_on_signals()
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model, args.dtype)
@@ -85,6 +100,7 @@ def run_train_data(args: argparse.Namespace) -> int:
     config = DataConfig(args.out, args.num_sequences, max_new_tokens=args.max_new_tokens,
                         max_prompt_tokens=args.max_prompt_tokens, shard_size=args.shard_size,
                         batch_size=args.batch_size, hidden_layers=taps,
+                        hidden_dir=args.hidden_dir or str(home() / "train-hidden" / Path(args.out).resolve().name),
                         sources=tuple(s for s in args.sources.split(",") if s), gsm8k_path=args.gsm8k,
                         target_model=canonical_name(args.model) or args.model)
     drafter = None
@@ -101,6 +117,7 @@ def run_train_dflash(args: argparse.Namespace) -> int:
     from dflash2.models.store import canonical_name, resolve_model
     from dflash2.train.dflash_trainer import TrainConfig, train_dflash
 
+    _stop_gracefully_on_signals()
     layers = tuple(int(x) for x in args.target_layers.split(",")) if args.target_layers else None
     config = TrainConfig(
         target_dir=str(resolve_model(args.model, args.target_dtype)), data_dir=args.data, out_dir=args.out,

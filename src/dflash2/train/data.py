@@ -42,7 +42,7 @@ from dflash2.train.batched import batched_greedy
 from dflash2.verify.sampling import GREEDY
 
 MANIFEST = "manifest.json"
-HIDDEN_DIR = "hidden"  # per-shard hidden-state files (regenerable, too large for git)
+HIDDEN_DIR = "hidden"  # default home of the per-shard hidden-state files, inside out_dir (too large for git)
 MANIFEST_VERSION = 1
 # In a source checkout the shared data sit next to the repository (<repo>/../shared); elsewhere pass a path.
 DEFAULT_GSM8K_PATH = Path(__file__).resolve().parents[4] / "shared" / "data" / "train" / "gsm8k_train.jsonl"
@@ -173,6 +173,7 @@ class DataConfig:
     shard_size: int = 64  # sequences per shard (at most this many are lost when a run is killed)
     batch_size: int = 1  # prompts generated together (batched greedy; 1 = batch-1 decoding, optionally speculative)
     hidden_layers: tuple[int, ...] = ()  # also store the target's hidden states of these layers (batched path only)
+    hidden_dir: str | None = None  # where those go (default: out_dir/hidden)
     sources: tuple[str, ...] = ("gsm8k", "stdlib")  # prompt sources, interleaved round-robin
     gsm8k_path: str | None = None  # default: shared/data/train/gsm8k_train.jsonl
     target_model: str = ""  # recorded in the manifest; a re-run for another target is refused
@@ -189,7 +190,7 @@ class TrainingSequence:
 def _settings(config: DataConfig) -> dict:
     """The manifest's record of the settings that must not change between runs into one directory."""
     settings = asdict(config)
-    for volatile in ("out_dir", "num_sequences", "progress", "shard_size", "gsm8k_path", "batch_size"):
+    for volatile in ("out_dir", "num_sequences", "progress", "shard_size", "gsm8k_path", "batch_size", "hidden_dir"):
         settings.pop(volatile)
     settings["sources"] = list(config.sources)
     settings["hidden_layers"] = list(config.hidden_layers)
@@ -236,10 +237,11 @@ def write_hidden_shard(path: str | Path, sequences: Sequence[TrainingSequence]) 
 
 
 def append_shard(out_dir: str | Path, sequences: Sequence[TrainingSequence], prompts_done: int | None = None,
-                 settings: dict | None = None) -> None:
+                 settings: dict | None = None, hidden_dir: str | Path | None = None) -> None:
     """Write ``sequences`` as the next shard and record it (and the prompt-stream position) in the manifest.
 
-    Hidden states, when the sequences carry them, go to ``hidden/<shard name>`` (large: not meant for git).
+    Hidden states, when the sequences carry them, go to ``<hidden_dir>/<shard name>`` (default ``out_dir/hidden``;
+    large, not meant for git: a directory outside the checkout keeps them across fresh clones).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -249,8 +251,10 @@ def append_shard(out_dir: str | Path, sequences: Sequence[TrainingSequence], pro
     write_shard(out_dir / name, sequences)
     entry = {"file": name, "num_sequences": len(sequences), "num_tokens": sum(len(s.ids) for s in sequences)}
     if sequences and sequences[0].hidden is not None:
-        write_hidden_shard(out_dir / HIDDEN_DIR / name, sequences)
-        entry["hidden"] = f"{HIDDEN_DIR}/{name}"
+        hidden_path = Path(hidden_dir or out_dir / HIDDEN_DIR).resolve() / name
+        write_hidden_shard(hidden_path, sequences)
+        inside = hidden_path.is_relative_to(out_dir.resolve())
+        entry["hidden"] = str(hidden_path.relative_to(out_dir.resolve()) if inside else hidden_path)
     manifest["shards"].append(entry)
     manifest["num_sequences"] += len(sequences)
     if prompts_done is not None:
@@ -340,12 +344,12 @@ def generate_training_data(
             bar.update(len(batch))
             prompts_done += taken
             while len(buffer) >= config.shard_size:
-                append_shard(out_dir, buffer[: config.shard_size], prompts_done, settings)
+                append_shard(out_dir, buffer[: config.shard_size], prompts_done, settings, config.hidden_dir)
                 done += config.shard_size
                 buffer = buffer[config.shard_size :]
     finally:  # interrupted or not: keep what was generated
         if buffer:
-            append_shard(out_dir, buffer, prompts_done, settings)
+            append_shard(out_dir, buffer, prompts_done, settings, config.hidden_dir)
         elif read_manifest(out_dir) is None:
             _write_manifest(out_dir, {"version": MANIFEST_VERSION, "settings": settings, "shards": [],
                                       "num_sequences": 0, "prompts_done": prompts_done})
@@ -428,11 +432,14 @@ class TokenShards:
 
     def _hidden(self, number: int, begin: int, end: int) -> torch.Tensor | None:
         """Rows [begin, end) of a shard's hidden-state file, read from disk alone (memory stays bounded)."""
-        relative = self.manifest["shards"][number].get("hidden")
-        if relative is None or not self.load_hidden or not (self.data_dir / relative).exists():
+        entry = self.manifest["shards"][number]
+        if "hidden" not in entry or not self.load_hidden or not (self.data_dir / entry["hidden"]).exists():
             return None
-        with safe_open(str(self.data_dir / relative), framework="pt") as handle:
-            return handle.get_slice("hidden")[begin:end]
+        with safe_open(str(self.data_dir / entry["hidden"]), framework="pt") as handle:
+            rows = handle.get_slice("hidden")
+            if rows.get_shape()[0] != entry["num_tokens"] - entry["num_sequences"]:  # stale file of other data
+                return None
+            return rows[begin:end]
 
     def __iter__(self) -> Iterator[TrainingSequence]:
         return (self[i] for i in range(len(self)))
