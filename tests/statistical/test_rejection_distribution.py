@@ -95,6 +95,14 @@ def with_zeros(dist: torch.Tensor, zero_ids: list[int]) -> torch.Tensor:
     return dist / dist.sum(-1, keepdim=True)
 
 
+def over_top_candidates(dist: torch.Tensor, count: int, seed: int) -> torch.Tensor:
+    """A path selector's sparse q: a fresh softmax over each row's ``count`` most likely ids, zero elsewhere."""
+    candidates = dist.topk(count, dim=-1).indices
+    scores = torch.randn(*dist.shape, generator=torch.Generator().manual_seed(seed))
+    sparse = torch.full_like(dist, float("-inf")).scatter(-1, candidates, scores.gather(-1, candidates))
+    return torch.softmax(sparse, dim=-1)
+
+
 def warped(seed: int, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     logits = 2.0 * torch.randn(VOCAB + 1, VOCAB, generator=g)  # row 0 -> first token, rows 1.. -> after token a
@@ -116,6 +124,7 @@ def chains() -> dict[str, Chain]:
         "disjoint_supports": Chain(with_zeros(p0, low), with_zeros(P, low), with_zeros(q0, high), with_zeros(Q, high)),
         "p_with_zeros": Chain(with_zeros(p0, [0, 3]), with_zeros(P, [1, 4]), q0, Q),
         "top_k_top_p": Chain(wp0, wP, wq0, wQ),
+        "selector_sparse_q": Chain(p0, P, over_top_candidates(q0, 3, seed=7), over_top_candidates(Q, 3, seed=8)),
     }
 
 

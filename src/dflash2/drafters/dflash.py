@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.dflash2_parts import select_path
 from dflash2.drafters.dflash_config import (
     DFlashConfig,
     default_mask_token_id,
@@ -115,22 +116,49 @@ class DFlashDrafter(Drafter):
         start = len(sequence) - 1  # the pending token's position
         if self.cache.length != start:
             raise RuntimeError(f"the drafter's context holds {self.cache.length} positions, expected {start}")
+        if self.model.selector is not None:
+            return self._selected_draft(sequence[-1], start, k, params, generator)
         logits = self.block_logits(sequence[-1], start)[1 : k + 1]  # [k, V]
         if params.greedy:
             return Draft(tokens=logits.argmax(dim=-1).cpu(), q_draft=None)
         q_draft = logits_to_probs(logits, params)  # [k, V]
         return Draft(tokens=sample(q_draft, generator).cpu(), q_draft=q_draft)
 
-    def block_logits(self, pending: int, start: int) -> torch.Tensor:
-        """float32 logits [block_size, V] of the block [pending, MASK...] at positions start .. start + bs - 1."""
+    def _selected_draft(
+        self, pending: int, start: int, k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        """DFlash2: the path the selector walks through the top-K candidates (q_draft sparse over them)."""
+        model = self.model
+        hidden = self.block_hidden(pending, start)[1 : k + 1]  # [k, D]
+        logits = model.draft_logits(self.target, hidden)  # [k, V']
+        pending_row = int(model.selector_rows(torch.tensor([pending], device=model.device))[0])
+        temperature = 0.0 if params.greedy else params.temperature
+        path = select_path(model.selector, logits, hidden, pending_row, temperature, generator)
+        tokens = self._vocab_ids(path.rows)
+        if path.q is None:
+            return Draft(tokens=tokens.cpu(), q_draft=None)
+        q_draft = torch.zeros(k, model.config.vocab_size, device=path.q.device)  # [k, V]
+        q_draft.scatter_(1, self._vocab_ids(path.candidates), path.q)
+        return Draft(tokens=tokens.cpu(), q_draft=q_draft)
+
+    def _vocab_ids(self, rows: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary rows -> target ids."""
+        vocab = self.model.draft_vocab
+        return rows if vocab is None else vocab[rows]
+
+    def block_hidden(self, pending: int, start: int) -> torch.Tensor:
+        """The drafter's hidden states [block_size, D] of the block [pending, MASK...] at start .. start + bs - 1."""
         config, device = self.model.config, self.model.device
         ids = torch.full((1, config.block_size), config.mask_token_id, dtype=torch.int64, device=device)
         ids[0, 0] = pending
         positions = torch.arange(start, start + config.block_size, device=device)[None]  # [1, bs]
         context = [(self.cache.keys[layer, :, :, :start], self.cache.values[layer, :, :, :start])
                    for layer in range(config.num_layers)]
-        hidden = self.model(self.model.embed(self.target, ids), positions, context)  # [1, bs, D]
-        return self.model.logits(self.target, hidden)[0]
+        return self.model(self.model.embed(self.target, ids), positions, context)[0]
+
+    def block_logits(self, pending: int, start: int) -> torch.Tensor:
+        """float32 logits [block_size, V] of the block [pending, MASK...] at positions start .. start + bs - 1."""
+        return self.model.logits(self.target, self.block_hidden(pending, start))
 
 
 def load_dflash_drafter(

@@ -72,6 +72,9 @@ class DFlashConfig:
     num_target_layers: int = 0  # the target's depth (recorded in config.json; 0 = unknown)
     target_model: str = ""  # the target's name, recorded in config.json
     draft_vocab_size: int = 0  # > 0: the head scores only this many frequent ids (``draft_vocab``); 0 = all V
+    selector_rank: int = 0  # DFlash2 path selector: rank of its pair codebooks (0 = no selector, plain DFlash)
+    selector_top_k: int = 16  # DFlash2: candidates per block position the selector chooses among
+    conv_group: int = 0  # DFlash2 dynamic convolution: channels per tap group (0 = no convolution)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # unknown config.json keys, kept on save
 
     def __post_init__(self) -> None:
@@ -82,6 +85,10 @@ class DFlashConfig:
             raise ValueError("target_layer_ids is empty: a DFlash drafter needs at least one tapped layer")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.conv_group and self.hidden_size % self.conv_group:
+            raise ValueError(f"conv_group {self.conv_group} does not divide hidden_size {self.hidden_size}")
+        if self.selector_rank < 0 or self.selector_top_k < 1:
+            raise ValueError("selector_rank must be >= 0 and selector_top_k >= 1")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} outside [0, {self.vocab_size}]")
         if self.num_target_layers and max(self.target_layer_ids) >= self.num_target_layers:
@@ -106,6 +113,9 @@ class DFlashConfig:
         attention_bias: bool | None = None,
         target_model: str = "",
         draft_vocab_size: int = 0,
+        selector_rank: int = 0,
+        selector_top_k: int = 16,
+        conv_group: int = 0,
     ) -> "DFlashConfig":
         """A drafter shaped like ``target``'s layers; ``num_layers`` taps by default (one per drafter layer)."""
         if mask_token_id is None:
@@ -131,6 +141,9 @@ class DFlashConfig:
             num_target_layers=target.num_layers,
             target_model=target_model,
             draft_vocab_size=draft_vocab_size,
+            selector_rank=selector_rank,
+            selector_top_k=selector_top_k,
+            conv_group=conv_group,
         )
 
     def layer_config(self) -> ModelConfig:
@@ -166,6 +179,9 @@ class DFlashConfig:
             "num_target_layers": self.num_target_layers,
             "target_model": self.target_model,
             "draft_vocab_size": self.draft_vocab_size,
+            "selector_rank": self.selector_rank,
+            "selector_top_k": self.selector_top_k,
+            "conv_group": self.conv_group,
             **dflash,
             "dflash_config": dflash,
         })
@@ -184,7 +200,8 @@ class DFlashConfig:
         known = {"architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
                  "rope_scaling", "vocab_size", "attention_bias", "hidden_act", "tie_word_embeddings",
-                 "num_target_layers", "target_model", "draft_vocab_size", "block_size", "target_layer_ids",
+                 "num_target_layers", "target_model", "draft_vocab_size", "selector_rank",
+                 "selector_top_k", "conv_group", "block_size", "target_layer_ids",
                  "mask_token_id",
                  "dflash_config"}
         return cls(
@@ -205,5 +222,8 @@ class DFlashConfig:
             num_target_layers=int(raw.get("num_target_layers") or 0),
             target_model=raw.get("target_model") or "",
             draft_vocab_size=int(raw.get("draft_vocab_size") or 0),
+            selector_rank=int(raw.get("selector_rank") or 0),
+            selector_top_k=int(raw.get("selector_top_k") or 16),
+            conv_group=int(raw.get("conv_group") or 0),
             extra={key: value for key, value in raw.items() if key not in known},
         )

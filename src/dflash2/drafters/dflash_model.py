@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from dflash2.drafters.dflash2_parts import DynamicConv, PathSelector
 from dflash2.drafters.dflash_config import CONFIG_FILE, WEIGHTS_FILE, DFlashConfig
 from dflash2.models.config import ModelConfig
 from dflash2.models.decoder import FeedForward, RMSNorm, Transformer, rope_inverse_frequencies, rotate_half
@@ -78,16 +79,22 @@ class DFlashAttention(nn.Module):
 class DFlashLayer(nn.Module):
     """An ordinary pre-norm decoder layer (RMSNorm, attention, SwiGLU) whose attention takes the context K/V."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, conv_group: int = 0, block_size: int = 16) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = DFlashAttention(config)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn = FeedForward(config)
+        # DFlash2: a dynamic convolution on the normed input of each sublayer (None = plain DFlash)
+        self.attn_conv = DynamicConv(config.hidden_size, conv_group, block_size) if conv_group else None
+        self.ffn_conv = DynamicConv(config.hidden_size, conv_group, block_size) if conv_group else None
 
     def forward(self, x, cos, sin, context_k, context_v, attn_mask):  # x: [B, T, D] -> [B, T, D]
-        x = x + self.attn(self.attn_norm(x), cos, sin, context_k, context_v, attn_mask)
-        return x + self.ffn(self.ffn_norm(x))
+        h = self.attn_norm(x)
+        h = self.attn_conv(h) if self.attn_conv is not None else h
+        x = x + self.attn(h, cos, sin, context_k, context_v, attn_mask)
+        h = self.ffn_norm(x)
+        return x + self.ffn(self.ffn_conv(h) if self.ffn_conv is not None else h)
 
 
 ContextKV = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per drafter layer: ([B, H_kv, S, Dh], [B, H_kv, S, Dh])
@@ -101,7 +108,8 @@ class DFlashDraftModel(nn.Module):
         self.config = config
         layer_config = config.layer_config()
         width = config.hidden_size
-        self.layers = nn.ModuleList(DFlashLayer(layer_config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DFlashLayer(layer_config, config.conv_group, config.block_size)
+                                    for _ in range(config.num_layers))
         self.fc = nn.Linear(len(config.target_layer_ids) * width, width, bias=False)
         self.hidden_norm = RMSNorm(width, config.rms_norm_eps)  # on the projected context
         self.norm = RMSNorm(width, config.rms_norm_eps)  # before the target's head
@@ -110,6 +118,10 @@ class DFlashDraftModel(nn.Module):
         vocab = torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None
         self.register_buffer("draft_vocab", vocab)
         self._sub_head: tuple[nn.Module, nn.Module] | None = None  # (the target head it came from, its rows)
+        self.selector = None  # DFlash2's path selector over the draft vocabulary (None = plain DFlash)
+        if config.selector_rank:
+            rows = config.draft_vocab_size or config.vocab_size
+            self.selector = PathSelector(rows, width, config.selector_rank, config.selector_top_k)
 
     @property
     def device(self) -> torch.device:
@@ -185,6 +197,11 @@ class DFlashDraftModel(nn.Module):
         index[self.draft_vocab] = torch.arange(self.draft_vocab.numel(), device=index.device)
         return index[labels.to(index.device)]
 
+    def selector_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids [...] -> the selector's codebook rows (ids outside the draft vocabulary share one row)."""
+        rows = self.draft_labels(ids)
+        return torch.where(rows >= 0, rows, torch.full_like(rows, self.selector.outside))
+
     def _draft_head(self, head: nn.Module) -> nn.Module:
         """The rows ``draft_vocab`` of the target's head, as a frozen module of the same kind (built once)."""
         if self._sub_head is not None and self._sub_head[0] is head:
@@ -239,10 +256,10 @@ class DFlashDraftModel(nn.Module):
             raise ValueError(f"need {count} target layer ids, got {layer_ids}")
         for layer, index in zip(self.layers, layer_ids):
             source = target.layers[index].state_dict()
-            own = layer.state_dict()
+            own = {k: v for k, v in layer.state_dict().items() if "_conv." not in k}  # DFlash2 convs stay as built
             if source.keys() != own.keys() or any(source[k].shape != own[k].shape for k in own):
                 raise ValueError(f"target layer {index} does not match the drafter's layer shape")
-            layer.load_state_dict({k: v.to(self.dtype) for k, v in source.items()})
+            layer.load_state_dict({k: v.to(self.dtype) for k, v in source.items()}, strict=False)
         width, taps = self.config.hidden_size, len(self.config.target_layer_ids)
         eye = torch.eye(width, dtype=self.dtype, device=self.device) / taps
         self.fc.weight.copy_(eye.repeat(1, taps))
@@ -304,6 +321,11 @@ _LAYER_NAMES = {  # this module's per-layer names -> DFlash / HF names (q/k/v an
 }
 
 
+def _is_dflash2_weight(name: str) -> bool:
+    """DFlash2's selector and convolution weights: stored under this module's own names."""
+    return name.startswith("selector.") or ".attn_conv." in name or ".ffn_conv." in name
+
+
 def to_hf_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
     """The drafter's weights under DFlash / HF names (``layers.i.self_attn.q_proj.weight``, ``fc.weight``, ...)."""
     config, state = model.config, model.state_dict()
@@ -312,6 +334,7 @@ def to_hf_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
            "norm.weight": state["norm.weight"]}
     if model.draft_vocab is not None:
         out["draft_vocab"] = state["draft_vocab"]  # [V'] int64 target ids the head scores
+    out.update({name: tensor for name, tensor in state.items() if _is_dflash2_weight(name)})
     for i in range(config.num_layers):
         src, dst = f"layers.{i}.", f"layers.{i}."
         for ours, theirs in _LAYER_NAMES.items():
@@ -334,6 +357,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: DFlashConfig) -> dic
             raise ValueError(f"config.json says draft_vocab_size {config.draft_vocab_size}: the weights need "
                              "a draft_vocab tensor of that many ids")
         state["draft_vocab"] = hf["draft_vocab"].to(torch.int64)
+    state.update({name: tensor for name, tensor in hf.items() if _is_dflash2_weight(name)})
     used = set(state)
     for i in range(config.num_layers):
         src = f"layers.{i}."

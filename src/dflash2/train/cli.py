@@ -36,6 +36,17 @@ def add_train_parser(commands) -> None:
     data.set_defaults(handler=run_train_data)
 
     dflash = sub.add_parser("dflash", help="train a DFlash block drafter on token shards (resumable)")
+    _add_dflash_arguments(dflash)
+    dflash.set_defaults(handler=run_train_dflash, selector_rank=0, selector_top_k=16, conv_group=0)
+    dflash2 = sub.add_parser("dflash2", help="train a DFlash2 drafter: DFlash + path selector + dynamic convolution")
+    _add_dflash_arguments(dflash2)
+    dflash2.add_argument("--selector-rank", type=int, default=256, help="pair codebook rank (default: %(default)s)")
+    dflash2.add_argument("--selector-top-k", type=int, default=16, help="candidates per position")
+    dflash2.add_argument("--conv-group", type=int, default=16, help="dynamic convolution channel group (0 = off)")
+    dflash2.set_defaults(handler=run_train_dflash)
+
+
+def _add_dflash_arguments(dflash) -> None:
     dflash.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the target (default: %(default)s)")
     dflash.add_argument("--data", required=True, help="token shards from `dflash2 train data`")
     dflash.add_argument("--out", required=True, help="run directory: checkpoints/, drafter/, logs")
@@ -45,6 +56,8 @@ def add_train_parser(commands) -> None:
     dflash.add_argument("--mask-token-id", type=int, default=None)
     dflash.add_argument("--intermediate-size", type=int, default=None)
     dflash.add_argument("--init-from-target", action="store_true", help="warm start from the target's layers")
+    dflash.add_argument("--init-from", default=None,
+                        help="start from a trained drafter directory (e.g. a DFlash drafter for a DFlash2 run)")
     dflash.add_argument("--draft-vocab", type=int, default=0,
                         help="score only this many frequent ids in the drafter's head (0 = whole vocabulary)")
     dflash.add_argument("--gamma", type=float, default=None)
@@ -63,7 +76,6 @@ def add_train_parser(commands) -> None:
     dflash.add_argument("--dtype", default="fp32", help="drafter weights and optimizer state")
     dflash.add_argument("--target-dtype", default="bf16")
     dflash.add_argument("--threads", type=int, default=None)
-    dflash.set_defaults(handler=run_train_dflash)
 
 
 def _stop_gracefully_on_signals() -> None:
@@ -125,7 +137,8 @@ def run_train_dflash(args: argparse.Namespace) -> int:
         num_layers=args.num_layers, block_size=args.block_size, target_layer_ids=layers,
         mask_token_id=args.mask_token_id, intermediate_size=args.intermediate_size,
         init_from_target=args.init_from_target, draft_vocab_size=args.draft_vocab, gamma=args.gamma,
-        anchors_per_sequence=args.anchors,
+        selector_rank=args.selector_rank, selector_top_k=args.selector_top_k, conv_group=args.conv_group,
+        init_from=args.init_from, anchors_per_sequence=args.anchors,
         max_sequence_length=args.max_seq_len, sequences_per_step=args.sequences_per_step, num_steps=args.steps,
         learning_rate=args.lr, warmup_steps=args.warmup, heldout_sequences=args.heldout, seed=args.seed,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, stop_at_step=args.stop_at_step,

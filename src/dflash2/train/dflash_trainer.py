@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash2.drafters.dflash2_parts import selector_loss
 from dflash2.drafters.dflash_config import DFlashConfig
 from dflash2.drafters.dflash_model import DFlashDraftModel, replace_directory
 from dflash2.models.decoder import Transformer
@@ -58,6 +59,10 @@ class TrainConfig:
     intermediate_size: int | None = None  # drafter SwiGLU width; default: the target's
     init_from_target: bool = False  # warm start: drafter layers copied from the target's last layers
     draft_vocab_size: int = 0  # > 0: the head scores only the most frequent response ids (0 = whole vocabulary)
+    selector_rank: int = 0  # DFlash2 path selector rank (0 = none)
+    selector_top_k: int = 16  # DFlash2 candidates per position
+    conv_group: int = 0  # DFlash2 dynamic convolution channel group (0 = none)
+    init_from: str | None = None  # start from a trained drafter's weights (e.g. DFlash -> DFlash2); new parts fresh
     gamma: float | None = None  # loss decay over block positions; default 1 + 3 * block_size / 8 (8 -> 4, 16 -> 7)
     anchors_per_sequence: int = 64  # blocks per sequence per forward (512 on a GPU in the published recipe)
     max_sequence_length: int = 1024  # longer sequences are truncated
@@ -179,14 +184,21 @@ def block_loss(
 ) -> torch.Tensor:
     """Weighted cross-entropy of the block predictions (rows without weight skip the head)."""
     hidden = block_hidden(model, target, taps, batch)
-    labels = model.draft_labels(batch.labels)  # [Q] index in the draft vocabulary, -1 outside it
-    keep = (batch.weights > 0) & (labels >= 0).cpu()
+    labels = model.draft_labels(batch.labels).cpu()  # [Q] index in the draft vocabulary, -1 outside it
+    keep = (batch.weights > 0) & (labels >= 0)
     if not bool(keep.any()):
         return hidden.sum() * 0.0  # no label the head can score: a zero loss that still backpropagates
-    logits = model.draft_logits(target, hidden[keep.to(hidden.device)])  # [Q', V']
+    kept_hidden = hidden[keep.to(hidden.device)]  # [Q', D]
+    logits = model.draft_logits(target, kept_hidden)  # [Q', V']
     weights = batch.weights[keep].to(logits.device)
-    losses = F.cross_entropy(logits, labels[keep.to(labels.device)].to(logits.device), reduction="none")
-    return (losses * weights).sum() / weights.sum()
+    kept_labels = labels[keep].to(logits.device)
+    losses = F.cross_entropy(logits, kept_labels, reduction="none")
+    loss = (losses * weights).sum() / weights.sum()
+    if model.selector is not None:  # DFlash2: also learn to pick the true token among the top-K candidates
+        previous = model.selector_rows(batch.labels.roll(1))[keep.to(model.device)]  # true token at j - 1
+        loss = loss + selector_loss(model.selector, logits, kept_hidden, kept_labels, previous.to(logits.device),
+                                    weights)
+    return loss
 
 
 def frequent_ids(shards: TokenShards, num_sequences: int, count: int, always: Sequence[int] = ()) -> torch.Tensor:
@@ -359,7 +371,8 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
         target.config, num_layers=config.num_layers, block_size=config.block_size,
         target_layer_ids=config.target_layer_ids, mask_token_id=config.mask_token_id,
         intermediate_size=config.intermediate_size, target_model=config.target_model,
-        draft_vocab_size=config.draft_vocab_size,
+        draft_vocab_size=config.draft_vocab_size, selector_rank=config.selector_rank,
+        selector_top_k=config.selector_top_k, conv_group=config.conv_group,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
@@ -369,6 +382,8 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
         model.init_from_target(target)
     if config.draft_vocab_size:
         model.set_draft_vocab(frequent_ids(shards, num_train, config.draft_vocab_size, target.config.eos_token_ids))
+    if config.init_from:
+        _init_from_drafter(model, config.init_from)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cosine_with_warmup(
@@ -436,6 +451,26 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
             _report_eval(model, target, heldout, config, step, out_dir, bar)
         return model.save_pretrained(out_dir / FINAL_DRAFTER)
     return latest_checkpoint(out_dir) / FINAL_DRAFTER
+
+
+def _init_from_drafter(model: DFlashDraftModel, directory: str) -> None:
+    """Copy a trained drafter's weights (and draft vocabulary) into ``model``; parts it lacks keep their init.
+
+    DFlash2's parts start as the identity (convolutions) and a zero gate (selector), so the copy drafts exactly
+    like the drafter it came from until training moves them.
+    """
+    source = DFlashDraftModel.from_pretrained(directory, model.dtype, model.device)
+    if (source.config.num_layers, source.config.target_layer_ids, source.config.block_size,
+            source.config.draft_vocab_size) != (model.config.num_layers, model.config.target_layer_ids,
+                                                model.config.block_size, model.config.draft_vocab_size):
+        raise ValueError(f"{directory}: layers, taps, block size or draft vocabulary differ from this run's")
+    missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
+    if unexpected or any(not _is_new_part(name) for name in missing):
+        raise ValueError(f"{directory}: weights do not fit ({unexpected[:3]} unexpected, {missing[:3]} missing)")
+
+
+def _is_new_part(name: str) -> bool:
+    return name.startswith("selector.") or "_conv." in name
 
 
 def _truncate(sequence: TrainingSequence, max_length: int) -> TrainingSequence:

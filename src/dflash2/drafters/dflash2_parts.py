@@ -1,0 +1,142 @@
+"""DFlash2's additions to the DFlash drafter: a candidate path selector and a two-tap dynamic convolution.
+
+Path selector. The target's next token is usually among the drafter's top-K candidates even when it is not the
+top-1, and which candidate fits depends on the token chosen before it. For block positions t = 1 .. k with
+candidates c_t (top-K of the drafter logits U_t) every adjacent pair is scored
+
+    S_t(a, b) = U_t(b) + < A(a) * H(h_t), B(b) >        a in c_(t-1) (c_0 = the pending token), b in c_t
+
+with rank-R codebooks A, B over the draft vocabulary (one extra row for ids outside it) and H a projection of
+the drafter's hidden state h_t. All pair scores come from one batched product; the path is then walked greedily
+(T = 0) or sampled from softmax(S / T) over the K candidates, whose sparse distribution is the q_draft that
+rejection sampling needs. H starts at zero, so an untrained selector picks the top-1 chain (plain DFlash).
+
+Dynamic convolution. Around each attention and MLP sublayer the normed input goes through
+x_t -> k0_t * x_t + k1_t * x_(t-1), with taps computed from x_t and shared by each group of channels; x_(t-1) is
+zero at a block's first position. The taps start at (1, 0): an identity that training moves away from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DynamicConv(nn.Module):
+    """Two-tap, content-dependent depthwise convolution along a block, taps shared per channel group."""
+
+    def __init__(self, width: int, group: int, block_size: int) -> None:
+        super().__init__()
+        if width % group:
+            raise ValueError(f"width {width} is not a multiple of the channel group {group}")
+        self.group, self.block_size = group, block_size
+        self.taps = nn.Linear(width, 2 * (width // group))  # -> (k0 - 1, k1) per group
+        nn.init.zeros_(self.taps.weight)
+        nn.init.zeros_(self.taps.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, D], blocks of block_size laid end to end
+        batch, length, width = x.shape
+        groups = width // self.group
+        taps = self.taps(x).view(batch, length, 2, groups)  # [B, T, 2, G]
+        previous = torch.cat([x.new_zeros(batch, 1, width), x[:, :-1]], dim=1)  # [B, T, D] x_(t-1)
+        block_start = torch.arange(length, device=x.device) % self.block_size == 0  # [T]
+        previous = previous.masked_fill(block_start[None, :, None], 0.0)
+        grouped = x.view(batch, length, groups, self.group)
+        mixed = grouped * (1.0 + taps[:, :, 0, :, None]) + previous.view_as(grouped) * taps[:, :, 1, :, None]
+        return mixed.view(batch, length, width)
+
+
+class PathSelector(nn.Module):
+    """Low-rank pair scores over the drafter's top-K candidates (see the module docstring)."""
+
+    def __init__(self, vocab_rows: int, width: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.prev_codes = nn.Embedding(vocab_rows + 1, rank)  # A; the last row stands for ids outside the vocab
+        self.next_codes = nn.Embedding(vocab_rows + 1, rank)  # B
+        self.gate = nn.Linear(width, rank, bias=False)  # H
+        nn.init.normal_(self.prev_codes.weight, std=0.02)
+        nn.init.normal_(self.next_codes.weight, std=0.02)
+        nn.init.zeros_(self.gate.weight)
+
+    @property
+    def outside(self) -> int:
+        """The codebook row of every id outside the draft vocabulary."""
+        return self.prev_codes.num_embeddings - 1
+
+    def pair_scores(
+        self,
+        previous: torch.Tensor,  # [T, Ka] int64 codebook rows of the previous position's candidates
+        candidates: torch.Tensor,  # [T, K] int64 codebook rows of this position's candidates
+        candidate_logits: torch.Tensor,  # [T, K] float32 drafter logits U_t of the candidates
+        hidden: torch.Tensor,  # [T, D] drafter hidden states h_t
+    ) -> torch.Tensor:
+        """S [T, Ka, K]: S[t, i, j] = U_t(candidates[t, j]) + <A(previous[t, i]) * H(h_t), B(candidates[t, j])>."""
+        gate = self.gate(hidden.to(self.gate.weight.dtype))  # [T, R]
+        left = self.prev_codes(previous) * gate[:, None, :]  # [T, Ka, R]
+        right = self.next_codes(candidates)  # [T, K, R]
+        return candidate_logits[:, None, :] + torch.bmm(left, right.transpose(1, 2)).float()
+
+
+@dataclass
+class SelectedPath:
+    rows: torch.Tensor  # [k] int64 chosen codebook rows (draft-vocabulary indices)
+    q: torch.Tensor | None  # [k, K] float32 the distribution each choice was sampled from (None when greedy)
+    candidates: torch.Tensor  # [k, K] int64 codebook rows of the candidates
+
+
+def select_path(
+    selector: PathSelector,
+    logits: torch.Tensor,  # [k, V'] float32 drafter logits of block positions 1 .. k (V' = draft vocabulary)
+    hidden: torch.Tensor,  # [k, D] drafter hidden states of those positions
+    pending_row: int,  # codebook row of the pending token (selector.outside when it is not in the vocabulary)
+    temperature: float,  # 0 = greedy walk
+    generator: torch.Generator | None = None,
+) -> SelectedPath:
+    """Walk the candidate lattice: every pair score in one batched product, then k cheap steps."""
+    k = logits.shape[0]
+    top = min(selector.top_k, logits.shape[-1])
+    candidate_logits, candidates = logits.topk(top, dim=-1)  # [k, K]
+    previous = torch.cat([torch.full((1, top), pending_row, dtype=torch.int64, device=candidates.device),
+                          candidates[:-1]])  # [k, K]; position 1's only real predecessor is the pending token
+    scores = selector.pair_scores(previous, candidates, candidate_logits, hidden)  # [k, K, K]
+    rows = torch.empty(k, dtype=torch.int64, device=candidates.device)
+    q = None if temperature <= 0 else torch.empty(k, top, device=scores.device)
+    chosen = 0  # index of the previous choice among its candidates (row 0 of position 1 is the pending token)
+    for t in range(k):
+        step = scores[t, chosen]  # [K]
+        if q is None:
+            chosen = int(step.argmax())
+        else:
+            q[t] = F.softmax(step / temperature, dim=-1)
+            chosen = int(torch.multinomial(q[t], 1, generator=generator))
+        rows[t] = candidates[t, chosen]
+    return SelectedPath(rows=rows, q=q, candidates=candidates)
+
+
+def selector_loss(
+    selector: PathSelector,
+    logits: torch.Tensor,  # [Q, V'] drafter logits of block positions (Q = blocks * block_size)
+    hidden: torch.Tensor,  # [Q, D]
+    labels: torch.Tensor,  # [Q] int64 draft-vocabulary row of the target's token at each position (-1: outside)
+    previous_labels: torch.Tensor,  # [Q] int64 row of the true previous token (selector.outside when unknown)
+    weights: torch.Tensor,  # [Q] float32 position weights (0 where there is no loss)
+) -> torch.Tensor:
+    """Cross-entropy of the true token among the top-K candidates, scored after the true previous token.
+
+    Positions whose true token is not a candidate carry no selector loss (the DFlash loss covers them).
+    """
+    top = min(selector.top_k, logits.shape[-1])
+    candidate_logits, candidates = logits.detach().topk(top, dim=-1)  # [Q, K]
+    hit = candidates == labels[:, None]  # [Q, K]
+    keep = (weights > 0) & hit.any(dim=-1)
+    if not bool(keep.any()):
+        return hidden.sum() * 0.0
+    scores = selector.pair_scores(previous_labels[keep, None], candidates[keep], candidate_logits[keep],
+                                  hidden[keep])[:, 0]  # [Q', K]
+    target = hit[keep].float().argmax(dim=-1)  # [Q'] index of the true token among the candidates
+    losses = F.cross_entropy(scores, target, reduction="none")
+    return (losses * weights[keep]).sum() / weights[keep].sum()
