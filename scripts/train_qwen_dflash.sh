@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The DFlash drafter recipe for the default target, Qwen2.5-Coder-1.5B-Instruct. A multi-hour job on 2 CPU cores:
+# every step resumes where it stopped (SIGTERM / Ctrl-C keep what is done), so run it again in each session.
+# Token shards are committed (data/dflash-train/), hidden states stay under $DFLASH2_HOME/train-hidden/ (GBs);
+# shards whose hidden states are missing (a fresh machine) are recomputed by one target forward when trained on.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DATA=data/dflash-train/qwen2.5-coder-1.5b-instruct
+RUN=runs/dflash-qwen1.5b
+.venv/bin/dflash2 train data --model qwen-1.5b --out "$DATA" --num-sequences "${NUM_SEQUENCES:-3000}" \
+    --batch-size 16 --shard-size 16 --hidden-taps 5 --threads "${THREADS:-2}"
+# Block 8 (a block of 16 costs 2.7 plain steps to verify on this CPU), 2 narrow layers, taps 1, 7, 13, 19, 25 (the
+# stored ones), a 32768-id draft vocabulary for the head.
+.venv/bin/dflash2 train dflash --model qwen-1.5b --data "$DATA" --out "$RUN" --num-layers 2 --intermediate-size 3072 \
+    --block-size 8 --target-layers 1,7,13,19,25 --draft-vocab 32768 --anchors 32 --sequences-per-step 4 \
+    --steps "${STEPS:-3000}" --lr 6e-4 --warmup 100 --heldout 16 --checkpoint-every 50 --eval-every 500 \
+    --threads "${THREADS:-2}"
+rm -rf src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct
+.venv/bin/python - "$RUN/drafter" src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct <<'PY'
+import sys
+from dflash2.drafters.dflash_model import DFlashDraftModel
+DFlashDraftModel.from_pretrained(sys.argv[1], "bf16").save_pretrained(sys.argv[2])  # shipped in bf16
+PY
