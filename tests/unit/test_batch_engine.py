@@ -102,3 +102,17 @@ def test_cancelled_request_frees_its_blocks(engine):
     assert batch.step() is False
     assert batch.pool.blocks_used == 0 and batch.pool.reserved == 0
     assert batch.snapshot().requests_finished == {"cancelled": 1}
+
+
+def test_a_request_that_waits_too_long_for_kv_gets_a_budget_error(engine):
+    from dflash2.kv.paged import KVBudgetError
+
+    batch = BatchEngine(engine, BatchConfig(num_blocks=4, block_size=8, queue_timeout_s=0.0))
+    first, second = [], []
+    batch.submit(BatchRequest([1, 2, 3], 20), first.append)  # reserves 3 of the 4 blocks
+    batch.submit(BatchRequest([4, 5, 6], 10), second.append)  # needs 2: waits, then times out
+    batch.step()
+    assert isinstance(second[-1], KVBudgetError) and batch.snapshot().requests_finished == {"error": 1}
+    while batch.step():
+        pass
+    assert first[-1].finish_reason in ("length", "eos") and batch.pool.reserved == 0
