@@ -116,3 +116,13 @@ def test_a_request_that_waits_too_long_for_kv_gets_a_budget_error(engine):
     while batch.step():
         pass
     assert first[-1].finish_reason in ("length", "eos") and batch.pool.reserved == 0
+
+
+def test_near_the_context_limit_batched_equals_single(engine):
+    batch = BatchEngine(engine, BatchConfig(num_blocks=80, block_size=16), request_drafters(engine))
+    long_prompt = (prompts(1)[0] * 40)[:495]  # the tiny model's context is 512
+    requests = [BatchRequest(long_prompt, 40, drafter="ngram", num_draft_tokens=8), BatchRequest(prompts(1)[0], 9)]
+    results = run_to_completion(batch, requests)
+    assert results[0].finish_reason == "length" and len(results[0].token_ids) == 512 - 495 + 1  # the last one is never fed
+    for request, result in zip(requests, results):
+        assert result.token_ids == single(engine, request.prompt_ids, request)

@@ -20,6 +20,7 @@ import torch
 
 from dflash2.decode.engine import Engine, GenerationResult, StreamChunk, _cut_at_eos, _TextStream
 from dflash2.decode.ragged import RaggedRow, ragged_forward
+from dflash2.decode.scheduler import Acceptance, CostModel, plan_draft_lengths
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.kv.paged import BlockTable, KVBudgetError, PagedKVPool
@@ -41,6 +42,7 @@ class BatchConfig:
     block_size: int = 16  # slots per KV block
     max_queue: int = 64  # requests waiting for admission; more are refused (QueueFullError)
     queue_timeout_s: float = 60.0  # a request not admitted within this fails with KVBudgetError
+    adaptive_drafts: bool = True  # lower draft lengths (to 0) when they would cost more than they commit
 
 
 @dataclass
@@ -77,9 +79,11 @@ class _Sequence:
     text: _TextStream
     stats: DecodeStats
     table: BlockTable | None = None
+    max_slots: int = 0  # KV slots the request may fill (within the context; the table may round up to blocks)
     sequence: list[int] = field(default_factory=list)  # prompt + committed ids; the last one is pending
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
     def send(self, event: Event) -> None:
         """Hand an event to the request's sink; a sink that fails (its client is gone) cancels the request."""
@@ -136,6 +140,7 @@ class BatchEngine:
         self._rejected = 0
         self._totals = DecodeStats()
         self._steps = 0
+        self.cost = CostModel()
 
     # ---- the caller's side -------------------------------------------------------------------------------------
     def submit(self, request: BatchRequest, sink: Sink) -> RequestHandle:
@@ -231,31 +236,46 @@ class BatchEngine:
         while self._waiting and len(self._running) < self.config.max_batch_size:
             seq = self._waiting[0]
             try:
-                seq.table = self.pool.new_table(self.max_slots(seq.request))
+                seq.max_slots = self.max_slots(seq.request)
+                seq.table = self.pool.new_table(seq.max_slots)
             except KVBudgetError:
                 break  # FIFO: the head waits for blocks to be freed
             self._waiting.pop(0)
             seq.sequence = list(seq.request.prompt_ids)
             if seq.drafter is not None:
-                seq.drafter.reset(seq.table.capacity)
+                seq.drafter.reset(seq.max_slots)
             self._running.append(seq)
         for seq in [s for s in self._waiting if now - s.submitted > self.config.queue_timeout_s]:
             self._retire(seq, "error", KVBudgetError(f"not admitted within {self.config.queue_timeout_s:.0f} s: "
                                                      "the KV cache stayed full"))
 
     def _forward_and_advance(self, running: list[_Sequence]) -> None:
-        drafts = [self._propose(seq) if seq.prefilled else None for seq in running]
+        lengths = self._draft_lengths(running)
+        drafts = [self._propose(seq, k) if seq.prefilled else None for seq, k in zip(running, lengths)]
         rows = [self._row(seq, draft) for seq, draft in zip(running, drafts)]
+        started = time.perf_counter()
         logits = ragged_forward(self.engine.target, self.pool, rows)
+        self.cost.record(sum(len(row.tokens) for row in rows), time.perf_counter() - started)
         with self._lock:
             self._steps += 1
         for seq, draft, row_logits in zip(running, drafts, logits):
             emitted = self._verify(seq, draft, row_logits)
             self._emit(seq, emitted)
 
-    def _propose(self, seq: _Sequence) -> Draft | None:
-        room = seq.table.capacity - len(seq.sequence)  # slots left after the pending token
-        k = min(seq.request.num_draft_tokens, room)
+    def _draft_lengths(self, running: list[_Sequence]) -> list[int]:
+        """Drafts per row this step: the request's draft length within its KV room, lowered by the scheduler."""
+        wanted = [min(seq.request.num_draft_tokens, seq.max_slots - len(seq.sequence))
+                  if seq.prefilled and seq.drafter is not None else 0 for seq in running]
+        if not self.config.adaptive_drafts or not any(wanted):
+            return wanted
+        base_tokens = sum(1 if seq.prefilled else len(seq.sequence) for seq in running)
+        plan = plan_draft_lengths(wanted, [seq.acceptance.alpha for seq in running], base_tokens,
+                                  float(len(running)), *self.cost.coefficients())
+        # A seeded sampled request keeps its draft length: its random draws, hence its output, stay reproducible
+        # whatever else is in the batch.
+        return [k if _seeded(seq.request.params) else p for seq, k, p in zip(running, wanted, plan)]
+
+    def _propose(self, seq: _Sequence, k: int) -> Draft | None:
         if seq.drafter is None or k <= 0:
             return None
         draft = seq.drafter.propose(seq.sequence, k, seq.request.params, seq.generator)
@@ -288,6 +308,7 @@ class BatchEngine:
         seq.stats.target_forwards += 1
         seq.stats.committed_tokens += len(emitted)
         seq.stats.record_draft(len(draft_ids), accepted)
+        seq.acceptance.update(len(draft_ids), accepted)
         if seq.drafter is not None:
             seq.drafter.observe(seq.sequence + emitted, accepted, ())
         return emitted
@@ -306,7 +327,7 @@ class BatchEngine:
             seq.send(StreamChunk(text=delta, token_ids=ids))
         if hit_eos or hit_stop or len(seq.generated) >= seq.request.max_new_tokens:
             self._retire(seq, "stop" if hit_stop else ("eos" if hit_eos else "length"), None)
-        elif seq.table.length >= seq.table.capacity:
+        elif seq.table.length >= seq.max_slots:
             self._retire(seq, "length", None)
 
     def _retire(self, seq: _Sequence, reason: str, error: Exception | None) -> None:
@@ -343,6 +364,10 @@ class BatchEngine:
             for position, (d, a) in enumerate(zip(stats.drafted_by_position, stats.accepted_by_position)):
                 totals.drafted_by_position[position] += d
                 totals.accepted_by_position[position] += a
+
+
+def _seeded(params: SamplingParams) -> bool:
+    return params.seed is not None and not params.greedy
 
 
 def request_drafters(engine: Engine, max_draft_tokens: int = 8) -> dict[str, DrafterFactory]:

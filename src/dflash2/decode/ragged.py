@@ -103,13 +103,19 @@ def _attention(attn, h: torch.Tensor, cos, sin, pool: PagedKVPool, layer: int, l
     k = k.view(num, attn.num_kv_heads, attn.head_dim)  # [N, H_kv, Dh]
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
-    pool.keys[layer, layout.write_slots] = k
-    pool.values[layer, layout.write_slots] = v.view(num, attn.num_kv_heads, attn.head_dim)
-    keys = pool.keys[layer, layout.key_slots].transpose(1, 2)  # [B, H_kv, S_max, Dh]
-    values = pool.values[layer, layout.key_slots].transpose(1, 2)  # [B, H_kv, S_max, Dh]
-    queries = q[layout.query_index].transpose(1, 2)  # [B, H, T_max, Dh]
+    pool.keys[layer].index_copy_(0, layout.write_slots, k)
+    pool.values[layer].index_copy_(0, layout.write_slots, v.view(num, attn.num_kv_heads, attn.head_dim))
+    keys = _gather(pool.keys[layer], layout.key_slots)  # [B, H_kv, S_max, Dh]
+    values = _gather(pool.values[layer], layout.key_slots)  # [B, H_kv, S_max, Dh]
+    queries = _gather(q, layout.query_index)  # [B, H, T_max, Dh]
     out = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=layout.mask, enable_gqa=attn.num_kv_heads != attn.num_heads
     )  # [B, H, T_max, Dh]
     out = out.transpose(1, 2)[layout.query_valid]  # [N, H, Dh], rows concatenated in order
     return attn.wo(out.reshape(1, num, -1))
+
+
+def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """rows [R, H, Dh], index [B, S] -> [B, H, S, Dh] (index_select: no parallel region for small copies)."""
+    batch, span = index.shape
+    return rows.index_select(0, index.reshape(-1)).view(batch, span, *rows.shape[1:]).transpose(1, 2)
