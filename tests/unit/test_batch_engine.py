@@ -53,8 +53,10 @@ def single(engine: Engine, prompt: list[int], request: BatchRequest) -> list[int
     return result.token_ids
 
 
-def test_batched_greedy_equals_single_requests_with_mixed_draft_lengths(engine):
-    batch = BatchEngine(engine, BatchConfig(num_blocks=64, block_size=8), request_drafters(engine))
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
+def test_batched_greedy_equals_single_requests_with_mixed_draft_lengths(engine, adaptive):
+    config = BatchConfig(num_blocks=64, block_size=8, adaptive_drafts=adaptive)
+    batch = BatchEngine(engine, config, request_drafters(engine))
     draft_lengths = [0, 1, 3, 8, 0, 5]
     requests = [BatchRequest(p, 12 + 3 * i, drafter="ngram", num_draft_tokens=k)
                 for i, (p, k) in enumerate(zip(prompts(len(draft_lengths)), draft_lengths))]
@@ -65,7 +67,9 @@ def test_batched_greedy_equals_single_requests_with_mixed_draft_lengths(engine):
     assert batch.pool.blocks_used == 0 and batch.pool.reserved == 0
     snap = batch.snapshot()
     assert sum(snap.requests_finished.values()) == 12 and set(snap.requests_finished) <= {"length", "eos"}
-    assert sum(snap.stats.accepted_by_position) > 0  # the n-gram drafter was used and accepted something
+    if not adaptive:  # every request drafted its own length: the n-gram drafter was used and accepted something
+        assert max(len(r.stats.drafted_by_position) for r in results) == 8
+        assert sum(snap.stats.accepted_by_position) > 0
 
 
 def test_seeded_sampling_is_reproducible_in_a_batch(engine):
