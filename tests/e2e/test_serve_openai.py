@@ -141,3 +141,20 @@ def test_disconnect_mid_stream_frees_the_request_and_the_server_keeps_serving(se
     assert wait_until(freed, timeout=30)
     after = client.chat.completions.create(model=SMOLLM2, messages=CHAT, max_tokens=4, temperature=0)
     assert after.choices[0].message.content
+
+
+def test_disconnect_while_waiting_for_a_whole_body_cancels_the_request(server, client):
+    before = server.metrics().get('dflash2_requests_finished_total{reason="cancelled"}', 0)
+    body = {"model": SMOLLM2, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+            "dflash2": {"num_draft_tokens": 0}}
+    headers = {"authorization": f"Bearer {server.api_key}"}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=2.0)
+
+    def cancelled() -> bool:
+        m = server.metrics()
+        return (m.get('dflash2_requests_finished_total{reason="cancelled"}', 0) > before
+                and m["dflash2_kv_blocks_used"] == 0)
+
+    assert wait_until(cancelled, timeout=30)
+    assert client.completions.create(model=SMOLLM2, prompt="Hi", max_tokens=2, temperature=0).choices[0].text
