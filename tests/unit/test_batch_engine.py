@@ -53,9 +53,10 @@ def single(engine: Engine, prompt: list[int], request: BatchRequest) -> list[int
     return result.token_ids
 
 
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive-k"])
-def test_batched_greedy_equals_single_requests_with_mixed_draft_lengths(engine, adaptive):
-    config = BatchConfig(num_blocks=64, block_size=8, adaptive_drafts=adaptive)
+@pytest.mark.parametrize("adaptive, prefill_chunk", [(False, 512), (True, 512), (False, 4)],
+                         ids=["fixed-k", "adaptive-k", "chunked-prefill"])
+def test_batched_greedy_equals_single_requests_with_mixed_draft_lengths(engine, adaptive, prefill_chunk):
+    config = BatchConfig(num_blocks=64, block_size=8, adaptive_drafts=adaptive, max_prefill_tokens=prefill_chunk)
     batch = BatchEngine(engine, config, request_drafters(engine))
     draft_lengths = [0, 1, 3, 8, 0, 5]
     requests = [BatchRequest(p, 12 + 3 * i, drafter="ngram", num_draft_tokens=k)

@@ -43,6 +43,12 @@ class BatchConfig:
     max_queue: int = 64  # requests waiting for admission; more are refused (QueueFullError)
     queue_timeout_s: float = 60.0  # a request not admitted within this fails with KVBudgetError
     adaptive_drafts: bool = True  # lower draft lengths (to 0) when they would cost more than they commit
+    max_prefill_tokens: int = 512  # prompt tokens fed per step (chunked prefill: running rows are not stalled)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "num_blocks", "block_size", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -250,25 +256,43 @@ class BatchEngine:
                                                      "the KV cache stayed full"))
 
     def _forward_and_advance(self, running: list[_Sequence]) -> None:
-        lengths = self._draft_lengths(running)
+        chunks = self._prefill_chunks(running)
+        fed = [(seq, chunk) for seq, chunk in zip(running, chunks) if chunk != 0]  # rows out of budget wait
+        running, chunks = [seq for seq, _ in fed], [chunk for _, chunk in fed]
+        lengths = self._draft_lengths(running, chunks)
         drafts = [self._propose(seq, k) if seq.prefilled else None for seq, k in zip(running, lengths)]
-        rows = [self._row(seq, draft) for seq, draft in zip(running, drafts)]
+        rows = [self._row(seq, draft, chunk) for seq, draft, chunk in zip(running, drafts, chunks)]
         started = time.perf_counter()
         logits = ragged_forward(self.engine.target, self.pool, rows)
         self.cost.record(sum(len(row.tokens) for row in rows), time.perf_counter() - started)
         with self._lock:
             self._steps += 1
-        for seq, draft, row_logits in zip(running, drafts, logits):
-            emitted = self._verify(seq, draft, row_logits)
-            self._emit(seq, emitted)
+        for seq, draft, row, row_logits in zip(running, drafts, rows, logits):
+            emitted = self._verify(seq, draft, row, row_logits)
+            if emitted:
+                self._emit(seq, emitted)
 
-    def _draft_lengths(self, running: list[_Sequence]) -> list[int]:
+    def _prefill_chunks(self, running: list[_Sequence]) -> list[int | None]:
+        """Prompt tokens each prefilling row feeds this step (None for decode rows), first come first served
+        within ``max_prefill_tokens``; the first prefilling row always gets at least one."""
+        budget = self.config.max_prefill_tokens
+        chunks: list[int | None] = []
+        for seq in running:
+            if seq.prefilled:
+                chunks.append(None)
+                continue
+            chunk = min(len(seq.sequence) - seq.table.length, max(budget, 0))
+            chunks.append(chunk)
+            budget -= chunk
+        return chunks
+
+    def _draft_lengths(self, running: list[_Sequence], chunks: list[int | None]) -> list[int]:
         """Drafts per row this step: the request's draft length within its KV room, lowered by the scheduler."""
         wanted = [min(seq.request.num_draft_tokens, seq.max_slots - len(seq.sequence))
                   if seq.prefilled and seq.drafter is not None else 0 for seq in running]
         if not self.config.adaptive_drafts or not any(wanted):
             return wanted
-        base_tokens = sum(1 if seq.prefilled else len(seq.sequence) for seq in running)
+        base_tokens = sum(1 if chunk is None else chunk for chunk in chunks)
         plan = plan_draft_lengths(wanted, [seq.acceptance.alpha for seq in running], base_tokens,
                                   float(len(running)), *self.cost.coefficients())
         # A seeded sampled request keeps its draft length: its random draws, hence its output, stay reproducible
@@ -284,17 +308,21 @@ class BatchEngine:
         return draft if len(draft.tokens) else None
 
     @staticmethod
-    def _row(seq: _Sequence, draft: Draft | None) -> RaggedRow:
-        if not seq.prefilled:
-            return RaggedRow(seq.table, seq.sequence, all_logits=False)
+    def _row(seq: _Sequence, draft: Draft | None, chunk: int | None) -> RaggedRow:
+        if chunk is not None:
+            start = seq.table.length
+            return RaggedRow(seq.table, seq.sequence[start : start + chunk], all_logits=False)
         tokens = [seq.sequence[-1]] + ([] if draft is None else draft.tokens.tolist())
         return RaggedRow(seq.table, tokens, all_logits=True)
 
-    def _verify(self, seq: _Sequence, draft: Draft | None, logits: torch.Tensor) -> list[int]:
-        """logits [1 or k + 1, V] -> the committed tokens; the table keeps the KV of the tokens fed and kept."""
+    def _verify(self, seq: _Sequence, draft: Draft | None, row: RaggedRow, logits: torch.Tensor) -> list[int]:
+        """logits [1 or k + 1, V] -> the committed tokens (none while the prompt is still being fed); the table
+        keeps the KV of the tokens fed and kept."""
         params, generator = seq.request.params, seq.generator
         if not seq.prefilled:
-            seq.table.rollback(len(seq.sequence))
+            seq.table.rollback(seq.table.length + len(row.tokens))
+            if seq.table.length < len(seq.sequence):
+                return []  # more of the prompt to feed
             return [int(choose_token(logits[-1], params, generator))]
         draft_ids = (draft.tokens if draft is not None else torch.zeros(0, dtype=torch.int64)).to(logits.device)
         if params.greedy:

@@ -24,6 +24,8 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV slots per block (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default: %(default)s)")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for KV before 503")
+    p.add_argument("--max-prefill-tokens", type=int, default=512,
+                   help="prompt tokens fed per step; longer prompts are prefilled in chunks (default: %(default)s)")
     p.add_argument("--fixed-draft-length", action="store_true",
                    help="always draft the requested length (default: the scheduler lowers it under load)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
@@ -53,7 +55,7 @@ def build_server(args: argparse.Namespace):
         raise CliError(f"--kv-memory-mb {args.kv_memory_mb} holds no KV block ({per_block} bytes each)")
     config = BatchConfig(max_batch_size=args.max_batch_size, num_blocks=num_blocks, block_size=args.block_size,
                          max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
-                         adaptive_drafts=not args.fixed_draft_length)
+                         adaptive_drafts=not args.fixed_draft_length, max_prefill_tokens=args.max_prefill_tokens)
     batch = BatchEngine(engine, config, request_drafters(engine, args.num_draft_tokens or 8))
     drafter = "none" if engine.drafter is None else args.drafter
     num_draft_tokens = 0 if engine.drafter is None else engine.drafter.num_draft_tokens
