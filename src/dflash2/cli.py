@@ -1,4 +1,4 @@
-"""``dflash2`` command line: generate | models | bench | train. A thin layer over the Python API."""
+"""``dflash2`` command line: generate | models | bench | train | serve. A thin layer over the Python API."""
 
 from __future__ import annotations
 
@@ -38,8 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     from dflash2.bench.cli import add_bench_parser
     from dflash2.train.cli import add_train_parser
 
+    from dflash2.serve.cli import add_serve_parser
+
     add_bench_parser(commands)
     add_train_parser(commands)
+    add_serve_parser(commands)
     return parser
 
 

@@ -1,0 +1,432 @@
+"""Continuous batching: one loop verifies every running request in ONE ragged target forward per step.
+
+Requests join (their prompt is prefilled as a row of the same forward) and leave (finished, cancelled) at every
+step. Each request has its own sampling parameters, generator and draft length (0 = plain decoding); drafts are
+chains checked with the same verification functions as the single-request step, row by row, so the output of
+every request is what it would be alone (greedy: the same tokens; sampling: the target's distribution).
+KV memory is a :class:`~dflash2.kv.paged.PagedKVPool` with a fixed budget; admission reserves a request's
+worst case, so a running request never runs out of blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dflash2.decode.engine import Engine, GenerationResult, StreamChunk, _cut_at_eos, _TextStream
+from dflash2.decode.ragged import RaggedRow, ragged_forward
+from dflash2.decode.scheduler import Acceptance, CostModel, plan_draft_lengths
+from dflash2.decode.stats import DecodeStats
+from dflash2.drafters.base import Draft, Drafter
+from dflash2.kv.paged import BlockTable, KVBudgetError, PagedKVPool
+from dflash2.verify import SamplingParams, choose_token, logits_to_probs, verify_chain, verify_greedy
+
+Event = StreamChunk | GenerationResult | Exception  # what a request's sink receives, a result or error last
+Sink = Callable[[Event], None]  # called from the loop thread; must not block
+DrafterFactory = Callable[[], Drafter]  # a fresh drafter for one request (a stateless one may be shared)
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests wait for admission (the server answers 429)."""
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    max_batch_size: int = 16  # requests running at once
+    num_blocks: int = 1024  # KV pool size (the fixed memory budget), in blocks
+    block_size: int = 16  # slots per KV block
+    max_queue: int = 64  # requests waiting for admission; more are refused (QueueFullError)
+    queue_timeout_s: float = 60.0  # a request not admitted within this fails with KVBudgetError
+    adaptive_drafts: bool = True  # lower draft lengths (to 0) when they would cost more than they commit
+    max_prefill_tokens: int = 512  # prompt tokens fed per step (chunked prefill: running rows are not stalled)
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "num_blocks", "block_size", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class BatchRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    drafter: str = "none"  # "none" or the name of a drafter the batch engine holds
+    num_draft_tokens: int = 0  # drafts per step (0 = plain decoding)
+
+
+class RequestHandle:
+    """The caller's side of a submitted request: ``cancel()`` frees its resources at the next step."""
+
+    def __init__(self, request_id: int) -> None:
+        self.id = request_id
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclass
+class _Sequence:
+    """One request inside the loop."""
+
+    request: BatchRequest
+    handle: RequestHandle
+    sink: Sink
+    submitted: float
+    drafter: Drafter | None
+    generator: torch.Generator | None
+    text: _TextStream
+    stats: DecodeStats
+    table: BlockTable | None = None
+    max_slots: int = 0  # KV slots the request may fill (within the context; the table may round up to blocks)
+    sequence: list[int] = field(default_factory=list)  # prompt + committed ids; the last one is pending
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    acceptance: Acceptance = field(default_factory=Acceptance)
+
+    def send(self, event: Event) -> None:
+        """Hand an event to the request's sink; a sink that fails (its client is gone) cancels the request."""
+        try:
+            self.sink(event)
+        except Exception:
+            self.handle.cancel()
+
+    @property
+    def prefilled(self) -> bool:
+        return len(self.sequence) > len(self.request.prompt_ids)
+
+
+@dataclass
+class BatchSnapshot:
+    """Counters and gauges for /metrics (read under the engine's lock)."""
+
+    requests_finished: dict[str, int]  # finish reason (eos, stop, length, cancelled, error) -> count
+    requests_rejected: int
+    prompt_tokens: int
+    generated_tokens: int
+    steps: int  # ragged target forwards
+    stats: DecodeStats  # decode rows pooled: target_forwards (row steps), committed tokens, acceptance by position
+    queue_depth: int
+    batch_size: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+class BatchEngine:
+    """Owns the loop thread. ``submit`` from any thread; events reach each request's sink from the loop thread."""
+
+    def __init__(self, engine: Engine, config: BatchConfig = BatchConfig(),
+                 drafters: dict[str, DrafterFactory] | None = None) -> None:
+        target = engine.target
+        c = target.config
+        self.engine = engine
+        self.config = config
+        self.pool = PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, config.num_blocks, config.block_size,
+                                dtype=target.dtype, device=target.device)
+        self.drafters = dict(drafters or {})
+        for name, factory in self.drafters.items():
+            if factory().hidden_layers:
+                raise ValueError(f"drafter {name!r} reads the target's hidden states; the batch engine does not")
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._incoming: list[_Sequence] = []
+        self._waiting: list[_Sequence] = []
+        self._running: list[_Sequence] = []
+        self._next_id = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._finished: dict[str, int] = {}
+        self._rejected = 0
+        self._totals = DecodeStats()
+        self._steps = 0
+        self.cost = CostModel()
+
+    # ---- the caller's side -------------------------------------------------------------------------------------
+    def submit(self, request: BatchRequest, sink: Sink) -> RequestHandle:
+        """Queue a request. Raises ValueError (bad request, too long for the context or the whole KV pool) or
+        QueueFullError (too many waiting)."""
+        self._check(request)
+        with self._lock:
+            if len(self._incoming) + len(self._waiting) >= self.config.max_queue:
+                self._rejected += 1
+                raise QueueFullError(f"{self.config.max_queue} requests are already waiting; retry later")
+            handle = RequestHandle(self._next_id)
+            self._next_id += 1
+            self._incoming.append(self._new_sequence(request, handle, sink))
+        self._wake.set()
+        return handle
+
+    def max_slots(self, request: BatchRequest) -> int:
+        """KV slots a request may use: prompt + new tokens + one draft block, within the model's context."""
+        wanted = len(request.prompt_ids) + request.max_new_tokens + request.num_draft_tokens + 1
+        return min(self.engine.max_context, wanted)
+
+    def _check(self, request: BatchRequest) -> None:
+        if request.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {request.max_new_tokens}")
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(request.prompt_ids) >= self.engine.max_context:
+            raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens; the model's context is "
+                             f"{self.engine.max_context}")
+        if request.num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens must be >= 0, got {request.num_draft_tokens}")
+        if request.num_draft_tokens and request.drafter not in self.drafters:
+            held = ", ".join(sorted(self.drafters)) or "none"
+            raise ValueError(f"drafter {request.drafter!r} is not loaded (loaded: {held})")
+        need = self.pool.blocks_for(self.max_slots(request))
+        if need > self.pool.num_blocks:
+            raise ValueError(f"the request needs {need} KV blocks; the server's budget is {self.pool.num_blocks}")
+
+    def _new_sequence(self, request: BatchRequest, handle: RequestHandle, sink: Sink) -> _Sequence:
+        drafter = None
+        if request.num_draft_tokens:
+            drafter = self.drafters[request.drafter]()
+        generator = None if request.params.greedy else request.params.make_generator(self.engine.target.device)
+        return _Sequence(request, handle, sink, time.perf_counter(), drafter, generator,
+                         _TextStream(self.engine.tokenizer, request.stop),
+                         DecodeStats(prompt_tokens=len(request.prompt_ids)))
+
+    def snapshot(self) -> BatchSnapshot:
+        with self._lock:
+            totals = copy.deepcopy(self._totals)
+            return BatchSnapshot(dict(self._finished), self._rejected, totals.prompt_tokens, totals.new_tokens,
+                                 self._steps, totals, len(self._incoming) + len(self._waiting), len(self._running),
+                                 self.pool.blocks_used, self.pool.num_blocks)
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the batch engine is already running")
+        self._thread = threading.Thread(target=self._loop, name="dflash2-batch", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.step():
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def step(self) -> bool:
+        """Admit, run one ragged forward over every running request, emit, retire. False when idle."""
+        self._schedule()
+        if not self._running:
+            return False
+        try:
+            self._forward_and_advance(list(self._running))
+        except Exception as error:  # a failed forward fails its requests, never the loop
+            for seq in list(self._running):
+                self._retire(seq, "error", error)
+        return True
+
+    def _schedule(self) -> None:
+        with self._lock:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+        now = time.perf_counter()
+        for seq in [s for s in self._waiting + self._running if s.handle.cancelled.is_set()]:
+            self._retire(seq, "cancelled", None)
+        while self._waiting and len(self._running) < self.config.max_batch_size:
+            seq = self._waiting[0]
+            try:
+                seq.max_slots = self.max_slots(seq.request)
+                seq.table = self.pool.new_table(seq.max_slots)
+            except KVBudgetError:
+                break  # FIFO: the head waits for blocks to be freed
+            self._waiting.pop(0)
+            seq.sequence = list(seq.request.prompt_ids)
+            if seq.drafter is not None:
+                seq.drafter.reset(seq.max_slots)
+            self._running.append(seq)
+        for seq in [s for s in self._waiting if now - s.submitted > self.config.queue_timeout_s]:
+            self._retire(seq, "error", KVBudgetError(f"not admitted within {self.config.queue_timeout_s:.0f} s: "
+                                                     "the KV cache stayed full"))
+
+    def _forward_and_advance(self, running: list[_Sequence]) -> None:
+        chunks = self._prefill_chunks(running)
+        fed = [(seq, chunk) for seq, chunk in zip(running, chunks) if chunk != 0]  # rows out of budget wait
+        running, chunks = [seq for seq, _ in fed], [chunk for _, chunk in fed]
+        lengths = self._draft_lengths(running, chunks)
+        drafts = [self._propose(seq, k) if seq.prefilled else None for seq, k in zip(running, lengths)]
+        rows = [self._row(seq, draft, chunk) for seq, draft, chunk in zip(running, drafts, chunks)]
+        started = time.perf_counter()
+        logits = ragged_forward(self.engine.target, self.pool, rows)
+        self.cost.record(sum(len(row.tokens) for row in rows), time.perf_counter() - started)
+        with self._lock:
+            self._steps += 1
+        for seq, draft, row, row_logits in zip(running, drafts, rows, logits):
+            emitted = self._verify(seq, draft, row, row_logits)
+            if emitted:
+                self._emit(seq, emitted)
+
+    def _prefill_chunks(self, running: list[_Sequence]) -> list[int | None]:
+        """Prompt tokens each prefilling row feeds this step (None for decode rows), first come first served
+        within ``max_prefill_tokens``; the first prefilling row always gets at least one."""
+        budget = self.config.max_prefill_tokens
+        chunks: list[int | None] = []
+        for seq in running:
+            if seq.prefilled:
+                chunks.append(None)
+                continue
+            chunk = min(len(seq.sequence) - seq.table.length, max(budget, 0))
+            chunks.append(chunk)
+            budget -= chunk
+        return chunks
+
+    def _draft_lengths(self, running: list[_Sequence], chunks: list[int | None]) -> list[int]:
+        """Drafts per row this step: the request's draft length within its KV room, lowered by the scheduler."""
+        wanted = [min(seq.request.num_draft_tokens, seq.max_slots - len(seq.sequence))
+                  if seq.prefilled and seq.drafter is not None else 0 for seq in running]
+        if not self.config.adaptive_drafts or not any(wanted):
+            return wanted
+        base_tokens = sum(1 if chunk is None else chunk for chunk in chunks)
+        plan = plan_draft_lengths(wanted, [seq.acceptance.alpha for seq in running], base_tokens,
+                                  float(len(running)), *self.cost.coefficients())
+        # A seeded sampled request keeps its draft length: its random draws, hence its output, stay reproducible
+        # whatever else is in the batch.
+        return [k if _seeded(seq.request.params) else p for seq, k, p in zip(running, wanted, plan)]
+
+    def _propose(self, seq: _Sequence, k: int) -> Draft | None:
+        if seq.drafter is None or k <= 0:
+            return None
+        draft = seq.drafter.propose(seq.sequence, k, seq.request.params, seq.generator)
+        if draft.parents is not None:
+            raise ValueError("the batch engine verifies chains; this drafter proposed a tree")
+        return draft if len(draft.tokens) else None
+
+    @staticmethod
+    def _row(seq: _Sequence, draft: Draft | None, chunk: int | None) -> RaggedRow:
+        if chunk is not None:
+            start = seq.table.length
+            return RaggedRow(seq.table, seq.sequence[start : start + chunk], all_logits=False)
+        tokens = [seq.sequence[-1]] + ([] if draft is None else draft.tokens.tolist())
+        return RaggedRow(seq.table, tokens, all_logits=True)
+
+    def _verify(self, seq: _Sequence, draft: Draft | None, row: RaggedRow, logits: torch.Tensor) -> list[int]:
+        """logits [1 or k + 1, V] -> the committed tokens (none while the prompt is still being fed); the table
+        keeps the KV of the tokens fed and kept."""
+        params, generator = seq.request.params, seq.generator
+        if not seq.prefilled:
+            seq.table.rollback(seq.table.length + len(row.tokens))
+            if seq.table.length < len(seq.sequence):
+                return []  # more of the prompt to feed
+            return [int(choose_token(logits[-1], params, generator))]
+        draft_ids = (draft.tokens if draft is not None else torch.zeros(0, dtype=torch.int64)).to(logits.device)
+        if params.greedy:
+            verdict = verify_greedy(draft_ids[None], logits[None])
+        else:
+            q = None if draft is None or draft.q_draft is None else draft.q_draft[None].to(logits.device)
+            verdict = verify_chain(draft_ids[None], logits_to_probs(logits[None], params), q, generator)
+        accepted = int(verdict.num_accepted[0])
+        seq.table.rollback(seq.table.length + 1 + accepted)  # the pending token and the accepted drafts
+        emitted = verdict.emitted(0)
+        seq.stats.target_forwards += 1
+        seq.stats.committed_tokens += len(emitted)
+        seq.stats.record_draft(len(draft_ids), accepted)
+        seq.acceptance.update(len(draft_ids), accepted)
+        if seq.drafter is not None:
+            seq.drafter.observe(seq.sequence + emitted, accepted, ())
+        return emitted
+
+    def _emit(self, seq: _Sequence, emitted: list[int]) -> None:
+        """Append committed tokens, send the new text, finish on EOS / stop string / max tokens / full context."""
+        first = not seq.generated
+        seq.sequence.extend(emitted)
+        ids, hit_eos = _cut_at_eos(emitted, self.engine.tokenizer.eos_token_ids)
+        ids = ids[: seq.request.max_new_tokens - len(seq.generated)]
+        seq.generated.extend(ids)
+        if first:
+            seq.stats.prefill_seconds = time.perf_counter() - seq.submitted
+        delta, hit_stop = seq.text.push(seq.generated)
+        if delta or ids:
+            seq.send(StreamChunk(text=delta, token_ids=ids))
+        if hit_eos or hit_stop or len(seq.generated) >= seq.request.max_new_tokens:
+            self._retire(seq, "stop" if hit_stop else ("eos" if hit_eos else "length"), None)
+        elif seq.table.length >= seq.max_slots:
+            self._retire(seq, "length", None)
+
+    def _retire(self, seq: _Sequence, reason: str, error: Exception | None) -> None:
+        """Leave the batch: free the KV blocks, count, and send the final event (none when cancelled)."""
+        for group in (self._waiting, self._running):
+            if seq in group:
+                group.remove(seq)
+        if seq.table is not None:
+            seq.table.release()
+        seq.finish_reason = reason
+        stats = seq.stats
+        stats.new_tokens = len(seq.generated)
+        stats.decode_seconds = time.perf_counter() - seq.submitted - stats.prefill_seconds
+        self._count(seq, reason)
+        if error is not None:
+            seq.send(error)
+        elif reason != "cancelled":
+            tail = seq.text.flush()
+            if tail:
+                seq.send(StreamChunk(text=tail, token_ids=[]))
+            seq.send(GenerationResult(seq.text.text, seq.generated, reason, stats, list(seq.request.prompt_ids)))
+
+    def _count(self, seq: _Sequence, reason: str) -> None:
+        with self._lock:
+            self._finished[reason] = self._finished.get(reason, 0) + 1
+            totals, stats = self._totals, seq.stats
+            totals.prompt_tokens += stats.prompt_tokens if seq.table is not None else 0
+            totals.new_tokens += stats.new_tokens
+            totals.target_forwards += stats.target_forwards
+            totals.committed_tokens += stats.committed_tokens
+            grow = len(stats.drafted_by_position) - len(totals.drafted_by_position)
+            totals.drafted_by_position.extend([0] * grow)
+            totals.accepted_by_position.extend([0] * grow)
+            for position, (d, a) in enumerate(zip(stats.drafted_by_position, stats.accepted_by_position)):
+                totals.drafted_by_position[position] += d
+                totals.accepted_by_position[position] += a
+
+
+def _seeded(params: SamplingParams) -> bool:
+    return params.seed is not None and not params.greedy
+
+
+def request_drafters(engine: Engine, max_draft_tokens: int = 8) -> dict[str, DrafterFactory]:
+    """The drafters a batch engine over ``engine`` can give each request: ``ngram`` always (stateless, shared),
+    ``model`` when the engine holds a draft model (one drafter, with its own KV cache, per request)."""
+    from dflash2.drafters.model import ModelDrafter
+    from dflash2.drafters.ngram import NgramDrafter
+
+    ngram = NgramDrafter(max_draft_tokens, stop_ids=engine.tokenizer.eos_token_ids)
+    factories: dict[str, DrafterFactory] = {"ngram": lambda: ngram}
+    held = engine.drafter
+    if isinstance(held, ModelDrafter):
+        factories["model"] = lambda: ModelDrafter(held.model, held.num_draft_tokens, held.target_vocab_size)
+    return factories
+
+
+def run_to_completion(batch: BatchEngine, requests: list[BatchRequest], join_every: int = 0) -> list[GenerationResult]:
+    """Run requests on the calling thread (no loop thread): all at once, or one joining every ``join_every``
+    steps. Returns their results in order; raises the first error a request got."""
+    events: list[list[Event]] = [[] for _ in requests]
+    pending = list(enumerate(requests))
+    steps = 0
+    while pending or batch._running or batch._waiting or batch._incoming:
+        if pending and (join_every == 0 or steps % join_every == 0):
+            for index, request in pending if join_every == 0 else pending[:1]:
+                batch.submit(request, events[index].append)
+            pending = [] if join_every == 0 else pending[1:]
+        batch.step()
+        steps += 1
+    finals = [e[-1] for e in events]
+    for final in finals:
+        if isinstance(final, Exception):
+            raise final
+    return finals

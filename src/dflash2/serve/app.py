@@ -1,0 +1,316 @@
+"""The OpenAI-compatible HTTP app: /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics.
+
+Handlers parse and validate the body themselves (size limit, UTF-8, JSON, strict schema) so that every bad
+input gets an OpenAI-style JSON error, then hand a :class:`~dflash2.decode.batch.BatchRequest` to the batch
+engine's loop thread and relay its events: as one body, or as server-sent events. A client that goes away
+cancels its request; the engine frees its KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dflash2.decode.batch import BatchEngine, BatchRequest, Event, QueueFullError
+from dflash2.decode.engine import GenerationResult, StreamChunk
+from dflash2.kv.paged import KVBudgetError
+from dflash2.serve import metrics
+from dflash2.serve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseIds,
+    chat_choice,
+    completion_choice,
+    finish_reason,
+    usage,
+)
+from dflash2.verify import SamplingParams
+
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str  # the id clients pass as ``model``
+    api_key: str | None = None  # when set, /v1/* needs ``Authorization: Bearer <key>``
+    default_drafter: str = "ngram"  # "none" or a drafter the batch engine holds
+    default_num_draft_tokens: int = 8
+    default_max_tokens: int = 256  # when a request gives no max_tokens (bounded by the context)
+    max_body_bytes: int = 1 << 20
+
+
+class _Counting:
+    """ASGI middleware: counts responses by route and status for /metrics."""
+
+    def __init__(self, app, counters: metrics.HttpCounters) -> None:
+        self.app, self.counters = app, counters
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [0]
+
+        async def counted_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            route = scope["path"] if scope["path"] in ROUTES else "other"
+            self.counters.add(route, status[0] or 500)
+
+
+def create_app(batch: BatchEngine, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="dflash2", docs_url=None, redoc_url=None, openapi_url=None)
+    counters = metrics.HttpCounters()
+    app.add_middleware(_Counting, counters=counters)
+    started = int(time.time())
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        alive = batch._thread is not None and batch._thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(batch.snapshot(), counters), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        _authorize(request, config)
+        card = {"id": config.model_name, "object": "model", "created": started, "owned_by": "dflash2"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        _authorize(request, config)
+        body = _parse(ChatCompletionRequest, await _read_json(request, config.max_body_bytes))
+        prompt_ids = _encode(batch, lambda engine: engine.encode_prompt(body.chat()))
+        return await _generate(request, batch, config, body, prompt_ids, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _authorize(request, config)
+        body = _parse(CompletionRequest, await _read_json(request, config.max_body_bytes))
+        prompt = body.prompt
+        if isinstance(prompt, list) and all(isinstance(p, int) for p in prompt) and prompt:
+            prompt_ids = list(prompt)
+            if max(prompt_ids) >= batch.engine.target.config.vocab_size or min(prompt_ids) < 0:
+                raise ApiError(400, "a prompt token id is outside the vocabulary", param="prompt")
+        else:
+            if isinstance(prompt, list) and len(prompt) != 1:
+                raise ApiError(400, f"one prompt per request (n=1), got {len(prompt)}", param="prompt")
+            text = prompt[0] if isinstance(prompt, list) else prompt
+            prompt_ids = _encode(batch, lambda engine: engine.encode_prompt(text, raw=True))
+        return await _generate(request, batch, config, body, prompt_ids, chat=False)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(ApiError(error.status_code, str(error.detail)).body(), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        body = ApiError(500, f"internal error: {type(error).__name__}: {error}", type="server_error").body()
+        return JSONResponse(body, status_code=500)
+
+
+def _authorize(request: Request, config: ServerConfig) -> None:
+    if config.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+        raise ApiError(401, "invalid or missing API key", type="authentication_error", code="invalid_api_key")
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON: 413 past ``limit`` bytes, 400 for invalid UTF-8 or malformed JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body is {declared} bytes; the limit is {limit}", code="request_too_large")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise ApiError(413, f"the body exceeds {limit} bytes", code="request_too_large")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ApiError(400, f"the body is not valid UTF-8 ({error.reason} at byte {error.start})") from None
+    except json.JSONDecodeError as error:
+        raise ApiError(400, f"malformed JSON: {error.msg} at line {error.lineno} column {error.colno}") from None
+
+
+def _parse(model, data: Any):
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        body = model.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+    body.refuse_unsupported()
+    return body
+
+
+def _encode(batch: BatchEngine, encode) -> list[int]:
+    try:
+        return encode(batch.engine)
+    except ValueError as error:
+        raise ApiError(400, str(error), param="messages") from None
+
+
+def _batch_request(batch: BatchEngine, config: ServerConfig, body, prompt_ids: list[int]) -> BatchRequest:
+    if body.model != config.model_name:
+        raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {config.model_name!r}",
+                       param="model", code="model_not_found")
+    context = batch.engine.max_context
+    if len(prompt_ids) >= context:
+        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}",
+                       param="messages", code="context_length_exceeded")
+    limit = body.token_limit()
+    if limit is not None and len(prompt_ids) + limit > context:
+        raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({limit}) exceeds the model's "
+                            f"context of {context}", param="max_tokens", code="context_length_exceeded")
+    options = body.dflash2
+    drafter = options.drafter or config.default_drafter
+    if drafter != "none" and drafter not in batch.drafters:
+        held = ", ".join(["none", *sorted(batch.drafters)])
+        raise ApiError(400, f"drafter {drafter!r} is not available on this server ({held})", param="dflash2.drafter")
+    k = options.num_draft_tokens
+    if drafter == "none" and k:
+        raise ApiError(400, "num_draft_tokens > 0 needs a drafter", param="dflash2.num_draft_tokens")
+    k = (config.default_num_draft_tokens if k is None else k) if drafter != "none" else 0
+    params = SamplingParams(temperature=body.temperature, top_k=options.top_k, top_p=body.top_p, seed=body.seed)
+    max_new = limit if limit is not None else min(config.default_max_tokens, context - len(prompt_ids))
+    return BatchRequest(prompt_ids, max_new, params, body.stop_strings(), drafter if k else "none", k)
+
+
+class _Relay:
+    """Carries the loop thread's events into this request's asyncio queue."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def sink(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+def _engine_error(error: Exception) -> ApiError:
+    if isinstance(error, KVBudgetError):
+        return ApiError(503, str(error), type="server_error", code="kv_cache_full")
+    return ApiError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error")
+
+
+async def _generate(request: Request, batch: BatchEngine, config: ServerConfig, body, prompt_ids: list[int], *,
+                    chat: bool):
+    batch_request = _batch_request(batch, config, body, prompt_ids)
+    relay = _Relay()
+    try:
+        handle = batch.submit(batch_request, relay.sink)
+    except QueueFullError as error:
+        raise ApiError(429, str(error), type="rate_limit_error", code="queue_full") from None
+    except ValueError as error:
+        raise ApiError(400, str(error)) from None
+    ids = ResponseIds.new("chatcmpl" if chat else "cmpl", config.model_name)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = _sse(relay, handle, ids, chat, include_usage, batch_request)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    result = await _collect(request, relay, handle)
+    choice = (chat_choice(result.text, finish_reason(result.finish_reason), delta=False) if chat
+              else completion_choice(result.text, finish_reason(result.finish_reason)))
+    return JSONResponse({
+        **ids.header("chat.completion" if chat else "text_completion"),
+        "choices": [choice],
+        "usage": usage(len(result.prompt_ids), len(result.token_ids)),
+        "dflash2": _extension(batch_request, result),
+    })
+
+
+def _extension(request: BatchRequest, result: GenerationResult) -> dict:
+    stats = result.stats
+    return {"drafter": request.drafter, "num_draft_tokens": request.num_draft_tokens, "tau": round(stats.tau, 4),
+            "target_forwards": stats.target_forwards,
+            "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position]}
+
+
+async def _collect(request: Request, relay: _Relay, handle) -> GenerationResult:
+    """Wait for the result; a client that disconnects meanwhile cancels the request."""
+    finished = False
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(relay.queue.get(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    raise ApiError(499, "the client closed the connection") from None
+                continue
+            if isinstance(event, GenerationResult):
+                finished = True
+                return event
+            if isinstance(event, Exception):
+                finished = True
+                raise _engine_error(event)
+    finally:
+        if not finished:
+            handle.cancel()
+
+
+async def _sse(relay: _Relay, handle, ids: ResponseIds, chat: bool, include_usage: bool,
+               request: BatchRequest) -> AsyncIterator[str]:
+    """Server-sent events: content chunks, a final chunk with the finish reason, usage if asked, [DONE]."""
+    object_name = "chat.completion.chunk" if chat else "text_completion"
+    header = ids.header(object_name)
+
+    def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
+        choice = chat_choice(text, reason, delta=True, first=first) if chat else completion_choice(text or "", reason)
+        return f"data: {json.dumps({**header, 'choices': [choice]})}\n\n"
+
+    finished = False
+    try:
+        if chat:
+            yield chunk("", None, first=True)
+        while True:
+            event = await relay.queue.get()
+            if isinstance(event, StreamChunk):
+                if event.text:
+                    yield chunk(event.text, None)
+                continue
+            finished = True
+            if isinstance(event, Exception):
+                yield f"data: {json.dumps(_engine_error(event).body())}\n\n"
+            else:
+                yield chunk(None if chat else "", finish_reason(event.finish_reason))
+                if include_usage:
+                    body = {**header, "choices": [], "usage": usage(len(event.prompt_ids), len(event.token_ids)),
+                            "dflash2": _extension(request, event)}
+                    yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+    finally:
+        if not finished:
+            handle.cancel()

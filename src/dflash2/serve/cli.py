@@ -1,0 +1,84 @@
+"""``dflash2 serve``: load the target (and drafter), start the batch engine loop, run uvicorn on 127.0.0.1:8000."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+API_KEY_ENV = "DFLASH2_API_KEY"
+
+
+def add_serve_parser(commands) -> None:
+    from dflash2.cli import add_model_options
+
+    p = commands.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
+                            description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.")
+    add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help=f"require this bearer key on /v1/* (default: ${API_KEY_ENV})")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    p.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together (default: %(default)s)")
+    p.add_argument("--kv-memory-mb", type=float, default=1024.0, help="KV cache budget (default: %(default)s MiB)")
+    p.add_argument("--block-size", type=int, default=16, help="KV slots per block (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default: %(default)s)")
+    p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for KV before 503")
+    p.add_argument("--max-prefill-tokens", type=int, default=512,
+                   help="prompt tokens fed per step; longer prompts are prefilled in chunks (default: %(default)s)")
+    p.add_argument("--fixed-draft-length", action="store_true",
+                   help="always draft the requested length (default: the scheduler lowers it under load)")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default: 1 MiB)")
+    p.set_defaults(handler=run_serve)
+
+
+def build_server(args: argparse.Namespace):
+    """(app, batch engine) from parsed arguments; the engine loop is not started yet."""
+    from dflash2.cli import CliError, load_engine
+    from dflash2.decode.batch import BatchConfig, BatchEngine, request_drafters
+    from dflash2.kv.paged import PagedKVPool
+    from dflash2.serve.app import ServerConfig, create_app
+
+    if args.drafter == "dflash":
+        raise CliError("serve batches chain drafters (ngram, model); the dflash drafter is not supported yet")
+    if args.num_candidates != 1:
+        raise CliError("serve verifies chains: --num-candidates must be 1")
+    if args.num_draft_tokens is not None and args.num_draft_tokens <= 0:
+        raise CliError(f"--num-draft-tokens must be > 0, got {args.num_draft_tokens}")
+    engine = load_engine(args)
+    c = engine.target.config
+    per_block = PagedKVPool.bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size,
+                                            engine.target.dtype)
+    num_blocks = int(args.kv_memory_mb * 2**20 // per_block)
+    if num_blocks < 1:
+        raise CliError(f"--kv-memory-mb {args.kv_memory_mb} holds no KV block ({per_block} bytes each)")
+    config = BatchConfig(max_batch_size=args.max_batch_size, num_blocks=num_blocks, block_size=args.block_size,
+                         max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
+                         adaptive_drafts=not args.fixed_draft_length, max_prefill_tokens=args.max_prefill_tokens)
+    batch = BatchEngine(engine, config, request_drafters(engine, args.num_draft_tokens or 8))
+    drafter = "none" if engine.drafter is None else args.drafter
+    num_draft_tokens = 0 if engine.drafter is None else engine.drafter.num_draft_tokens
+    server = ServerConfig(model_name=args.served_model_name or args.model,
+                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                          default_drafter=drafter, default_num_draft_tokens=num_draft_tokens,
+                          default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes)
+    return create_app(batch, server), batch
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        from dflash2.cli import CliError
+
+        raise CliError("serving needs the serve extra: pip install 'dflash2[serve]'") from None
+    app, batch = build_server(args)
+    batch.start()
+    print(f"dflash2: serving {args.served_model_name or args.model} on http://{args.host}:{args.port} "
+          f"({batch.pool.num_blocks} KV blocks of {batch.pool.block_size})", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        batch.stop()
+    return 0

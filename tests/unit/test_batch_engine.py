@@ -1,0 +1,133 @@
+"""Continuous batching on a tiny random model: batched results equal single-request results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash2.decode.batch import BatchConfig, BatchEngine, BatchRequest, QueueFullError, request_drafters, run_to_completion
+from dflash2.decode.engine import Engine
+from dflash2.drafters.ngram import NgramDrafter
+from dflash2.models.loading import load_transformer
+from dflash2.verify import SamplingParams
+
+
+class IdTokenizer:
+    """Token ids as text: enough for the engine's text stream (decode) and EOS handling."""
+
+    eos_token_ids = frozenset({0})
+    has_chat_template = False
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dirs):
+    return Engine(load_transformer(tiny_model_dirs["qwen2"], "fp32", "cpu"), IdTokenizer(), name="tiny")
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts with repeats inside, so that the n-gram drafter finds matches (and misses)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        head = torch.randint(1, 256, (5 + i,), generator=g).tolist()
+        out.append(head + head[:3] + torch.randint(1, 256, (2,), generator=g).tolist() + head)
+    return out
+
+
+def single(engine: Engine, prompt: list[int], request: BatchRequest) -> list[int]:
+    """The single-request reference: Engine.generate with plain decoding or the n-gram drafter."""
+    k = request.num_draft_tokens
+    engine.drafter = NgramDrafter(k, stop_ids=engine.tokenizer.eos_token_ids) if k else None
+    try:
+        params = request.params
+        result = engine.generate(" ".join(map(str, prompt)), max_new_tokens=request.max_new_tokens, raw=True, temperature=params.temperature,
+                                 seed=params.seed)
+    finally:
+        engine.drafter = None
+    return result.token_ids
+
+
+@pytest.mark.parametrize("adaptive, prefill_chunk", [(False, 512), (True, 512), (False, 4)],
+                         ids=["fixed-k", "adaptive-k", "chunked-prefill"])
+def test_batched_greedy_equals_single_requests_with_mixed_draft_lengths(engine, adaptive, prefill_chunk):
+    config = BatchConfig(num_blocks=64, block_size=8, adaptive_drafts=adaptive, max_prefill_tokens=prefill_chunk)
+    batch = BatchEngine(engine, config, request_drafters(engine))
+    draft_lengths = [0, 1, 3, 8, 0, 5]
+    requests = [BatchRequest(p, 12 + 3 * i, drafter="ngram", num_draft_tokens=k)
+                for i, (p, k) in enumerate(zip(prompts(len(draft_lengths)), draft_lengths))]
+    for join_every in (0, 2):  # all at once, and joining while others run
+        results = run_to_completion(batch, requests, join_every=join_every)
+        for request, result in zip(requests, results):
+            assert result.token_ids == single(engine, request.prompt_ids, request), (join_every, request)
+    assert batch.pool.blocks_used == 0 and batch.pool.reserved == 0
+    snap = batch.snapshot()
+    assert sum(snap.requests_finished.values()) == 12 and set(snap.requests_finished) <= {"length", "eos"}
+    if not adaptive:  # every request drafted its own length: the n-gram drafter was used and accepted something
+        assert max(len(r.stats.drafted_by_position) for r in results) == 8
+        assert sum(snap.stats.accepted_by_position) > 0
+
+
+def test_seeded_sampling_is_reproducible_in_a_batch(engine):
+    batch = BatchEngine(engine, BatchConfig(num_blocks=64, block_size=8), request_drafters(engine))
+    params = SamplingParams(temperature=0.8, seed=7)
+    request = BatchRequest(prompts(1)[0], 10, params=params, drafter="ngram", num_draft_tokens=3)
+    others = [BatchRequest(p, 10, params=SamplingParams(temperature=1.0)) for p in prompts(3, seed=1)]
+    alone = run_to_completion(batch, [request])[0].token_ids
+    crowded = run_to_completion(batch, others[:2] + [request] + others[2:])[2].token_ids
+    assert alone == crowded
+
+
+def test_admission_reserves_kv_and_refuses(engine):
+    batch = BatchEngine(engine, BatchConfig(num_blocks=4, block_size=8, max_queue=2, max_batch_size=1))
+    with pytest.raises(ValueError, match="KV blocks"):  # 40 slots > 4 blocks of 8: can never run
+        batch.submit(BatchRequest(prompts(1)[0], 30), lambda event: None)
+    ok = BatchRequest([1, 2, 3], 4)
+    batch.submit(ok, lambda event: None)
+    batch.submit(ok, lambda event: None)
+    with pytest.raises(QueueFullError):
+        batch.submit(ok, lambda event: None)
+    with pytest.raises(ValueError, match="context"):
+        batch.submit(BatchRequest(list(range(1, 600)), 4), lambda event: None)
+
+
+def test_cancelled_request_frees_its_blocks(engine):
+    batch = BatchEngine(engine, BatchConfig(num_blocks=16, block_size=4))
+    events = []
+    handle = batch.submit(BatchRequest(prompts(1)[0], 40), events.append)
+    batch.step()
+    batch.step()
+    assert batch.pool.blocks_used > 0 and len(events) == 2
+    handle.cancel()
+    assert batch.step() is False
+    assert batch.pool.blocks_used == 0 and batch.pool.reserved == 0
+    assert batch.snapshot().requests_finished == {"cancelled": 1}
+
+
+def test_a_request_that_waits_too_long_for_kv_gets_a_budget_error(engine):
+    from dflash2.kv.paged import KVBudgetError
+
+    batch = BatchEngine(engine, BatchConfig(num_blocks=4, block_size=8, queue_timeout_s=0.0))
+    first, second = [], []
+    batch.submit(BatchRequest([1, 2, 3], 20), first.append)  # reserves 3 of the 4 blocks
+    batch.submit(BatchRequest([4, 5, 6], 10), second.append)  # needs 2: waits, then times out
+    batch.step()
+    assert isinstance(second[-1], KVBudgetError) and batch.snapshot().requests_finished == {"error": 1}
+    while batch.step():
+        pass
+    assert first[-1].finish_reason in ("length", "eos") and batch.pool.reserved == 0
+
+
+def test_near_the_context_limit_batched_equals_single(engine):
+    batch = BatchEngine(engine, BatchConfig(num_blocks=80, block_size=16), request_drafters(engine))
+    long_prompt = (prompts(1)[0] * 40)[:495]  # the tiny model's context is 512
+    requests = [BatchRequest(long_prompt, 40, drafter="ngram", num_draft_tokens=8), BatchRequest(prompts(1)[0], 9)]
+    results = run_to_completion(batch, requests)
+    assert results[0].finish_reason == "length" and len(results[0].token_ids) == 512 - 495 + 1  # the last one is never fed
+    for request, result in zip(requests, results):
+        assert result.token_ids == single(engine, request.prompt_ids, request)
