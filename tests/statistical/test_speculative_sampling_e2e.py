@@ -19,6 +19,7 @@ from dflash2.drafters.ngram import NgramDrafter
 from dflash2.models.loading import load_transformer
 from dflash2.verify.sampling import SamplingParams, logits_to_probs
 from tests.conftest import make_hf_model
+from tests.pipelines import PIPELINES, speculative_steps
 from tests.statistical.chisq import chi_square_p_value
 
 VOCAB = 8
@@ -58,13 +59,15 @@ def exact_marginals(target, prompt: list[int], steps: int = 3) -> list[torch.Ten
     return marginals
 
 
-def sample_runs(target, make_drafter, prompt: list[int]) -> torch.Tensor:
+def sample_runs(target, make_drafter, prompt: list[int], pipeline: str = "sync") -> torch.Tensor:
     """[RUNS, 3] first three generated tokens of seeded speculative runs."""
     out = []
     for run in range(RUNS):
         generator = torch.Generator().manual_seed(run)
-        steps = speculative_decode(target, make_drafter(), torch.tensor(prompt), PARAMS, generator, 64, DecodeStats())
+        steps = speculative_steps(pipeline, target, make_drafter(), torch.tensor(prompt), PARAMS, generator, 64,
+                                  DecodeStats())
         out.append(list(itertools.islice(itertools.chain.from_iterable(steps), 3)))
+        steps.close()
     return torch.tensor(out)
 
 
@@ -76,17 +79,20 @@ def assert_matches(samples: torch.Tensor, marginals: list[torch.Tensor]) -> None
         assert p_value > 1e-3, (position, observed.tolist(), marginals[position].tolist())
 
 
-def test_sampled_small_model_drafts_keep_the_target_distribution(tiny_pair):
+@pytest.mark.parametrize("pipeline", PIPELINES)
+@pytest.mark.parametrize("k", [1, 2])  # k = 1: the 2nd and 3rd tokens come from a pre-drafted block on a hit
+def test_sampled_small_model_drafts_keep_the_target_distribution(tiny_pair, pipeline, k):
     target, draft = tiny_pair
     prompt = [1, 2, 3]
-    samples = sample_runs(target, lambda: ModelDrafter(draft, 2), prompt)
+    samples = sample_runs(target, lambda: ModelDrafter(draft, k), prompt, pipeline)
     assert_matches(samples, exact_marginals(target, prompt))
 
 
-def test_deterministic_ngram_drafts_keep_the_target_distribution(tiny_pair):
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_deterministic_ngram_drafts_keep_the_target_distribution(tiny_pair, pipeline):
     target, _ = tiny_pair
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # the lookup always finds a continuation to propose
-    samples = sample_runs(target, lambda: NgramDrafter(3), prompt)
+    samples = sample_runs(target, lambda: NgramDrafter(3), prompt, pipeline)
     assert_matches(samples, exact_marginals(target, prompt))
 
 
