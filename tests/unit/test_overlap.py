@@ -196,3 +196,26 @@ def test_seeded_sampling_is_reproducible_and_closing_early_leaves_the_drafter_us
                                shared_worker())
         runs.append(run(steps, limit))
     assert runs[1] == runs[2] and runs[0] == runs[1][:7]
+
+
+def test_pre_draft_keys_the_bonus_guess_and_keeps_each_token_with_its_distribution():
+    """The guess (token 0) becomes the key; drafts 1.. keep their own rows of q_draft (a shift would be lossy)."""
+    from dflash2.decode.overlap import _pre_draft
+    from dflash2.drafters.base import Drafter
+
+    q_rows = torch.eye(4)[[1, 2, 3]]  # row i is one-hot at token i + 1: misalignment is visible
+
+    class Scripted(Drafter):
+        def propose(self, sequence, num_draft_tokens, params, generator):
+            raise AssertionError("not called")
+
+        def propose_ahead(self, sequence, block, num_draft_tokens, params, generator):
+            assert (sequence, block, num_draft_tokens) == ([5, 6], [7, 8], 2)
+            return Draft(tokens=torch.tensor([1, 2, 3]), q_draft=q_rows)
+
+    speculation = SpeculationCache()
+    block = Draft(tokens=torch.tensor([7, 8]), q_draft=None)
+    _pre_draft(shared_worker(), Scripted(2), [5, 6], block, 2, GREEDY, None, speculation).result()
+    hit = speculation.take(StepOutcome(emitted=[7, 8, 1], kept_positions=[0, 1, 2]))
+    assert hit.tokens.tolist() == [2, 3]
+    assert torch.equal(hit.q_draft, q_rows[1:])
