@@ -13,7 +13,8 @@ block was sampled from q given its assumed prefix, and on a hit that prefix is t
 
 Concurrency: on CPU each side has its own intra-op thread budget (``torch.set_num_threads`` sets the calling
 thread's OpenMP budget; torch ops and the packed kernel release the GIL). On CUDA the worker runs on its own
-stream and synchronises it before handing results over. Nothing here assumes a CPU.
+stream: each call first waits (on the GPU) for what the caller's stream had queued, and synchronises its own
+stream before handing results over. Nothing here assumes a CPU.
 """
 
 from __future__ import annotations
@@ -73,14 +74,21 @@ class DraftWorker:
             torch.cuda.set_stream(torch.cuda.Stream(self.device))  # the current stream is per thread
 
     def submit(self, fn: Callable[..., Result], *args) -> Future:
-        return self._executor.submit(self._run, fn, *args)
+        """Queue a call; on CUDA it first waits for the work the caller's stream has queued so far (its inputs)."""
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        return self._executor.submit(self._run, ready, fn, *args)
 
     def call(self, fn: Callable[..., Result], *args) -> Result:
         """Run on the worker and wait for the result."""
         return self.submit(fn, *args).result()
 
-    def _run(self, fn: Callable[..., Result], *args) -> Result:
+    def _run(self, ready, fn: Callable[..., Result], *args) -> Result:
         started = time.perf_counter()
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
         with torch.inference_mode():
             result = fn(*args)
             if self.device.type == "cuda":
