@@ -52,13 +52,19 @@ def test_expensive_drafts_shorten_the_block():
     assert 0 < costly.best_length() < cheap.best_length()
 
 
-def test_overlap_hides_draft_cost_so_it_never_picks_shorter_blocks():
-    for accepted in (1, 2, 3, 4):
-        sync = AdaptiveDraftLength(AdaptiveConfig(k_max=8, draft_ratio=0.4))
-        overlap = AdaptiveDraftLength(AdaptiveConfig(k_max=8, draft_ratio=0.4, overlap=True))
-        feed(sync, 20, accepted=accepted, drafted=4, draft_s=0.0)
-        feed(overlap, 20, accepted=accepted, drafted=4, draft_s=0.0)
-        assert overlap.best_length() >= sync.best_length()
+def test_overlap_costs_follow_the_cost_model():
+    """Overlap hides the draft when the pre-draft hits, but the pre-draft (k + 1 tokens) must fit in the
+    verification: with drafts as costly as here it prefers a shorter block than sync would."""
+    config = dict(k_max=8, draft_ratio=0.4, prior_accepted=19.0, prior_rejected=1.0)  # beta 0.95
+    sync, overlap = AdaptiveDraftLength(AdaptiveConfig(**config)), AdaptiveDraftLength(AdaptiveConfig(**config, overlap=True))
+    for k in (1, 4, 8):
+        hit = 0.95 ** (k + 1)
+        verify = 1 + 0.05 * k
+        assert overlap.step_cost(k) == pytest.approx(max(verify, 0.4 * (k + 1)) + (1 - hit) * 0.4 * k)
+        assert sync.step_cost(k) == pytest.approx(verify + 0.4 * k)
+    assert overlap.step_cost(2) < sync.step_cost(2)
+    assert overlap.step_cost(8) > sync.step_cost(8)  # a long pre-draft outlasts verification and often misses
+    assert overlap.best_length() == 2 < sync.best_length() == 6
 
 
 def test_expected_tokens_matches_the_closed_form():

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash2.decode.cost_model import StepCosts
+
 
 class FixedDraftLength:
     """Always ``k`` drafts (capped by the room left in the cache)."""
@@ -82,13 +84,12 @@ class AdaptiveDraftLength:
         return (1.0 - beta ** (k + 1)) / (1.0 - beta)
 
     def step_cost(self, k: int) -> float:
-        """Seconds of one step in units of a plain target step."""
+        """Seconds of one step in units of a plain target step (decode/cost_model.py, slowdowns taken as 1)."""
         if k == 0:
             return 1.0
-        draft = self.draft_ratio * k
-        if self.config.overlap:  # a pre-draft hit (all k accepted, bonus guessed) hides the draft
-            draft *= 1.0 - self.beta ** (k + 1)
-        return 1.0 + self.config.verify_growth * k + draft
+        costs = StepCosts(draft_s=self.draft_ratio * k, verify_s=1.0 + self.config.verify_growth * k,
+                          hit_rate=self.beta ** (k + 1), num_draft_tokens=k)  # a hit: all k accepted, bonus guessed
+        return costs.overlap_step() if self.config.overlap else costs.sync_step()
 
     def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         """One verification: ``num_drafted`` drafts, the first ``num_accepted`` kept; the step's measured times."""
