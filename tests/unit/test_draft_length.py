@@ -56,7 +56,8 @@ def test_overlap_costs_follow_the_cost_model():
     """Overlap hides the draft when the pre-draft hits, but the pre-draft (k + 1 tokens) must fit in the
     verification: with drafts as costly as here it prefers a shorter block than sync would."""
     config = dict(k_max=8, draft_ratio=0.4, prior_accepted=19.0, prior_rejected=1.0)  # beta 0.95
-    sync, overlap = AdaptiveDraftLength(AdaptiveConfig(**config)), AdaptiveDraftLength(AdaptiveConfig(**config, overlap=True))
+    sync = AdaptiveDraftLength(AdaptiveConfig(**config))
+    overlap = AdaptiveDraftLength(AdaptiveConfig(**config, overlap=True))
     for k in (1, 4, 8):
         hit = 0.95 ** (k + 1)
         verify = 1 + 0.05 * k

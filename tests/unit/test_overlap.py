@@ -79,7 +79,8 @@ def test_forced_misses_roll_the_drafter_back(models, k):
     target, prompt = models["qwen2"], prompt_ids()
     capacity = len(prompt) + NEW_TOKENS + k + 1
     stats = DecodeStats()
-    assert overlap_ids(target, MissingDrafter(target, k), prompt, capacity, stats) == plain_ids(target, prompt, capacity)
+    drafter = MissingDrafter(target, k)
+    assert overlap_ids(target, drafter, prompt, capacity, stats) == plain_ids(target, prompt, capacity)
     assert stats.predrafts > 0 and stats.predraft_hits == 0
     assert stats.accepted_by_position == stats.drafted_by_position
 

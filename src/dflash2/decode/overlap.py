@@ -139,7 +139,8 @@ def overlap_decode(
     try:
         worker.call(drafter.reset, capacity + drafter.max_draft_tokens + 1)  # room for one block drafted ahead
         cache = target.new_cache(capacity)
-        out = target(prompt_ids[None].to(target.device), cache=cache, logits="last", hidden_layers=drafter.hidden_layers)
+        taps = drafter.hidden_layers
+        out = target(prompt_ids[None].to(target.device), cache=cache, logits="last", hidden_layers=taps)
         sequence = prompt_ids.tolist() + [int(choose_token(out.logits[0, -1], params, generator))]
         pending = worker.submit(drafter.observe, list(sequence), -1, out.hidden_states)
         yield sequence[-1:]
@@ -159,7 +160,7 @@ def overlap_decode(
             speculation = SpeculationCache()
             pending = _pre_draft(worker, drafter, sequence, draft, k, params, draft_generator, speculation)
             start = cache.length
-            outcome, hidden = verify_draft(target, cache, sequence[-1], draft, params, generator, drafter.hidden_layers)
+            outcome, hidden = verify_draft(target, cache, sequence[-1], draft, params, generator, taps)
             commit_kept(cache, start, outcome.kept_positions)
             verified = time.perf_counter()
             stats.verify_seconds += verified - started
