@@ -1,12 +1,18 @@
 """sync vs overlap on the 1.5B target with the 0.5B model drafter, interleaved per prompt (no plain baseline:
-the machine was too loaded for it). Prints one line per request."""
+the machine was too loaded for it). Prints one line per request. Usage: bench_overlap_split.py [tokens] [--reverse]
+[--only=sync:1,overlap:1] (pipeline:target threads)"""
 import json, sys, torch, dflash2
 from dflash2.bench.datasets import load_suite
 torch.set_num_threads(2)
 engine = dflash2.load("qwen2.5-coder-1.5b-instruct", drafter="model")
 prompts = load_suite("humaneval", 1) + load_suite("gsm8k", 1)
-configs = [("sync", 2, None), ("overlap", 2, 1), ("overlap", 1, 1)]
+configs = [("sync", 2, None), ("overlap", 2, 1), ("overlap", 1, 1), ("sync", 1, None)]
+only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]  # e.g. --only=sync:1
+if only:
+    configs = [c for c in configs if f"{c[0]}:{c[1]}" in only[0].split(",")]
 tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 64
+if "--reverse" in sys.argv:  # a second round in the opposite order cancels a load that drifts during the run
+    configs.reverse()
 engine.generate("Say hello.", max_new_tokens=8)
 for prompt in prompts:
     for pipeline, main_threads, draft_threads in configs:
