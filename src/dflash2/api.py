@@ -23,12 +23,18 @@ def load(
     dtype: str = "bf16",
     device: str | None = None,
     pull: bool = True,
+    pipeline: str | None = None,
+    adaptive_draft: bool = False,
+    draft_threads: int | None = None,
 ) -> Engine:
     """Load a target (model-store name, HF directory or .gguf path) and optionally a drafter.
 
     drafter: "ngram" (prompt lookup, the default), None / "none" (plain decoding), "model" (an independent small
     model of the same tokenizer, ``draft_model``; default: the store's pairing for the target), "dflash" (a trained
     block drafter directory in ``draft_model``). Every drafter is lossless. ``num_candidates`` > 1 makes the n-gram drafter verify a tree of continuations.
+    pipeline: "sync" or "overlap" (the drafter drafts the next block while the target verifies; None: the
+    default for the device, see ``dflash2.decode.overlap.default_pipeline``); ``adaptive_draft`` picks the draft
+    length per step from observed acceptance; ``draft_threads``: intra-op threads of the overlap drafter thread.
     """
     from dflash2.models.store import resolve_model
 
@@ -36,7 +42,10 @@ def load(
     target_dir = resolve_model(target, dtype, pull=pull)
     model = load_transformer(target_dir, dtype, device)
     tokenizer = Tokenizer(target_dir)
-    engine = Engine(model, tokenizer, name=target)
+    from dflash2.decode.overlap import default_pipeline, default_draft_threads
+
+    engine = Engine(model, tokenizer, name=target, pipeline=pipeline or default_pipeline(model.device),
+                    adaptive_draft=adaptive_draft, draft_threads=draft_threads or default_draft_threads(model.device))
     if drafter not in (None, "none"):
         from dflash2.drafters import build_drafter
 

@@ -62,6 +62,13 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    parser.add_argument("--pipeline", default=None,
+                        help="sync (draft, then verify) | overlap (draft the next block while the target verifies); "
+                             "bench takes a comma-separated list (default: the engine's default)")
+    parser.add_argument("--draft-threads", type=int, default=None,
+                        help="overlap: intra-op threads of the drafter's thread (default: 1 on CPU)")
+    parser.add_argument("--adaptive-draft", action="store_true",
+                        help="choose the draft length per step from observed acceptance (0 = speculation off)")
 
 
 def _add_generate(commands) -> None:
@@ -116,6 +123,9 @@ def load_engine(args: argparse.Namespace):
         num_candidates=args.num_candidates,
         dtype=args.dtype,
         device=args.device,
+        pipeline=args.pipeline,
+        adaptive_draft=args.adaptive_draft,
+        draft_threads=args.draft_threads,
     )
 
 
@@ -150,7 +160,10 @@ def run_generate(args: argparse.Namespace) -> int:
         if engine.drafter is not None:
             acceptance = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
             summary += (f", tau {stats.tau:.2f}, draft {stats.draft_seconds:.2f}s / verify {stats.verify_seconds:.2f}s"
-                        f", acceptance by position: {acceptance}")
+                        f", acceptance by position: {acceptance}, pipeline {stats.pipeline}")
+            if stats.pipeline == "overlap":
+                summary += (f" (pre-draft hits {stats.predraft_hit_rate:.0%}, idle: target "
+                            f"{stats.target_idle_fraction:.0%}, drafter {stats.drafter_idle_fraction:.0%})")
         print(summary + "]", file=sys.stderr)
     return 0
 
@@ -172,6 +185,10 @@ def generation_json(result) -> dict:
         "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position],
         "draft_seconds": round(stats.draft_seconds, 4),
         "verify_seconds": round(stats.verify_seconds, 4),
+        "pipeline": stats.pipeline,
+        "predraft_hit_rate": round(stats.predraft_hit_rate, 4),
+        "target_idle_fraction": round(stats.target_idle_fraction, 4),
+        "drafter_idle_fraction": round(stats.drafter_idle_fraction, 4),
         "token_ids": result.token_ids,
     }
 
@@ -216,5 +233,7 @@ def run_models_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m dflash2.cli`: run the imported module so that its CliError is the one raised
+    from dflash2.cli import main as package_main
+
+    sys.exit(package_main())

@@ -52,3 +52,22 @@ def test_json_output_has_the_stats():
                 "acceptance_by_position", "target_forwards"):
         assert key in record
     assert 0 < record["new_tokens"] <= 12 and record["tau"] >= 1.0
+
+
+def test_unknown_pipeline():
+    assert_one_line_error(dflash2("bench", "--pipeline", "sync,sideways", "--drafters", "ngram"), "--pipeline")
+
+
+@pytest.mark.model
+def test_overlap_pipeline_from_the_command_line_matches_plain_decoding_in_fp32():
+    model_dir(SMOLLM2, "fp32")
+    common = ("generate", "Write a haiku about the sea.", "--model", SMOLLM2, "--dtype", "fp32",
+              "--max-new-tokens", "24", "--json")
+    plain = dflash2(*common, "--drafter", "none")
+    overlap = dflash2(*common, "--drafter", "model", "--draft-model", SMOLLM2, "-k", "3", "--pipeline", "overlap",
+                      "--adaptive-draft")
+    assert plain.returncode == 0 and overlap.returncode == 0, plain.stderr + overlap.stderr
+    plain_record, record = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (plain, overlap))
+    assert record["token_ids"] == plain_record["token_ids"]
+    assert record["pipeline"] == "overlap" and record["predraft_hit_rate"] > 0.5  # the drafter is the target
+    assert 0.0 <= record["target_idle_fraction"] <= 1.0 and 0.0 <= record["drafter_idle_fraction"] <= 1.0

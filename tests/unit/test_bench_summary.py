@@ -3,7 +3,7 @@ import json
 import pytest
 
 from dflash2.bench.datasets import load_suite
-from dflash2.bench.runner import format_summary, summarize
+from dflash2.bench.runner import format_summary, method_name, method_pipeline, summarize
 
 
 def row(category, prompt_id, method, tps, tau=1.0, drafted=(), accepted=(), matches=True):
@@ -46,3 +46,20 @@ def test_suites_load_with_their_prompt_formats_and_limits(suite, first_category)
         assert prompts[0].text.endswith("put your final answer within \\boxed{}.")
     if suite == "humaneval":
         assert prompts[0].text.startswith("Write a solution to the following problem")
+
+
+def test_pipelines_are_separate_methods_with_their_bubbles_and_hit_rates(tmp_path):
+    assert method_name("model", "overlap") == "model@overlap" and method_name("model", "sync") == "model"
+    assert method_name("none", "overlap") == "none"  # plain decoding has no pipeline
+    assert method_pipeline("model@overlap") == "overlap" and method_pipeline("ngram") == "sync"
+    bubble = dict(target_idle_fraction=0.1, drafter_idle_fraction=0.5)
+    rows = [row("a", "1", "none", 2.0), dict(row("a", "1", "model@overlap", 4.0), predrafts=10, predraft_hits=6,
+                                              **bubble),
+            dict(row("a", "2", "model@overlap", 4.0), predrafts=10, predraft_hits=2, **bubble)]
+    raw = tmp_path / "requests.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {(s["category"], s["method"]): s for s in summarize(raw)}
+    overlap = summary[("a", "model@overlap")]
+    assert overlap["predraft_hit_rate"] == 0.4 and overlap["target_idle"] == 0.1 and overlap["drafter_idle"] == 0.5
+    assert "predraft_hit_rate" not in summary[("a", "none")]  # rows without the fields (older runs) stay readable
+    assert "40%" in format_summary(list(summary.values()))

@@ -15,6 +15,7 @@ from dflash2.drafters.model import ModelDrafter
 from dflash2.drafters.ngram import NgramDrafter
 from dflash2.models.loading import load_transformer
 from dflash2.verify.sampling import GREEDY
+from tests.pipelines import PIPELINES, speculative_steps
 
 NEW_TOKENS = 40
 
@@ -39,9 +40,15 @@ def plain_ids(model, prompt, capacity, limit=NEW_TOKENS):
     return run(plain_decode(model, prompt, GREEDY, None, capacity, DecodeStats()), limit)
 
 
-def spec_ids(model, drafter, prompt, capacity, limit=NEW_TOKENS, stats=None):
+@pytest.fixture(params=PIPELINES)
+def pipeline(request) -> str:
+    """Every lossless test runs through the sync loop and the overlapped pipeline."""
+    return request.param
+
+
+def spec_ids(model, drafter, prompt, capacity, limit=NEW_TOKENS, stats=None, pipeline="sync"):
     stats = stats if stats is not None else DecodeStats()
-    return run(speculative_decode(model, drafter, prompt, GREEDY, None, capacity, stats), limit)
+    return run(speculative_steps(pipeline, model, drafter, prompt, GREEDY, None, capacity, stats), limit)
 
 
 class RandomDrafter(Drafter):
@@ -56,63 +63,66 @@ class RandomDrafter(Drafter):
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8, 15])
 @pytest.mark.parametrize("target_key", ["qwen2", "llama"])
-def test_model_drafter_equal_to_target_accepts_everything(models, target_key, k):
+def test_model_drafter_equal_to_target_accepts_everything(models, target_key, k, pipeline):
     target, prompt = models[target_key], repetitive_prompt()
     capacity = len(prompt) + NEW_TOKENS + k + 1
     stats = DecodeStats()
-    assert spec_ids(target, ModelDrafter(target, k), prompt, capacity, stats=stats) == plain_ids(target, prompt, capacity)
+    ids = spec_ids(target, ModelDrafter(target, k), prompt, capacity, stats=stats, pipeline=pipeline)
+    assert ids == plain_ids(target, prompt, capacity)
     assert stats.accepted_by_position == stats.drafted_by_position  # every draft accepted
     assert stats.target_forwards <= -(-NEW_TOKENS // (k + 1)) + 1
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8, 15])
-def test_independent_model_drafter_is_lossless(models, k):
+def test_independent_model_drafter_is_lossless(models, k, pipeline):
     target, prompt = models["qwen2"], repetitive_prompt()
     capacity = len(prompt) + NEW_TOKENS + k + 1
     drafter = ModelDrafter(models["qwen2_other"], k)
-    assert spec_ids(target, drafter, prompt, capacity) == plain_ids(target, prompt, capacity)
+    assert spec_ids(target, drafter, prompt, capacity, pipeline=pipeline) == plain_ids(target, prompt, capacity)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8, 15])
-def test_ngram_drafter_is_lossless(models, k):
+def test_ngram_drafter_is_lossless(models, k, pipeline):
     target, prompt = models["llama"], repetitive_prompt()
     capacity = len(prompt) + NEW_TOKENS + k + 1
-    assert spec_ids(target, NgramDrafter(k), prompt, capacity) == plain_ids(target, prompt, capacity)
+    assert spec_ids(target, NgramDrafter(k), prompt, capacity, pipeline=pipeline) == plain_ids(target, prompt, capacity)
 
 
 @pytest.mark.parametrize("k", [1, 4, 15])
-def test_garbage_drafter_accepts_nothing_and_changes_nothing(models, k):
+def test_garbage_drafter_accepts_nothing_and_changes_nothing(models, k, pipeline):
     target, prompt = models["qwen2"], repetitive_prompt()
     capacity = len(prompt) + NEW_TOKENS + k + 1
     stats = DecodeStats()
-    assert spec_ids(target, RandomDrafter(k), prompt, capacity, stats=stats) == plain_ids(target, prompt, capacity)
+    ids = spec_ids(target, RandomDrafter(k), prompt, capacity, stats=stats, pipeline=pipeline)
+    assert ids == plain_ids(target, prompt, capacity)
     assert sum(stats.accepted_by_position) <= 2  # a random id can match by chance, rarely
 
 
 @pytest.mark.parametrize("k", [4, 8])
-def test_near_the_context_limit_output_ends_exactly_like_plain(models, k):
+def test_near_the_context_limit_output_ends_exactly_like_plain(models, k, pipeline):
     """Capacity smaller than prompt + k * steps: drafts shrink near the end, nothing overflows."""
     target, prompt = models["qwen2"], repetitive_prompt()
     capacity = len(prompt) + 13
     expected = plain_ids(target, prompt, capacity, limit=10_000)
     assert len(expected) == 14  # the prefill token + one per remaining slot
-    assert spec_ids(target, ModelDrafter(target, k), prompt, capacity, limit=10_000) == expected
-    assert spec_ids(target, NgramDrafter(k), prompt, capacity, limit=10_000) == expected
+    assert spec_ids(target, ModelDrafter(target, k), prompt, capacity, limit=10_000, pipeline=pipeline) == expected
+    assert spec_ids(target, NgramDrafter(k), prompt, capacity, limit=10_000, pipeline=pipeline) == expected
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize("num_candidates", [2, 4])
-def test_ngram_tree_drafts_are_lossless(models, k, num_candidates):
+def test_ngram_tree_drafts_are_lossless(models, k, num_candidates, pipeline):
     """Several continuations verified at once with tree attention; the accepted branch is compacted in the cache."""
     target, prompt = models["qwen2"], repetitive_prompt()
     drafter = NgramDrafter(k, num_candidates=num_candidates)
     capacity = len(prompt) + NEW_TOKENS + drafter.max_draft_tokens + 1
     stats = DecodeStats()
-    assert spec_ids(target, drafter, prompt, capacity, stats=stats) == plain_ids(target, prompt, capacity)
+    ids = spec_ids(target, drafter, prompt, capacity, stats=stats, pipeline=pipeline)
+    assert ids == plain_ids(target, prompt, capacity)
     assert stats.target_forwards > 0
 
 
-def test_tree_verification_accepts_a_branch_other_than_the_first(models):
+def test_tree_verification_accepts_a_branch_other_than_the_first(models, pipeline):
     """A drafter whose first candidate is wrong and second right: the second branch must be accepted."""
     target, prompt = models["llama"], repetitive_prompt()
     capacity = len(prompt) + NEW_TOKENS + 16
@@ -128,7 +138,7 @@ def test_tree_verification_accepts_a_branch_other_than_the_first(models):
             return Draft(tokens=torch.tensor(wrong + right), q_draft=None, parents=[-1, 0, 1, -1, 3, 4])
 
     stats = DecodeStats()
-    assert spec_ids(target, TwoBranches(3), prompt, capacity, stats=stats) == expected
+    assert spec_ids(target, TwoBranches(3), prompt, capacity, stats=stats, pipeline=pipeline) == expected
     assert stats.accepted_by_position[:3] == stats.drafted_by_position[:3]  # the right branch always wins
 
 
@@ -140,3 +150,22 @@ def test_tau_counts_every_committed_token_per_target_pass(models):
     assert plain_stats.tau == 1.0 and plain_stats.target_forwards == NEW_TOKENS - 1
     run(speculative_decode(target, ModelDrafter(target, 4), prompt, GREEDY, None, capacity, spec_stats), NEW_TOKENS)
     assert spec_stats.tau == 5.0  # drafter == target: 4 drafts + the bonus every pass
+
+
+@pytest.mark.parametrize("drafter_key", ["target", "other", "garbage"])
+def test_adaptive_draft_length_keeps_output_identical(models, pipeline, drafter_key):
+    """Draft lengths chosen per step (including 0 = plain steps once drafts stop paying) change nothing."""
+    from dflash2.decode.draft_length import AdaptiveConfig, AdaptiveDraftLength
+
+    target, prompt = models["qwen2"], repetitive_prompt()
+    k_max = 6
+    drafter = {"target": lambda: ModelDrafter(target, k_max),
+               "other": lambda: ModelDrafter(models["qwen2_other"], k_max),
+               "garbage": lambda: RandomDrafter(k_max)}[drafter_key]()
+    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=k_max, overlap=pipeline == "overlap", probe_interval=4))
+    capacity = len(prompt) + NEW_TOKENS + k_max + 1
+    stats = DecodeStats()
+    steps = speculative_steps(pipeline, target, drafter, prompt, GREEDY, None, capacity, stats, policy)
+    assert run(steps, NEW_TOKENS) == plain_ids(target, prompt, capacity)
+    if drafter_key == "garbage":  # speculation switched off: few drafts after the first rejections
+        assert sum(stats.drafted_by_position) < stats.target_forwards

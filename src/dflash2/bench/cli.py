@@ -29,14 +29,19 @@ def add_bench_parser(commands) -> None:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     from dflash2.bench.datasets import load_suite
-    from dflash2.bench.runner import BASELINE, BenchConfig, format_summary, run_bench, summarize
+    from dflash2.bench.runner import BASELINE, BenchConfig, format_summary, method_name, run_bench, summarize
     from dflash2.cli import CliError, load_engine
+    from dflash2.decode.overlap import PIPELINES
     from dflash2.drafters import DRAFTER_NAMES, build_drafter
 
-    methods = [BASELINE] + [m for m in args.drafters.split(",") if m and m != BASELINE]
-    unknown = [m for m in methods if m not in DRAFTER_NAMES]
+    names = [BASELINE] + [m for m in args.drafters.split(",") if m and m != BASELINE]
+    unknown = [m for m in names if m not in DRAFTER_NAMES]
     if unknown:
         raise CliError(f"unknown drafter(s) {', '.join(unknown)}; choose from {', '.join(DRAFTER_NAMES)}")
+    pipelines = [p for p in (args.pipeline or "sync").split(",") if p]
+    if not pipelines or any(p not in PIPELINES for p in pipelines):
+        raise CliError(f"--pipeline takes a comma-separated list of {', '.join(PIPELINES)}, got {args.pipeline!r}")
+    methods = list(dict.fromkeys(method_name(m, p) for m in names for p in pipelines))
     if args.max_new_tokens <= 0:
         raise CliError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
     if args.quick:
@@ -48,12 +53,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
         prompts = [p for p in prompts if p.category in wanted]
         if not prompts:
             raise CliError(f"no prompt in categories {args.category!r} of suites {args.suite!r}")
-    args.drafter = "none"
+    args.drafter, args.pipeline = "none", pipelines[0]
     engine = load_engine(args)
-    drafters = {m: None if m == BASELINE else build_drafter(m, engine, draft_model=args.draft_model,
-                                                            num_draft_tokens=args.num_draft_tokens,
-                                                            num_candidates=args.num_candidates, dtype=args.dtype)
-                for m in methods}
+    built = {m: None if m == BASELINE else build_drafter(m, engine, draft_model=args.draft_model,
+                                                         num_draft_tokens=args.num_draft_tokens,
+                                                         num_candidates=args.num_candidates, dtype=args.dtype)
+             for m in names}
+    drafters = {m: built[m.partition("@")[0]] for m in methods}  # one drafter object serves both pipelines
     out_dir = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     config = BenchConfig(suites, tuple(methods), args.limit, args.max_new_tokens, out_dir, args.temperature)
     raw_path = run_bench(engine, drafters, prompts, config)

@@ -39,6 +39,7 @@ def run_bench(engine, drafters: dict, prompts: list[BenchPrompt], config: BenchC
             baseline_ids = None
             for method, drafter in drafters.items():
                 engine.drafter = drafter
+                engine.pipeline = method_pipeline(method)
                 result = engine.generate(prompt.text, max_new_tokens=config.max_new_tokens,
                                          temperature=config.temperature, seed=config.seed)
                 if method == BASELINE:
@@ -52,9 +53,19 @@ def run_bench(engine, drafters: dict, prompts: list[BenchPrompt], config: BenchC
     return raw_path
 
 
+def method_name(drafter: str, pipeline: str) -> str:
+    """A bench method: the drafter, with ``@overlap`` when it runs in the overlapped pipeline."""
+    return drafter if pipeline == "sync" or drafter == BASELINE else f"{drafter}@{pipeline}"
+
+
+def method_pipeline(method: str) -> str:
+    return method.partition("@")[2] or "sync"
+
+
 def _warm_up(engine, drafters: dict) -> None:
-    for drafter in drafters.values():
+    for method, drafter in drafters.items():
         engine.drafter = drafter
+        engine.pipeline = method_pipeline(method)
         engine.generate("Say hello.", max_new_tokens=8)
 
 
@@ -69,6 +80,8 @@ def _request_row(prompt: BenchPrompt, method: str, result, baseline_ids: list[in
         "acceptance_by_position": stats.acceptance_by_position,
         "drafted_by_position": stats.drafted_by_position, "accepted_by_position": stats.accepted_by_position,
         "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
+        "pipeline": stats.pipeline, "predrafts": stats.predrafts, "predraft_hits": stats.predraft_hits,
+        "target_idle_fraction": stats.target_idle_fraction, "drafter_idle_fraction": stats.drafter_idle_fraction,
         "finish_reason": result.finish_reason,
         "matches_baseline": None if baseline_ids is None else result.token_ids == baseline_ids,
         "token_ids": result.token_ids,
@@ -98,9 +111,23 @@ def summarize(raw_path: Path) -> list[dict]:
             "tau": mean(r["tau"] for r in group),
             "acceptance_by_position": _pooled_acceptance(group),
             "identical_to_ar": (sum(matches) / len(matches)) if matches else None,
+            **_bubble_summary(group),
         })
     return sorted(summary, key=lambda s: (s["category"] == "overall", s["category"], s["method"] != BASELINE,
                                           s["method"]))
+
+
+def _bubble_summary(rows: list[dict]) -> dict:
+    """Mean idle fractions of each side and the pooled pre-draft hit rate (rows from older runs lack them)."""
+    rows = [r for r in rows if "target_idle_fraction" in r]
+    if not rows:
+        return {}
+    predrafts = sum(r["predrafts"] for r in rows)
+    return {
+        "target_idle": mean(r["target_idle_fraction"] for r in rows),
+        "drafter_idle": mean(r["drafter_idle_fraction"] for r in rows),
+        "predraft_hit_rate": sum(r["predraft_hits"] for r in rows) / predrafts if predrafts else None,
+    }
 
 
 def _pooled_acceptance(rows: list[dict]) -> list[float]:
@@ -118,14 +145,16 @@ def _pooled_acceptance(rows: list[dict]) -> list[float]:
 
 
 def format_summary(summary: list[dict]) -> str:
-    lines = [f"{'category':16s} {'method':8s} {'n':>4s} {'tok/s':>8s} {'AR tok/s':>8s} {'speedup':>8s} {'tau':>6s} "
-             f"{'identical':>9s}"]
+    lines = [f"{'category':16s} {'method':14s} {'n':>4s} {'tok/s':>8s} {'AR tok/s':>8s} {'speedup':>8s} {'tau':>6s} "
+             f"{'identical':>9s} {'idle T/D':>9s} {'hits':>5s}"]
     for s in summary:
         speedup = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
         ar = f"{s['ar_tokens_per_s']:.2f}" if s["ar_tokens_per_s"] is not None else "-"
         identical = f"{s['identical_to_ar']:.0%}" if s["identical_to_ar"] is not None else "-"
-        lines.append(f"{s['category']:16s} {s['method']:8s} {s['requests']:4d} {s['tokens_per_s']:8.2f} {ar:>8s} "
-                     f"{speedup:>8s} {s['tau']:6.2f} {identical:>9s}")
+        idle = f"{s['target_idle']:.0%}/{s['drafter_idle']:.0%}" if "target_idle" in s else "-"
+        hits = f"{s['predraft_hit_rate']:.0%}" if s.get("predraft_hit_rate") is not None else "-"
+        lines.append(f"{s['category']:16s} {s['method']:14s} {s['requests']:4d} {s['tokens_per_s']:8.2f} {ar:>8s} "
+                     f"{speedup:>8s} {s['tau']:6.2f} {identical:>9s} {idle:>9s} {hits:>5s}")
     return "\n".join(lines)
 
 

@@ -37,11 +37,16 @@ class StreamChunk:
 class Engine:
     """Generates from a target model, plainly or with a drafter (``drafter=None`` -> plain decoding)."""
 
-    def __init__(self, target: Transformer, tokenizer: Tokenizer, *, drafter=None, name: str = "") -> None:
+    def __init__(self, target: Transformer, tokenizer: Tokenizer, *, drafter=None, name: str = "",
+                 pipeline: str = "sync", adaptive_draft: bool = False, draft_threads: int | None = None) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.name = name
+        self.pipeline = pipeline  # "sync" | "overlap" (see decode/overlap.py); read at each request
+        self.adaptive_draft = adaptive_draft  # choose the draft length per step from observed acceptance
+        self.draft_threads = draft_threads  # overlap: the drafter thread's intra-op threads (None: torch's default)
+        self._worker = None  # overlap: the drafter's thread, started on first use
 
     @property
     def max_context(self) -> int:
@@ -119,11 +124,25 @@ class Engine:
     def _default_method(self) -> DecodeMethod:
         if self.drafter is None:
             return lambda ids, params, gen, cap, stats: plain_decode(self.target, ids, params, gen, cap, stats)
+        from dflash2.decode.draft_length import make_policy
+        from dflash2.decode.overlap import PIPELINES, DraftWorker, overlap_decode
         from dflash2.decode.speculative import speculative_decode
 
-        return lambda ids, params, gen, cap, stats: speculative_decode(
-            self.target, self.drafter, ids, params, gen, cap, stats
-        )
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"unknown pipeline {self.pipeline!r}; choose one of {', '.join(PIPELINES)}")
+        drafter, overlap = self.drafter, self.pipeline == "overlap"
+
+        def method(ids, params, gen, cap, stats):
+            policy = make_policy(self.adaptive_draft, drafter.num_draft_tokens, overlap)
+            if not overlap:
+                return speculative_decode(self.target, drafter, ids, params, gen, cap, stats, policy)
+            if self._worker is None or self._worker.num_threads != self.draft_threads:
+                if self._worker is not None:
+                    self._worker.close()
+                self._worker = DraftWorker(self.target.device, self.draft_threads)
+            return overlap_decode(self.target, drafter, ids, params, gen, cap, stats, self._worker, policy)
+
+        return method
 
     def _draft_slack(self) -> int:
         """Extra KV slots a verification pass may write past the last kept token."""

@@ -8,6 +8,7 @@ from typing import Iterator
 
 import torch
 
+from dflash2.decode.draft_length import DraftLengthPolicy, FixedDraftLength
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.kv.static import StaticKVCache
@@ -41,8 +42,10 @@ def speculative_decode(
     generator: torch.Generator | None,
     capacity: int,  # KV slots for prompt + generated tokens + one draft block
     stats: DecodeStats,
+    policy: DraftLengthPolicy | None = None,  # draft length per step (default: always drafter.num_draft_tokens)
 ) -> Iterator[list[int]]:
     """Yield the tokens committed by each target pass. Lossless: the output is distributed as plain decoding's."""
+    policy = policy or FixedDraftLength(drafter.num_draft_tokens)
     taps = drafter.hidden_layers
     cache = target.new_cache(capacity)
     drafter.reset(capacity)
@@ -54,23 +57,37 @@ def speculative_decode(
     while cache.length < capacity:
         room = capacity - cache.length - 1  # slots left after the pending token
         started = time.perf_counter()
-        draft = _fit(drafter.propose(sequence, min(drafter.num_draft_tokens, room), params, generator), room)
+        k = policy.next_length(room)
+        draft = fit_draft(drafter.propose(sequence, k, params, generator), room) if k else empty_draft()
         drafted = time.perf_counter()
         start = cache.length
-        outcome, hidden = _verify(target, cache, sequence[-1], draft, params, generator, taps)
-        _commit(cache, start, outcome.kept_positions)
+        outcome, hidden = verify_draft(target, cache, sequence[-1], draft, params, generator, taps)
+        commit_kept(cache, start, outcome.kept_positions)
+        verified = time.perf_counter()
         stats.draft_seconds += drafted - started
-        stats.verify_seconds += time.perf_counter() - drafted
-        stats.target_forwards += 1
-        stats.committed_tokens += len(outcome.emitted)
-        stats.record_draft(draft.depth, len(outcome.emitted) - 1)
+        stats.verify_seconds += verified - drafted
+        record_step(stats, policy, draft, outcome, drafted - started, verified - drafted)
         sequence.extend(outcome.emitted)
         kept = torch.tensor(outcome.kept_positions, device=target.device)
         drafter.observe(sequence, len(outcome.emitted) - 1, tuple(h[:, kept] for h in hidden))
         yield outcome.emitted
 
 
-def _fit(draft: Draft, room: int) -> Draft:
+def record_step(stats: DecodeStats, policy: DraftLengthPolicy, draft: Draft, outcome: StepOutcome,
+                draft_seconds: float, verify_seconds: float) -> None:
+    """Count one verification in the stats and tell the draft-length policy how it went."""
+    stats.target_forwards += 1
+    stats.committed_tokens += len(outcome.emitted)
+    stats.record_draft(draft.depth, len(outcome.emitted) - 1)
+    policy.record(draft.depth, len(outcome.emitted) - 1, draft_seconds, verify_seconds)
+
+
+def empty_draft() -> Draft:
+    """No drafts: the step is a plain target step."""
+    return Draft(tokens=torch.zeros(0, dtype=torch.int64), q_draft=None)
+
+
+def fit_draft(draft: Draft, room: int) -> Draft:
     """Drop nodes that would not fit in the cache (a tree keeps a valid prefix: parents precede children)."""
     if len(draft.tokens) <= room:
         return draft
@@ -79,7 +96,7 @@ def _fit(draft: Draft, room: int) -> Draft:
     return Draft(tokens=draft.tokens[:room], q_draft=q_draft, parents=parents)
 
 
-def _commit(cache: StaticKVCache, start: int, kept_positions: list[int]) -> None:
+def commit_kept(cache: StaticKVCache, start: int, kept_positions: list[int]) -> None:
     """Keep the KV entries of the accepted path: a chain is a rollback, a tree branch is compacted first."""
     if kept_positions == list(range(len(kept_positions))):
         cache.rollback(start + len(kept_positions))
@@ -87,7 +104,7 @@ def _commit(cache: StaticKVCache, start: int, kept_positions: list[int]) -> None
         cache.compact(torch.tensor(kept_positions) + start, destination=start)
 
 
-def _verify(
+def verify_draft(
     target: Transformer,
     cache: StaticKVCache,
     pending: int,

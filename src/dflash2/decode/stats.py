@@ -17,6 +17,9 @@ class DecodeStats:
     verify_seconds: float = 0.0  # time spent in target verification passes
     drafted_by_position: list[int] = field(default_factory=list)  # [k] drafts proposed at position i
     accepted_by_position: list[int] = field(default_factory=list)  # [k] drafts accepted at position i
+    pipeline: str = "sync"  # "sync" (draft, then verify) or "overlap" (the drafter works while the target verifies)
+    predrafts: int = 0  # overlap: blocks drafted ahead, while the target verified the previous block
+    predraft_hits: int = 0  # overlap: pre-drafted blocks used as the next draft (their assumed outcome came true)
 
     def record_draft(self, num_drafted: int, num_accepted: int) -> None:
         """One verification: ``num_drafted`` drafts proposed, the first ``num_accepted`` kept."""
@@ -48,11 +51,30 @@ class DecodeStats:
         return self.committed_tokens / self.target_forwards if self.target_forwards else 1.0
 
     @property
+    def predraft_hit_rate(self) -> float:
+        return self.predraft_hits / self.predrafts if self.predrafts else 0.0
+
+    @property
+    def target_idle_fraction(self) -> float:
+        """Share of decode wall time the target was not verifying (the target's bubble)."""
+        return _idle(self.verify_seconds, self.decode_seconds)
+
+    @property
+    def drafter_idle_fraction(self) -> float:
+        """Share of decode wall time the drafter was not drafting (the drafter's bubble)."""
+        return _idle(self.draft_seconds, self.decode_seconds)
+
+    @property
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        for name in ("seconds", "tokens_per_s", "decode_tokens_per_s", "tau", "acceptance_by_position"):
+        for name in ("seconds", "tokens_per_s", "decode_tokens_per_s", "tau", "acceptance_by_position",
+                     "predraft_hit_rate", "target_idle_fraction", "drafter_idle_fraction"):
             out[name] = getattr(self, name)
         return out
+
+
+def _idle(busy_seconds: float, wall_seconds: float) -> float:
+    return min(max(1.0 - busy_seconds / wall_seconds, 0.0), 1.0) if wall_seconds > 0 else 0.0

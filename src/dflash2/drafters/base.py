@@ -57,6 +57,28 @@ class Drafter(ABC):
     ) -> Draft:
         """Draft at most ``num_draft_tokens`` tokens to follow ``sequence``."""
 
+    def propose_ahead(
+        self,
+        sequence: list[int],
+        block: list[int],
+        num_draft_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Draft | None:
+        """Pre-draft while the target verifies ``block`` (a chain following ``sequence``), assuming all of it is
+        accepted: returns a chain whose first token is the guessed bonus token and whose next (at most)
+        ``num_draft_tokens`` tokens draft the block after it; None when this drafter cannot draft ahead.
+
+        The result is only a proposal: the pipeline uses it when the assumption came true (every draft accepted,
+        bonus == the guess) and drops it otherwise, so it never affects the output, only speed. Drafters keep
+        no state that a later ``propose`` / ``observe`` of the true sequence would not repair (the rollback).
+        The default drafts from the extended sequence, which needs no target states (``hidden_layers`` empty).
+        """
+        if self.hidden_layers:
+            return None
+        draft = self.propose(sequence + block, num_draft_tokens + 1, params, generator)
+        return None if draft.parents is not None or len(draft.tokens) == 0 else draft
+
     def observe(self, sequence: list[int], num_accepted: int, target_hidden: tuple[torch.Tensor, ...]) -> None:
         """After prefill (num_accepted = -1) or a verification: ``sequence`` is the new committed sequence.
 

@@ -25,6 +25,7 @@ embedding or head), so drafters trained here can be served by engines that load 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -119,10 +120,23 @@ class DFlashDrafter(Drafter):
         if self.model.selector is not None:
             return self._selected_draft(sequence[-1], start, k, params, generator)
         logits = self.block_logits(sequence[-1], start)[1 : k + 1]  # [k, V]
-        if params.greedy:
-            return Draft(tokens=logits.argmax(dim=-1).cpu(), q_draft=None)
-        q_draft = logits_to_probs(logits, params)  # [k, V]
-        return Draft(tokens=sample(q_draft, generator).cpu(), q_draft=q_draft)
+        return _draft_from_logits(logits, params, generator)
+
+    @torch.inference_mode()
+    def propose_ahead(self, sequence, block, num_draft_tokens, params: SamplingParams, generator) -> Draft | None:
+        """Pre-draft before the taps of ``block`` exist: the block's tokens fill the first mask positions
+        ([pending, block..., MASK...]) and the masks after them draft the bonus guess and the next block.
+        None when the masks left cannot hold the guess and one draft (len(block) >= block_size - 2)."""
+        assert self.cache is not None, "reset() must be called before propose_ahead()"
+        first = len(block) + 1  # block position of the bonus guess
+        last = min(first + num_draft_tokens, self.model.config.block_size - 1)
+        if last <= first:  # room for the bonus guess and at least one draft after it
+            return None
+        start = len(sequence) - 1
+        if self.cache.length != start:
+            raise RuntimeError(f"the drafter's context holds {self.cache.length} positions, expected {start}")
+        logits = self.block_logits(sequence[-1], start, known=block)[first : last + 1]  # [1 + n, V]
+        return _draft_from_logits(logits, params, generator)
 
     def _selected_draft(
         self, pending: int, start: int, k: int, params: SamplingParams, generator: torch.Generator | None
@@ -146,19 +160,29 @@ class DFlashDrafter(Drafter):
         vocab = self.model.draft_vocab
         return rows if vocab is None else vocab[rows]
 
-    def block_hidden(self, pending: int, start: int) -> torch.Tensor:
-        """The drafter's hidden states [block_size, D] of the block [pending, MASK...] at start .. start + bs - 1."""
+    def block_hidden(self, pending: int, start: int, known: Sequence[int] = ()) -> torch.Tensor:
+        """The drafter's hidden states [block_size, D] of the block [pending, known..., MASK...] at positions
+        start .. start + bs - 1 (``known``: tokens already drafted after the pending one, used by pre-drafting)."""
         config, device = self.model.config, self.model.device
         ids = torch.full((1, config.block_size), config.mask_token_id, dtype=torch.int64, device=device)
         ids[0, 0] = pending
+        ids[0, 1 : 1 + len(known)] = torch.tensor(list(known), dtype=torch.int64, device=device)
         positions = torch.arange(start, start + config.block_size, device=device)[None]  # [1, bs]
         context = [(self.cache.keys[layer, :, :, :start], self.cache.values[layer, :, :, :start])
                    for layer in range(config.num_layers)]
         return self.model(self.model.embed(self.target, ids), positions, context)[0]
 
-    def block_logits(self, pending: int, start: int) -> torch.Tensor:
-        """float32 logits [block_size, V] of the block [pending, MASK...] at positions start .. start + bs - 1."""
-        return self.model.logits(self.target, self.block_hidden(pending, start))
+    def block_logits(self, pending: int, start: int, known: Sequence[int] = ()) -> torch.Tensor:
+        """float32 logits [block_size, V] of the block [pending, known..., MASK...] (see :meth:`block_hidden`)."""
+        return self.model.logits(self.target, self.block_hidden(pending, start, known))
+
+
+def _draft_from_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Draft:
+    """A chain from block logits [k, V]: argmax at T = 0 (q_draft None), else sampled with q_draft [k, V]."""
+    if params.greedy:
+        return Draft(tokens=logits.argmax(dim=-1).cpu(), q_draft=None)
+    q_draft = logits_to_probs(logits, params)  # [k, V]
+    return Draft(tokens=sample(q_draft, generator).cpu(), q_draft=q_draft)
 
 
 def load_dflash_drafter(

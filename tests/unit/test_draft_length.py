@@ -1,0 +1,81 @@
+"""Draft-length policies: the adaptive one follows acceptance and costs, switches speculation off and probes."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash2.decode.draft_length import AdaptiveConfig, AdaptiveDraftLength, FixedDraftLength, make_policy
+
+
+def feed(policy: AdaptiveDraftLength, steps: int, accepted: int, drafted: int, draft_s=0.01, verify_s=0.1) -> None:
+    for _ in range(steps):
+        policy.record(drafted, accepted, draft_s, verify_s)
+
+
+def test_fixed_length_is_capped_by_the_room_left():
+    assert FixedDraftLength(4).next_length(room=10) == 4
+    assert FixedDraftLength(4).next_length(room=2) == 2
+    with pytest.raises(ValueError):
+        FixedDraftLength(-1)
+
+
+def test_full_acceptance_with_cheap_drafts_drafts_the_longest_block():
+    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=8))
+    feed(policy, 30, accepted=8, drafted=8)
+    assert policy.beta > 0.95
+    assert policy.next_length(room=100) == 8
+    assert policy.next_length(room=3) == 3
+
+
+def test_everything_rejected_switches_speculation_off_then_probes():
+    config = AdaptiveConfig(k_max=8, probe_interval=5, probe_length=2)
+    policy = AdaptiveDraftLength(config)
+    feed(policy, 30, accepted=0, drafted=4, draft_s=0.03)
+    assert policy.beta < 0.05
+    lengths = [policy.next_length(room=100) for _ in range(10)]
+    assert lengths == [0, 0, 0, 0, 2, 0, 0, 0, 0, 2]  # off, with one probe every probe_interval steps
+
+
+def test_probe_that_succeeds_turns_speculation_back_on():
+    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=6, probe_interval=1))
+    feed(policy, 30, accepted=0, drafted=4)
+    assert policy.best_length() == 0
+    feed(policy, 30, accepted=2, drafted=2)  # probes are now all accepted
+    assert policy.best_length() >= 4
+
+
+def test_expensive_drafts_shorten_the_block():
+    cheap, costly = AdaptiveDraftLength(AdaptiveConfig(k_max=12)), AdaptiveDraftLength(AdaptiveConfig(k_max=12))
+    feed(cheap, 40, accepted=3, drafted=4, draft_s=0.004, verify_s=0.1)  # beta about 0.75
+    feed(costly, 40, accepted=3, drafted=4, draft_s=0.2, verify_s=0.1)  # one draft token costs half a target step
+    assert costly.draft_ratio > 10 * cheap.draft_ratio
+    assert 0 < costly.best_length() < cheap.best_length()
+
+
+def test_overlap_costs_follow_the_cost_model():
+    """Overlap hides the draft when the pre-draft hits, but the pre-draft (k + 1 tokens) must fit in the
+    verification: with drafts as costly as here it prefers a shorter block than sync would."""
+    config = dict(k_max=8, draft_ratio=0.4, prior_accepted=19.0, prior_rejected=1.0)  # beta 0.95
+    sync = AdaptiveDraftLength(AdaptiveConfig(**config))
+    overlap = AdaptiveDraftLength(AdaptiveConfig(**config, overlap=True))
+    for k in (1, 4, 8):
+        hit = 0.95 ** (k + 1)
+        verify = 1 + 0.05 * k
+        assert overlap.step_cost(k) == pytest.approx(max(verify, 0.4 * (k + 1)) + (1 - hit) * 0.4 * k)
+        assert sync.step_cost(k) == pytest.approx(verify + 0.4 * k)
+    assert overlap.step_cost(2) < sync.step_cost(2)
+    assert overlap.step_cost(8) > sync.step_cost(8)  # a long pre-draft outlasts verification and often misses
+    assert overlap.best_length() == 2 < sync.best_length() == 6
+
+
+def test_expected_tokens_matches_the_closed_form():
+    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=4, prior_accepted=1.0, prior_rejected=1.0))
+    assert policy.beta == 0.5
+    assert policy.expected_tokens(0) == pytest.approx(1.0)
+    assert policy.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_make_policy_picks_the_kind():
+    assert isinstance(make_policy(False, 4, overlap=False), FixedDraftLength)
+    adaptive = make_policy(True, 4, overlap=True)
+    assert isinstance(adaptive, AdaptiveDraftLength) and adaptive.config.overlap and adaptive.config.k_max == 4
