@@ -52,7 +52,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     drafters = {m: None if m == BASELINE else build_drafter(m, engine, draft_model=args.draft_model,
                                                             num_draft_tokens=args.num_draft_tokens,
-                                                            num_candidates=args.num_candidates, dtype=args.dtype)
+                                                            num_candidates=args.num_candidates, dtype=args.dtype,
+                                                            weights=args.weights)
                 for m in methods}
     out_dir = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     config = BenchConfig(suites, tuple(methods), args.limit, args.max_new_tokens, out_dir, args.temperature)
