@@ -7,8 +7,8 @@
 // past N are zero).  int8: [P, K, 16] int8, at step k of panel p the 16 bytes are Q[16p + j, k].
 // int4: [P, K/2, 16] uint8, byte (p, i, j) holds Q[16p + j, 2i] + 8 in its low nibble and
 // Q[16p + j, 2i + 1] + 8 in its high nibble; scales [P, K/32, 16] fp32.  The inner loop over k reads
-// a panel contiguously; weights are converted to fp32 in registers (1-2 int8 rows) or one k slice at
-// a time into an L1 buffer shared by every row of the call (more rows, and int4).
+// a panel contiguously; weights are converted to fp32 in registers (int8, up to 32 rows) or one k
+// slice at a time into an L1 buffer shared by every row of the call (more rows, and int4).
 //
 // ROW-COUNT INVARIANCE (what keeps speculative verification exactly lossless): every output
 // element y[m, n] is computed by the same sequence of fp32 operations whatever M is and whichever
@@ -184,6 +184,7 @@ inline int rows_for_call(int64_t remaining) {
 
 constexpr int64_t kKc = 128;  // k steps per converted slice (kGroup x 8 KiB of fp32)
 constexpr int64_t kMc = 48;   // rows per block of the k-blocked path
+constexpr int64_t kDirectRows = 32;  // int8 calls of up to this many rows convert in registers
 
 // y = tile (* scale) (+ bias), two separate roundings as in the fallback; scale may be null.
 inline void store_scaled(const float* tile, int64_t ldt, int64_t rows, float* y, int64_t N,
@@ -200,16 +201,21 @@ inline void store_scaled(const float* tile, int64_t ldt, int64_t rows, float* y,
   }
 }
 
-// 1-2 rows of int8: panels straight into registers, full K per call.
+// Up to kDirectRows rows of int8: panels straight into registers, full K per call of <= 6 rows
+// (measured faster than converting through the L1 buffer for the row counts of verification).
 inline void int8_group_direct(const int8_t* wq, const float* scale, const float* bias,
                               const float* x, int64_t M, int64_t K, float* y, int64_t N,
                               int64_t g0, int64_t np) {
-  alignas(32) float tile[2 * kGroup * kPanel];
+  alignas(32) float tile[6 * kGroup * kPanel];
   const int64_t ldt = kGroup * kPanel;
   const int64_t pstride = K * kPanel;
-  dispatch(static_cast<int>(M), wq + g0 * pstride, pstride, np, x, K, K, tile, ldt);
   const int64_t n0 = g0 * kPanel;
-  store_scaled(tile, ldt, M, y, N, n0, std::min<int64_t>(np * kPanel, N - n0), scale, bias);
+  for (int64_t m = 0; m < M;) {
+    const int mr = rows_for_call(M - m);
+    dispatch(mr, wq + g0 * pstride, pstride, np, x + m * K, K, K, tile, ldt);
+    store_scaled(tile, ldt, mr, y + m * N, N, n0, std::min<int64_t>(np * kPanel, N - n0), scale, bias);
+    m += mr;
+  }
 }
 
 // Converts klen k steps of panel p, from k0, to fp32 [klen x 16] (int8: the integer values).
@@ -348,7 +354,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   float* yp = y.data_ptr<float>();
   const Int8Slices slices{wp, K};
   for_panel_groups(P, M, K, [&](int64_t g0, int64_t np) {
-    if (M <= 2) {
+    if (M <= kDirectRows) {
       int8_group_direct(wp, sp, bp, xp, M, K, yp, n_out, g0, np);
     } else {
       group_blocked(slices, sp, bp, xp, M, K, yp, n_out, g0, np);
