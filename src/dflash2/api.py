@@ -21,6 +21,7 @@ def load(
     num_draft_tokens: int | None = None,
     num_candidates: int = 1,
     dtype: str = "bf16",
+    weights: str = "bf16",
     device: str | None = None,
     pull: bool = True,
     pipeline: str | None = None,
@@ -32,6 +33,8 @@ def load(
     drafter: "ngram" (prompt lookup, the default), None / "none" (plain decoding), "model" (an independent small
     model of the same tokenizer, ``draft_model``; default: the store's pairing for the target), "dflash" (a trained
     block drafter directory in ``draft_model``). Every drafter is lossless. ``num_candidates`` > 1 makes the n-gram drafter verify a tree of continuations.
+    weights: "bf16" (not quantized, the default), "int8" or "int4" (weight-only, quantized at load time, CPU), for the
+    target and the ``model`` drafter; speculation is lossless with respect to the quantized target.
     pipeline: "sync" or "overlap" (the drafter drafts the next block while the target verifies; None: the
     default for the device, see ``dflash2.decode.overlap.default_pipeline``); ``adaptive_draft`` picks the draft
     length per step from observed acceptance; ``draft_threads``: intra-op threads of the overlap drafter thread.
@@ -40,7 +43,7 @@ def load(
 
     device = device or default_device()
     target_dir = resolve_model(target, dtype, pull=pull)
-    model = load_transformer(target_dir, dtype, device)
+    model = load_transformer(target_dir, dtype, device, weights=weights)
     tokenizer = Tokenizer(target_dir)
     from dflash2.decode.overlap import default_pipeline, default_draft_threads
 
@@ -51,6 +54,6 @@ def load(
 
         engine.drafter = build_drafter(
             drafter, engine, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
-            num_candidates=num_candidates, dtype=dtype, pull=pull,
+            num_candidates=num_candidates, dtype=dtype, weights=weights, pull=pull,
         )
     return engine

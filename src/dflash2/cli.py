@@ -60,6 +60,10 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
     parser.add_argument("--num-candidates", type=int, default=1,
                         help="ngram: continuations verified together as a tree (default: 1, a chain)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    parser.add_argument("--weights", default="bf16", choices=("bf16", "int8", "int4"),
+                        help="linear-layer weights of the target and draft model: bf16 (not quantized), int8 (per "
+                             "channel) or int4 (groups of 32), weight-only, quantized at load time, CPU "
+                             "(default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     parser.add_argument("--pipeline", default=None,
@@ -122,6 +126,7 @@ def load_engine(args: argparse.Namespace):
         num_draft_tokens=args.num_draft_tokens,
         num_candidates=args.num_candidates,
         dtype=args.dtype,
+        weights=args.weights,
         device=args.device,
         pipeline=args.pipeline,
         adaptive_draft=args.adaptive_draft,

@@ -57,7 +57,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     built = {m: None if m == BASELINE else build_drafter(m, engine, draft_model=args.draft_model,
                                                          num_draft_tokens=args.num_draft_tokens,
-                                                         num_candidates=args.num_candidates, dtype=args.dtype)
+                                                         num_candidates=args.num_candidates, dtype=args.dtype,
+                                                         weights=args.weights)
              for m in names}
     drafters = {m: built[m.partition("@")[0]] for m in methods}  # one drafter object serves both pipelines
     out_dir = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from dflash2.bench.datasets import BenchPrompt
+from dflash2.models.loading import weight_format
 
 BASELINE = "none"
 
@@ -162,6 +163,7 @@ def _run_info(engine, config: BenchConfig) -> dict:
     return {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "target": engine.name,
         "dtype": str(engine.target.dtype), "device": str(engine.target.device),
+        "weights": weight_format(engine.target),
         "threads": torch.get_num_threads(), "machine": platform.platform(), "processor": platform.processor(),
         "suites": config.suites, "methods": config.methods, "limit": config.limit,
         "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,

@@ -15,7 +15,7 @@ DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 8, "model": 4}
 
 
 def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draft_tokens: int | None = None,
-                  num_candidates: int = 1, dtype: str = "bf16", pull: bool = True) -> Drafter:
+                  num_candidates: int = 1, dtype: str = "bf16", weights: str = "bf16", pull: bool = True) -> Drafter:
     """Build the named drafter for ``engine``'s target. Refuses a draft model whose tokenizer differs."""
     k = num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS.get(name, 4)
     if name == "ngram":
@@ -35,7 +35,7 @@ def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draf
         draft_dir = resolve_model(ref, dtype, pull=pull)
         if Tokenizer(draft_dir).fingerprint() != engine.tokenizer.fingerprint():
             raise ValueError(f"draft model {ref!r} has a different tokenizer from the target; it cannot draft for it")
-        model = load_transformer(draft_dir, dtype, engine.target.device)
+        model = load_transformer(draft_dir, dtype, engine.target.device, weights=weights)
         return ModelDrafter(model, k, target_vocab_size=engine.target.config.vocab_size)
     if name in ("dflash", "dflash+ngram"):
         from dflash2.drafters.dflash import load_dflash_drafter

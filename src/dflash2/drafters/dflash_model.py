@@ -211,6 +211,8 @@ class DFlashDraftModel(nn.Module):
             from dflash2.kernels import PackedLinear
 
             sub = PackedLinear.from_weight(head.unpacked_weight()[rows], backend=head.backend)
+        elif hasattr(head, "dequantized_weight"):  # a quantized head: its rows re-quantize to the same values
+            sub = type(head).from_weight(head.dequantized_weight()[rows], weights=head.weights)
         else:
             weight = head.weight.detach()[rows.to(head.weight.device)]
             sub = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)

@@ -125,59 +125,75 @@ def _self_check(op) -> str:
     return ""
 
 
-def _load() -> tuple[bool, str, object]:
+def kernels_disabled_reason() -> str:
+    """Why no JIT kernel may be built here ("" when one may): DFLASH2_KERNELS=off, no AVX2/FMA, no ninja."""
     env = os.environ.get("DFLASH2_KERNELS", "").strip().lower()
     if env in ("0", "off", "false", "no", "disable", "disabled"):
-        return False, f"disabled by DFLASH2_KERNELS={os.environ['DFLASH2_KERNELS']}", None
+        return f"disabled by DFLASH2_KERNELS={os.environ['DFLASH2_KERNELS']}"
     ok, why = _cpu_has_avx2_fma()
     if not ok:
-        return False, why, None
+        return why
     if not _ensure_ninja():
-        return False, "ninja not found (pip install ninja)", None
-    build_dir = _build_dir()
+        return "ninja not found (pip install ninja)"
+    return ""
+
+
+def jit_load(name: str, source: Path, cflags: list[str], build_dir: Path, op_name: str, self_check,
+             label: str = "") -> tuple[bool, str, object]:
+    """Build (or reuse) and load one kernel extension, fetch ``torch.ops.<op_name>`` and self-check it.
+
+    Returns (ok, one-line status, op or None); never raises for a build or load failure.
+    """
+    reason = kernels_disabled_reason()
+    if reason:
+        return False, reason, None
     try:
         from torch.utils import cpp_extension
 
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name=_EXT_NAME,
-            sources=[str(_SOURCE)],
-            extra_cflags=_CFLAGS,
+            name=name,
+            sources=[str(source)],
+            extra_cflags=cflags,
             extra_ldflags=_LDFLAGS,
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
         )
-        op = torch.ops.dflash2_kernels.packed_linear.default
+        namespace, op = op_name.split(".")
+        op = getattr(getattr(torch.ops, namespace), op).default
     except Exception as e:  # noqa: BLE001 - any build/load failure means: use the fallback
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        return False, f"kernel build failed in {build_dir}: {first}", None
+        return False, f"{label}kernel build failed in {build_dir}: {first}", None
     with torch.inference_mode():
-        bad = _self_check(op)
+        bad = self_check(op)
     if bad:
         return False, bad, None
-    return True, f"AVX2/FMA kernel loaded from {build_dir}", op
+    return True, f"{label}AVX2/FMA kernel loaded from {build_dir}", op
 
 
-def _ensure_loaded() -> None:
-    if "available" in _state:
+def ensure_loaded(state: dict[str, object], lock: threading.Lock, load, what: str) -> None:
+    """Run ``load()`` once per process into ``state`` (available, status, op); warn once if it failed."""
+    if "available" in state:
         return
-    with _lock:
-        if "available" in _state:
+    with lock:
+        if "available" in state:
             return
-        ok, status, op = _load()
-        _state["status"] = status
-        _state["op"] = op
-        _state["available"] = ok
+        ok, status, op = load()
+        state.update(available=ok, status=status, op=op)
         if ok:
             log.info("dflash2 kernels: %s", status)
         else:
-            warnings.warn(
-                f"dflash2: packed CPU linear kernel unavailable ({status}); "
-                "using the slower PyTorch fallback",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warnings.warn(f"dflash2: {what} unavailable ({status}); using the slower PyTorch fallback",
+                          RuntimeWarning, stacklevel=4)
+
+
+def _load() -> tuple[bool, str, object]:
+    return jit_load(_EXT_NAME, _SOURCE, _CFLAGS, _build_dir(), "dflash2_kernels.packed_linear", _self_check)
+
+
+def _ensure_loaded() -> None:
+    ensure_loaded(_state, _lock, _load, "packed CPU linear kernel")
 
 
 def kernels_available() -> bool:

@@ -11,6 +11,11 @@ from dflash2.models.config import ModelConfig
 from dflash2.models.decoder import Transformer, rope_inverse_frequencies
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Weight formats of the linear layers: "bf16" = not quantized (weights in the model dtype, the packed bf16 kernel
+# for bf16/fp16 on a CPU); "int8" = weight-only int8 with one fp32 scale per output feature, quantized at load time
+# (CPU kernel); "int4" = weight-only 4-bit, one fp32 scale per output and group of 32 inputs (CPU kernel).
+# Embeddings and norms stay in the model dtype.
+WEIGHT_FORMATS = ("bf16", "int8", "int4")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -59,13 +64,17 @@ def load_transformer(
     device: str | torch.device = "cpu",
     *,
     packed: bool | None = None,
+    weights: str = "bf16",
 ) -> Transformer:
     """Build the lean decoder from an HF-style directory, with weights in ``dtype`` on ``device``.
 
     packed: run the linear layers through dflash2's packed bf16 CPU kernel (:mod:`dflash2.kernels`), whose cost
     stays near one weight read for the 1..16 rows of decoding and verification. None = auto: on for bf16/fp16
     weights on a CPU, off for fp32 (kept on torch's kernels, the reference for exactness tests) and on CUDA.
+    weights: one of :data:`WEIGHT_FORMATS`; a quantized format replaces every projection and the head by a
+    :class:`~dflash2.kernels.quant_linear.QuantLinear` (CPU only; ``packed`` is then ignored).
     """
+    check_weight_format(weights, device)
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = parse_dtype(dtype)
@@ -78,9 +87,19 @@ def load_transformer(
         model.lm_head.weight = model.embed.weight
     model.inv_freq = rope_inverse_frequencies(config).to(device)
     model = model.eval().requires_grad_(False)
-    if packed if packed is not None else should_pack(device, torch_dtype):
+    if weights != "bf16":
+        quantize_linear_layers(model, weights)
+    elif packed if packed is not None else should_pack(device, torch_dtype):
         pack_linear_layers(model)
     return model
+
+
+def check_weight_format(weights: str, device: str | torch.device) -> None:
+    """Refuse an unknown weight format, or a quantized one off the CPU (its kernels are CPU kernels)."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+    if weights != "bf16" and torch.device(device).type != "cpu":
+        raise ValueError(f"--weights {weights} runs on the CPU only (device {device!r}); use --weights bf16 on a GPU")
 
 
 def should_pack(device: str | torch.device, dtype: str | torch.dtype) -> bool:
@@ -92,11 +111,16 @@ def pack_layer_projections(layers) -> None:
     """Swap the q/k/v, output, gate/up and down projections of decoder-shaped ``layers`` for packed ones."""
     from dflash2.kernels import PackedLinear
 
+    replace_layer_projections(layers, PackedLinear.from_linear)
+
+
+def replace_layer_projections(layers, make) -> None:
+    """Swap the q/k/v, output, gate/up and down projections of decoder-shaped ``layers`` for ``make(linear)``."""
     for layer in layers:
-        layer.attn.wqkv = PackedLinear.from_linear(layer.attn.wqkv)
-        layer.attn.wo = PackedLinear.from_linear(layer.attn.wo)
-        layer.ffn.w_gate_up = PackedLinear.from_linear(layer.ffn.w_gate_up)
-        layer.ffn.w_down = PackedLinear.from_linear(layer.ffn.w_down)
+        layer.attn.wqkv = make(layer.attn.wqkv)
+        layer.attn.wo = make(layer.attn.wo)
+        layer.ffn.w_gate_up = make(layer.ffn.w_gate_up)
+        layer.ffn.w_down = make(layer.ffn.w_down)
 
 
 def pack_linear_layers(model: Transformer, *, include_head: bool = True) -> None:
@@ -106,6 +130,25 @@ def pack_linear_layers(model: Transformer, *, include_head: bool = True) -> None
     """
     from dflash2.kernels import PackedLinear
 
-    pack_layer_projections(model.layers)
+    replace_linear_layers(model, PackedLinear.from_linear, include_head=include_head)
+
+
+def quantize_linear_layers(model: Transformer, weights: str = "int8") -> None:
+    """Quantize every projection and the head to ``weights`` (weight-only; CPU, inference only)."""
+    from dflash2.kernels.quant_linear import QuantLinear
+
+    replace_linear_layers(model, lambda linear: QuantLinear.from_linear(linear, weights))
+
+
+def replace_linear_layers(model: Transformer, make, *, include_head: bool = True) -> None:
+    """Swap each projection (and the head) for ``make(linear)``."""
+    replace_layer_projections(model.layers, make)
     if include_head:
-        model.lm_head = PackedLinear.from_linear(model.lm_head)
+        model.lm_head = make(model.lm_head)
+
+
+def weight_format(model: Transformer) -> str:
+    """The weight format of ``model``'s head as loaded: "int8" / "int4" for a quantized model, else "bf16"."""
+    from dflash2.kernels.quant_linear import QuantLinear
+
+    return model.lm_head.weights if isinstance(model.lm_head, QuantLinear) else "bf16"

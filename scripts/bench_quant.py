@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""Per-token cost of the target per weight format: one plain decoding step (1 row) and the verification of
+8 and 16 drafts (9 and 17 rows, all logits) at the same cache position, plus plain decoding tokens/s, with
+the formats interleaved in every round (same process, same prompt, same threads).
+
+    python scripts/bench_quant.py                                   # 1.5B target, bf16 / int8 / int4
+    python scripts/bench_quant.py --model smollm2 --rounds 3 --decode-tokens 32
+    python scripts/bench_quant.py --bandwidth 21                    # GB/s for the roofline column
+    python scripts/bench_quant.py --threads 1 --cpu-time --agreement 2   # busy machine: CPU seconds, 1 thread
+
+--cpu-time times with the process's CPU time instead of the wall clock (use with --threads 1): on a machine
+shared with other jobs it measures what the work costs, not how long the scheduler kept it waiting.
+--agreement N also decodes N HumanEval and N GSM8K prompts greedily with every format and reports how many
+tokens each quantized format shares with bf16 before the first difference.
+
+Roofline: the bytes of linear-layer weights read per decoding step (packed bf16: 2 B per weight; int8: 1 B +
+4 B per output; int4: 0.5 B + 4 B per 32 weights) over --bandwidth GB/s (scripts/bench_kernels.py measures the
+machine's read bandwidth); the plain decoding rate is compared with it.  Times are medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from dflash2.bench.datasets import load_suite
+from dflash2.kernels import PackedLinear
+from dflash2.kernels.quant_linear import QuantLinear
+from dflash2.models.loading import load_transformer
+from dflash2.models.store import resolve_model
+from dflash2.models.tokenizer import Tokenizer
+
+PROMPT_TOKENS = 64
+ROWS = (1, 9, 17)  # plain step, verify 8 drafts, verify 16 drafts
+clock = time.perf_counter  # or time.process_time (--cpu-time)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of linear-layer weights (and scales) a decoding step reads."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            total += module.weight_data.numel() * module.weight_data.element_size()
+        elif isinstance(module, QuantLinear):
+            total += module.weight_data.numel() * module.weight_data.element_size()
+            total += module.scale_data.numel() * module.scale_data.element_size()
+    return total
+
+
+@torch.inference_mode()
+def forward_ms(model, cache, start: int, rows: int) -> float:
+    """One target pass over ``rows`` new tokens after ``start`` cached ones (logits for all rows), then rollback."""
+    ids = torch.randint(0, model.config.vocab_size, (1, rows), generator=torch.Generator().manual_seed(rows))
+    cache.rollback(start)
+    t0 = clock()
+    model(ids, cache=cache, logits="all")
+    elapsed = clock() - t0
+    cache.rollback(start)
+    return elapsed * 1e3
+
+
+@torch.inference_mode()
+def greedy(model, prompt: torch.Tensor, tokens: int) -> tuple[list[int], float]:
+    """Plain greedy decoding of ``tokens`` tokens: (ids, decode tokens/s after the prefill's first token)."""
+    cache = model.new_cache(len(prompt) + tokens + 1)
+    token = model(prompt[None], cache=cache, logits="last").logits[0, -1].argmax()
+    ids = [int(token)]
+    t0 = clock()
+    for _ in range(tokens - 1):
+        token = model(token.view(1, 1), cache=cache, logits="last").logits[0, -1].argmax()
+        ids.append(int(token))
+    return ids, (tokens - 1) / (clock() - t0)
+
+
+def agreement(models, model_dir, per_suite: int, tokens: int) -> dict[str, list[int]]:
+    """Tokens each format shares with the first (bf16) before the first difference, per eval prompt."""
+    tokenizer = Tokenizer(model_dir)
+    prompts = [p for suite in ("humaneval", "gsm8k") for p in load_suite(suite, per_suite)]
+    shared: dict[str, list[int]] = {fmt: [] for fmt in models}
+    for prompt in prompts:
+        ids = torch.tensor(tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}]))
+        outputs = {fmt: greedy(model, ids, tokens)[0] for fmt, model in models.items()}
+        reference = next(iter(outputs.values()))
+        for fmt, out in outputs.items():
+            same = next((i for i, (a, b) in enumerate(zip(out, reference)) if a != b), len(out))
+            shared[fmt].append(same)
+        print(f"agreement {prompt.suite}/{prompt.prompt_id}: " + ", ".join(f"{f} {v[-1]}/{tokens}" for f, v in shared.items()),
+              flush=True)
+    return shared
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--formats", default="bf16,int8,int4")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--decode-tokens", type=int, default=48)
+    ap.add_argument("--bandwidth", type=float, default=21.0, help="machine read bandwidth in GB/s")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cpu-time", action="store_true", help="time with process CPU time (with --threads 1)")
+    ap.add_argument("--agreement", type=int, default=0, help="greedy agreement on N prompts per suite")
+    ap.add_argument("--agreement-tokens", type=int, default=64)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    if args.cpu_time:
+        global clock
+        clock = time.process_time
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    formats = args.formats.split(",")
+    model_dir = resolve_model(args.model, "bf16")
+    models = {}
+    for fmt in formats:
+        t0 = time.perf_counter()
+        models[fmt] = load_transformer(model_dir, "bf16", weights=fmt)
+        print(f"loaded {fmt} in {time.perf_counter() - t0:.1f} s", flush=True)
+    prompt = torch.randint(0, 1000, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
+    caches = {}
+    with torch.inference_mode():
+        for fmt, model in models.items():
+            caches[fmt] = model.new_cache(PROMPT_TOKENS + max(ROWS) + 1)
+            model(prompt[None], cache=caches[fmt], logits="none")
+    times = {(fmt, rows): [] for fmt in formats for rows in ROWS}
+    rates = {fmt: [] for fmt in formats}
+    for round_index in range(args.rounds):
+        for fmt in formats:  # interleaved: every format in every round
+            for rows in ROWS:
+                times[(fmt, rows)].append(forward_ms(models[fmt], caches[fmt], PROMPT_TOKENS, rows))
+            rates[fmt].append(greedy(models[fmt], prompt, args.decode_tokens)[1])
+        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+    shared = agreement(models, model_dir, args.agreement, args.agreement_tokens) if args.agreement else {}
+    report(formats, models, times, rates, shared, args)
+
+
+def report(formats, models, times, rates, shared, args) -> None:
+    print(f"\nthreads={torch.get_num_threads()} model={args.model} rounds={args.rounds} clock={clock.__name__} "
+          "(medians; formats interleaved)")
+    header = (f"{'weights':>7} | {'GB/step':>7} | {'1 row ms':>8} | {'9 rows ms':>9} | {'17 rows ms':>10} | "
+              f"{'9/1':>5} | {'17/1':>5} | {'plain tok/s':>11} | {'roofline tok/s':>14} | {'of roofline':>11}")
+    print(header + "\n" + "-" * len(header))
+    results = []
+    for fmt in formats:
+        gb = weight_bytes(models[fmt]) / 1e9
+        ms = {rows: statistics.median(times[(fmt, rows)]) for rows in ROWS}
+        rate = statistics.median(rates[fmt])
+        roof = args.bandwidth / gb
+        print(f"{fmt:>7} | {gb:7.2f} | {ms[1]:8.1f} | {ms[9]:9.1f} | {ms[17]:10.1f} | {ms[9] / ms[1]:5.2f} | "
+              f"{ms[17] / ms[1]:5.2f} | {rate:11.2f} | {roof:14.1f} | {rate / roof:10.0%}")
+        results.append({"weights": fmt, "gb_per_step": gb, "ms": ms, "plain_tokens_per_s": rate,
+                        "roofline_tokens_per_s": roof, "all_ms": {r: times[(fmt, r)] for r in ROWS},
+                        "all_rates": rates[fmt], "agreement_shared_tokens": shared.get(fmt)})
+    for fmt, same in shared.items():
+        full = sum(s == args.agreement_tokens for s in same)
+        print(f"greedy agreement with {formats[0]}, {fmt}: identical {full}/{len(same)}, shared tokens {same}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
