@@ -49,12 +49,15 @@ inline void micro_kernel(const uint16_t* __restrict__ wp,  // panel at k0: 16 bf
   const float* xr[MR];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) xr[r] = x + r * ldx;
+  // A k block after the first continues the chain it left in the tile, so every output is ONE in-order fp32
+  // FMA chain over k whatever the row count (row-count invariance: verifying k drafts rounds like decoding).
 #pragma GCC unroll 8
   for (int u = 0; u < KU; ++u)
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      acc[u][r][0] = _mm256_setzero_ps();
-      acc[u][r][1] = _mm256_setzero_ps();
+      const bool resume = accumulate && u == 0;
+      acc[u][r][0] = resume ? _mm256_loadu_ps(tile + r * kPanel) : _mm256_setzero_ps();
+      acc[u][r][1] = resume ? _mm256_loadu_ps(tile + r * kPanel + 8) : _mm256_setzero_ps();
     }
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
 
@@ -100,10 +103,6 @@ inline void micro_kernel(const uint16_t* __restrict__ wp,  // panel at k0: 16 bf
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     float* t = tile + r * kPanel;
-    if (accumulate) {
-      acc[0][r][0] = _mm256_add_ps(acc[0][r][0], _mm256_loadu_ps(t));
-      acc[0][r][1] = _mm256_add_ps(acc[0][r][1], _mm256_loadu_ps(t + 8));
-    }
     _mm256_storeu_ps(t, acc[0][r][0]);
     _mm256_storeu_ps(t + 8, acc[0][r][1]);
   }
@@ -145,8 +144,10 @@ inline void dispatch(int mr, const uint16_t* wp, const uint16_t* pf, const float
     case 5: micro_kernel<5, 1, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
     case 4: micro_kernel<4, 1, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
     case 3: micro_kernel<3, 1, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
-    case 2: micro_kernel<2, 2, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
-    default: micro_kernel<1, 4, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
+    // One accumulator set for every row count (KU = 1): splitting k over several sets would round 1- and 2-row
+    // calls differently from the others.
+    case 2: micro_kernel<2, 1, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
+    default: micro_kernel<1, 1, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
   }
 }
 
