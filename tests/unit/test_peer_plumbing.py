@@ -75,3 +75,53 @@ def test_summary_tolerates_peers_without_tau(tmp_path):
     peer = [s for s in summarize(raw) if s["method"] == "x"][0]
     assert peer["tau"] is None and peer["speedup"] == 0.25
     assert format_summary([peer]).splitlines()[1].split()[6] == "-"
+
+
+class _CharTokenizer:
+    """One id per character: enough to check where the parser cuts the tool's output."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+def _speculative_peer(max_new=8):
+    from pathlib import Path
+
+    from dflash2.peers import PeerSetup
+    from dflash2.peers.llamacpp import LlamaCppSpeculativePeer
+
+    peer = LlamaCppSpeculativePeer.__new__(LlamaCppSpeculativePeer)
+    peer.tokenizer = _CharTokenizer()
+    peer.setup = PeerSetup(Path("t"), Path("t.gguf"), Path("d"), Path("d.gguf"), "bf16", 2, frozenset({0}))
+    return peer
+
+
+# the statistics llama-speculative-simple prints on stderr (format of its source, examples/speculative-simple)
+STDERR = """main: some loading line
+encoded    5 tokens in    0.250 seconds, speed:   20.000 t/s
+decoded    6 tokens in    0.500 seconds, speed:   12.000 t/s
+
+n_draft   = 16
+n_predict = 6
+n_drafted = 8
+n_accept  = 4
+accept    = 50.000%
+"""
+
+
+def test_speculative_tool_output_is_parsed_into_ids_times_and_tau():
+    peer = _speculative_peer()
+    result = peer._parse("\n\nPROMPabc\ndef\n\n\n\n", STDERR, "PROMP", prompt_tokens=5, max_new=8)
+    assert result.token_ids == [ord(c) for c in "abc\ndef"]
+    assert (result.prefill_seconds, result.decode_seconds) == (0.25, 0.5)
+    assert result.target_forwards == 2 and result.drafted == 8 and result.accepted == 4  # 6 tokens in 2 passes
+    assert result.finish_reason == "eos"  # 6 < 8 tokens: it stopped at EOS
+
+
+def test_speculative_tool_output_is_refused_when_the_prompt_was_tokenized_differently():
+    from dflash2.peers import PeerError
+
+    with pytest.raises(PeerError, match="into 5 tokens, dflash2 into 4"):
+        _speculative_peer()._parse("\n\nPROMPabc\n\n\n\n", STDERR, "PROMP", prompt_tokens=4, max_new=8)
+    with pytest.raises(PeerError, match="statistics"):
+        _speculative_peer()._parse("\n\nPROMPabc\n\n\n\n", "crash", "PROMP", prompt_tokens=5, max_new=8)

@@ -18,6 +18,7 @@ from typing import Sequence
 from dflash2.peers.base import PeerError, PeerResult, PeerSetup, cut_at_eos, require_draft
 
 SPECULATIVE_TOOL = "llama-speculative-simple"
+TOOL_TRAILER = "\n\n\n\n"  # the tool prints two blank lines after the generated text and two after its statistics
 
 
 def llama_cpp_bin_dir() -> Path:
@@ -146,9 +147,12 @@ class LlamaCppSpeculativePeer:
         if start < 0:
             raise PeerError(f"{SPECULATIVE_TOOL} did not echo the prompt; cannot locate its output")
         generated = stdout[start + len(prompt_text):]
-        ids, finish = cut_at_eos(self.tokenizer.encode(generated.rstrip("\n") if generated.endswith("\n\n")
-                                                       else generated, add_special_tokens=False),
+        if not generated.endswith(TOOL_TRAILER):
+            raise PeerError(f"{SPECULATIVE_TOOL}'s output does not end as expected: {generated[-80:]!r}")
+        ids, finish = cut_at_eos(self.tokenizer.encode(generated[: -len(TOOL_TRAILER)], add_special_tokens=False),
                                  self.setup.eos_ids)
+        if counts.get("n_predict", 0) < max_new and finish == "length":
+            finish = "eos"  # the tool stops at EOS without printing it
         n_predict, n_accept = counts["n_predict"], counts["n_accept"]
         return PeerResult(ids[:max_new], prompt_tokens, stats["encoded"][1], stats["decoded"][1],
                           target_forwards=max(n_predict - n_accept, 1), finish_reason=finish,
