@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -114,10 +113,11 @@ class LlamaCppSpeculativePeer:
         self.draft_gguf = _require_file(require_draft(setup, name)[1], "draft GGUF")
         self.tokenizer = AutoTokenizer.from_pretrained(str(setup.target_dir))
 
-    def command(self, prompt_file: Path, max_new_tokens: int) -> list[str]:
+    def command(self, prompt_text: str, max_new_tokens: int) -> list[str]:
+        """The prompt goes in as an argument: ``-f`` would drop its final newline (the chat template's)."""
         s = self.setup
         cmd = [str(self.tool), "-m", str(s.target_gguf), "-md", str(self.draft_gguf), "--spec-type", "draft-simple",
-               "-f", str(prompt_file),
+               "-p", prompt_text,
                "-n", str(max_new_tokens), "--temp", "0", "--top-k", "1", "-s", "0", "-c", str(s.n_ctx),
                "-b", str(s.n_ctx), "-ub", "512", "-t", str(s.threads), "-tb", str(s.threads)]
         if s.num_draft_tokens is not None:
@@ -126,12 +126,9 @@ class LlamaCppSpeculativePeer:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> PeerResult:
         prompt_text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
-        with tempfile.TemporaryDirectory(prefix="dflash2-spec-") as tmp:
-            prompt_file = Path(tmp) / "prompt.txt"
-            prompt_file.write_text(prompt_text, encoding="utf-8")
-            env = dict(os.environ, LD_LIBRARY_PATH=str(self.tool.parent))
-            done = subprocess.run(self.command(prompt_file, max_new_tokens), capture_output=True, text=True,
-                                  env=env, errors="replace")
+        env = dict(os.environ, LD_LIBRARY_PATH=str(self.tool.parent))
+        done = subprocess.run(self.command(prompt_text, max_new_tokens), capture_output=True, text=True, env=env,
+                              errors="replace")
         if done.returncode != 0:
             raise PeerError(f"{SPECULATIVE_TOOL} failed ({done.returncode}): {done.stderr.strip()[-800:]}")
         return self._parse(done.stdout, done.stderr, prompt_text, len(prompt_ids), max_new_tokens)
