@@ -121,7 +121,7 @@ class LlamaCppSpeculativePeer:
                "-n", str(max_new_tokens), "--temp", "0", "--top-k", "1", "-s", "0", "-c", str(s.n_ctx),
                "-b", str(s.n_ctx), "-ub", "512", "-t", str(s.threads), "-tb", str(s.threads)]
         if s.num_draft_tokens is not None:
-            cmd += ["--draft-max", str(s.num_draft_tokens)]
+            cmd += ["--spec-draft-n-max", str(s.num_draft_tokens)]
         return cmd
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> PeerResult:
