@@ -17,29 +17,6 @@ import torch
 PROMPT = "Write a Python function that checks whether a number is prime."
 
 
-def measure_read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
-    """GB/s reading a large fp32 buffer with all threads (a vectorised reduction reads every byte once).
-
-    fp32, not bf16: on CPUs without native bf16 a bf16 reduction is compute-bound and would understate it.
-    """
-    buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / best / 1e9
-
-
-def weight_bytes_per_token(config, bytes_per_weight: int = 2) -> int:
-    """Bytes of weights one decode step reads: every projection and the head, one embedding row, the norms."""
-    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_layer = (config.hidden_size * (q_width + 2 * kv_width) + q_width * config.hidden_size
-                 + 3 * config.hidden_size * config.intermediate_size + 2 * config.hidden_size)
-    head = config.vocab_size * config.hidden_size
-    return bytes_per_weight * (config.num_layers * per_layer + head + 2 * config.hidden_size)
-
-
 def time_lean(engine, tokens: int) -> float:
     result = engine.generate(PROMPT, max_new_tokens=tokens, stop=())
     return result.stats.decode_tokens_per_s
@@ -65,6 +42,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import dflash2
+    from dflash2.bench.roofline import measure_read_bandwidth, weight_bytes_per_token
     from dflash2.models.store import resolve_model
     from transformers import AutoModelForCausalLM
 

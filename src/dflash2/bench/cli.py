@@ -12,7 +12,12 @@ def add_bench_parser(commands) -> None:
     from dflash2.bench.datasets import SUITES
     from dflash2.cli import add_model_options
 
-    p = commands.add_parser("bench", help="benchmark drafters against plain decoding on eval suites")
+    p = commands.add_parser("bench", help="benchmark drafters against plain decoding on eval suites",
+                            description="dflash2 bench [options] runs a benchmark; "
+                                        "dflash2 bench report RUN_DIR [--html] writes its report")
+    p.add_argument("action", nargs="?", choices=("report",), help="report: write RUN_DIR's Markdown report")
+    p.add_argument("run_dir", nargs="?", type=Path, help="the run directory to report on")
+    p.add_argument("--html", action="store_true", help="report: also write report.html")
     add_model_options(p, drafter_choice=False)
     p.add_argument("--suite", default="humaneval", help=f"comma-separated: {', '.join(SUITES)}")
     p.add_argument("--drafters", default="ngram,model", help="comma-separated drafters; plain decoding always runs")
@@ -24,10 +29,15 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/bench-<time>)")
+    p.add_argument("--peers", default=None,
+                   help="other tools on the same prompts, comma-separated or all: transformers, transformers-assisted, "
+                        "transformers-pld, llamacpp, llamacpp-spec (needs the peers extra)")
     p.set_defaults(handler=run_bench_command)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    if args.action == "report":
+        return _report_command(args)
     from dflash2.bench.datasets import load_suite
     from dflash2.bench.runner import BASELINE, BenchConfig, format_summary, method_name, run_bench, summarize
     from dflash2.cli import CliError, load_engine
@@ -61,11 +71,70 @@ def run_bench_command(args: argparse.Namespace) -> int:
                                                          weights=args.weights)
              for m in names}
     drafters = {m: built[m.partition("@")[0]] for m in methods}  # one drafter object serves both pipelines
+    peers, run_extra = _peers_and_roofline(args, engine, prompts)
     out_dir = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     config = BenchConfig(suites, tuple(methods), args.limit, args.max_new_tokens, out_dir, args.temperature)
-    raw_path = run_bench(engine, drafters, prompts, config)
+    raw_path = run_bench(engine, drafters, prompts, config, peers=peers, run_extra=run_extra)
     summary = summarize(raw_path)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(format_summary(summary))
     print(f"raw per-request results: {raw_path}")
+    return 0
+
+
+def _peers_and_roofline(args: argparse.Namespace, engine, prompts) -> tuple[list, dict]:
+    """Peers requested by --peers (loaded now), and the roofline inputs measured on this machine."""
+    from dflash2.bench.roofline import gguf_bytes_per_token, measure_read_bandwidth, weight_bytes_per_token
+    from dflash2.cli import CliError
+    from dflash2.peers import PeerError, build_peers, parse_peer_names
+
+    names = parse_peer_names(args.peers)
+    extra = {"read_bandwidth_GBps": measure_read_bandwidth(),
+             "weight_bytes_per_token": weight_bytes_per_token(engine.target.config, engine.target.dtype.itemsize)}
+    if not names:
+        return [], extra
+    setup = _peer_setup(args, engine, prompts)
+    try:
+        peers = build_peers(names, setup)
+    except PeerError as error:
+        raise CliError(str(error)) from error
+    gguf_bytes, gguf_types = gguf_bytes_per_token(setup.target_gguf)
+    extra |= {"gguf_bytes_per_token": gguf_bytes, "gguf_tensor_types": gguf_types,
+              "target_gguf": str(setup.target_gguf), "draft_gguf": str(setup.draft_gguf),
+              "peer_num_draft_tokens": setup.num_draft_tokens}
+    return peers, extra
+
+
+def _peer_setup(args: argparse.Namespace, engine, prompts):
+    import torch
+
+    from dflash2.cli import CliError
+    from dflash2.models.store import DEFAULT_DRAFT, DEFAULT_TARGET, canonical_name, gguf_path, resolve_model
+    from dflash2.peers import PeerSetup
+
+    target = canonical_name(args.model)
+    if target is None:
+        raise CliError(f"--peers needs a model-store target (its GGUF file feeds llama.cpp), got {args.model!r}")
+    draft = canonical_name(args.draft_model) if args.draft_model else (DEFAULT_DRAFT if target == DEFAULT_TARGET
+                                                                       else None)
+    if args.draft_model and draft is None:
+        raise CliError(f"--peers needs a model-store draft model, got {args.draft_model!r}")
+    longest = max(len(engine.encode_prompt(p.text)) for p in prompts)
+    n_ctx = -(-(longest + args.max_new_tokens + 64) // 256) * 256
+    return PeerSetup(
+        target_dir=resolve_model(target, args.dtype), target_gguf=gguf_path(target),
+        draft_dir=resolve_model(draft, args.dtype) if draft else None, draft_gguf=gguf_path(draft) if draft else None,
+        dtype=args.dtype, threads=torch.get_num_threads(), eos_ids=frozenset(engine.tokenizer.eos_token_ids),
+        n_ctx=n_ctx, num_draft_tokens=args.num_draft_tokens)
+
+
+def _report_command(args: argparse.Namespace) -> int:
+    from dflash2.bench.report import write_report
+    from dflash2.cli import CliError
+
+    if args.run_dir is None:
+        raise CliError("dflash2 bench report needs the run directory: dflash2 bench report RUN_DIR")
+    md_path, table = write_report(args.run_dir, html_page=args.html)
+    print(table)
+    print(f"report: {md_path}" + (f" and {md_path.with_suffix('.html')}" if args.html else ""))
     return 0

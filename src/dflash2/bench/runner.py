@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from dflash2.bench.datasets import BenchPrompt
+from dflash2.bench.peer_rows import own_plain_columns, peer_row
 from dflash2.models.loading import weight_format
 
 BASELINE = "none"
@@ -29,13 +30,19 @@ class BenchConfig:
     seed: int = 0
 
 
-def run_bench(engine, drafters: dict, prompts: list[BenchPrompt], config: BenchConfig) -> Path:
-    """Run each prompt through every method (baseline first), append one JSON line per request."""
+def run_bench(engine, drafters: dict, prompts: list[BenchPrompt], config: BenchConfig, peers: list | None = None,
+              run_extra: dict | None = None) -> Path:
+    """Run each prompt through every method (baseline first), then every peer (other tools, see dflash2.peers),
+    append one JSON line per request."""
+    peers = peers or []
     config.out_dir.mkdir(parents=True, exist_ok=True)
     raw_path = config.out_dir / "requests.jsonl"
-    (config.out_dir / "run.json").write_text(json.dumps(_run_info(engine, config), indent=2))
+    info = _run_info(engine, config) | {"peers": [peer.name for peer in peers]} | (run_extra or {})
+    (config.out_dir / "run.json").write_text(json.dumps(info, indent=2))
     _warm_up(engine, drafters)
-    with raw_path.open("w") as raw, tqdm(total=len(prompts) * len(drafters), desc="bench", unit="req") as bar:
+    _warm_up_peers(engine, peers)
+    total = len(prompts) * (len(drafters) + len(peers))
+    with raw_path.open("w") as raw, tqdm(total=total, desc="bench", unit="req") as bar:
         for prompt in prompts:
             baseline_ids = None
             for method, drafter in drafters.items():
@@ -50,6 +57,7 @@ def run_bench(engine, drafters: dict, prompts: list[BenchPrompt], config: BenchC
                 raw.flush()
                 bar.set_postfix(method=method, tps=f"{row['decode_tokens_per_s']:.1f}", tau=f"{row['tau']:.2f}")
                 bar.update()
+            _run_peers(engine, peers, prompt, config, baseline_ids, raw, bar)
     engine.drafter = None
     return raw_path
 
@@ -61,6 +69,27 @@ def method_name(drafter: str, pipeline: str) -> str:
 
 def method_pipeline(method: str) -> str:
     return method.partition("@")[2] or "sync"
+
+
+def _warm_up_peers(engine, peers: list) -> None:
+    ids = engine.encode_prompt("Say hello.")
+    for peer in peers:
+        peer.generate(ids, 8)
+
+
+def _run_peers(engine, peers: list, prompt: BenchPrompt, config: BenchConfig, baseline_ids, raw, bar) -> None:
+    """Every peer on the same prompt ids (dflash2's chat template); compared with dflash2's plain output and with
+    the peer's own plain decoding where it has one."""
+    prompt_ids = engine.encode_prompt(prompt.text)
+    own_plain: dict[str, list[int]] = {}
+    for peer in peers:
+        result = peer.generate(prompt_ids, config.max_new_tokens)
+        own_plain[peer.name] = result.token_ids
+        row = peer_row(prompt, peer, result, baseline_ids, own_plain.get(peer.plain_sibling))
+        raw.write(json.dumps(row) + "\n")
+        raw.flush()
+        bar.set_postfix(method=peer.name, tps=f"{row['decode_tokens_per_s']:.1f}")
+        bar.update()
 
 
 def _warm_up(engine, drafters: dict) -> None:
@@ -109,13 +138,19 @@ def summarize(raw_path: Path) -> list[dict]:
             "category": category, "method": method, "requests": len(group),
             "tokens_per_s": tokens_per_s, "ar_tokens_per_s": ar_tokens_per_s,
             "speedup": tokens_per_s / ar_tokens_per_s if ar_tokens_per_s else None,
-            "tau": mean(r["tau"] for r in group),
+            "tau": _mean_known(r["tau"] for r in group),
             "acceptance_by_position": _pooled_acceptance(group),
             "identical_to_ar": (sum(matches) / len(matches)) if matches else None,
             **_bubble_summary(group),
+            "peer": bool(group[0].get("peer")), **own_plain_columns(group, rows),
         })
     return sorted(summary, key=lambda s: (s["category"] == "overall", s["category"], s["method"] != BASELINE,
-                                          s["method"]))
+                                          s["peer"], s["method"]))
+
+
+def _mean_known(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return mean(known) if known else None
 
 
 def _bubble_summary(rows: list[dict]) -> dict:
@@ -148,6 +183,10 @@ def _pooled_acceptance(rows: list[dict]) -> list[float]:
 def format_summary(summary: list[dict]) -> str:
     lines = [f"{'category':16s} {'method':14s} {'n':>4s} {'tok/s':>8s} {'AR tok/s':>8s} {'speedup':>8s} {'tau':>6s} "
              f"{'identical':>9s} {'idle T/D':>9s} {'hits':>5s}"]
+
+
+    lines = [f"{'category':16s} {'method':21s} {'n':>4s} {'tok/s':>8s} {'AR tok/s':>8s} {'speedup':>8s} {'tau':>6s} "
+             f"{'identical':>9s}"]
     for s in summary:
         speedup = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
         ar = f"{s['ar_tokens_per_s']:.2f}" if s["ar_tokens_per_s"] is not None else "-"
@@ -156,6 +195,11 @@ def format_summary(summary: list[dict]) -> str:
         hits = f"{s['predraft_hit_rate']:.0%}" if s.get("predraft_hit_rate") is not None else "-"
         lines.append(f"{s['category']:16s} {s['method']:14s} {s['requests']:4d} {s['tokens_per_s']:8.2f} {ar:>8s} "
                      f"{speedup:>8s} {s['tau']:6.2f} {identical:>9s} {idle:>9s} {hits:>5s}")
+
+
+        tau = f"{s['tau']:6.2f}" if s["tau"] is not None else f"{'-':>6s}"
+        lines.append(f"{s['category']:16s} {s['method']:21s} {s['requests']:4d} {s['tokens_per_s']:8.2f} {ar:>8s} "
+                     f"{speedup:>8s} {tau} {identical:>9s}")
     return "\n".join(lines)
 
 

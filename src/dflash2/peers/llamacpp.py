@@ -1,0 +1,158 @@
+"""llama.cpp peers on the store's 4-bit GGUF files: plain greedy decoding through llama-cpp-python, speculative
+decoding with the small draft model through llama.cpp's ``llama-speculative-simple`` tool (the Python API has no
+draft-model speculation). ``scripts/build_llama_cpp.sh`` builds both from the sources vendored in the
+llama-cpp-python sdist into ``~/.cache/dflash2/llama.cpp/bin``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Sequence
+
+from dflash2.peers.base import PeerError, PeerResult, PeerSetup, cut_at_eos, require_draft
+
+SPECULATIVE_TOOL = "llama-speculative-simple"
+TOOL_TRAILER = "\n\n\n\n"  # the tool prints two blank lines after the generated text and two after its statistics
+
+
+def llama_cpp_bin_dir() -> Path:
+    """``$DFLASH2_LLAMA_CPP_BIN``, else ``~/.cache/dflash2/llama.cpp/bin`` (shared library and tools)."""
+    from dflash2.models.store import home
+
+    return Path(os.environ.get("DFLASH2_LLAMA_CPP_BIN", home() / "llama.cpp" / "bin"))
+
+
+def _import_llama_cpp():
+    """llama_cpp, loading the library built by scripts/build_llama_cpp.sh when the package ships none."""
+    library = llama_cpp_bin_dir() / "libllama.so"
+    if "LLAMA_CPP_LIB_PATH" not in os.environ and library.is_file():
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(library.parent)
+    try:
+        import llama_cpp
+    except (ImportError, OSError, RuntimeError) as error:
+        raise PeerError(f"llama-cpp-python is not usable ({error}); `pip install -e .[peers]` and run "
+                        "scripts/build_llama_cpp.sh") from error
+    return llama_cpp
+
+
+def _require_file(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise PeerError(f"{what} {path} not found (`dflash2 models pull` assembles the GGUF files)")
+    return path
+
+
+class LlamaCppPlainPeer:
+    """Greedy decoding one token per ``llama_decode`` through llama-cpp-python."""
+
+    plain_sibling = None
+
+    def __init__(self, setup: PeerSetup, name: str = "llamacpp") -> None:
+        llama_cpp = _import_llama_cpp()
+        self.name = name
+        self.eos_ids = setup.eos_ids
+        self.llm = llama_cpp.Llama(model_path=str(_require_file(setup.target_gguf, "target GGUF")),
+                                   n_ctx=setup.n_ctx, n_batch=setup.n_ctx, n_threads=setup.threads,
+                                   n_threads_batch=setup.threads, n_gpu_layers=0, verbose=False, seed=0)
+
+    def _next_token(self) -> int:
+        return self.llm.sample(temp=0.0, repeat_penalty=1.0)
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> PeerResult:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(list(prompt_ids))
+        token = self._next_token()
+        prefill = time.perf_counter() - start
+        ids, forwards = [token], 1
+        start = time.perf_counter()
+        while len(ids) < max_new_tokens and token not in self.eos_ids:
+            self.llm.eval([token])
+            forwards += 1
+            token = self._next_token()
+            ids.append(token)
+        decode = time.perf_counter() - start
+        new_ids, finish = cut_at_eos(ids, self.eos_ids)
+        return PeerResult(new_ids, len(prompt_ids), prefill, decode, target_forwards=forwards, finish_reason=finish)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+# its log lines may carry a "1.01.995.129 I " time prefix
+_STAT = re.compile(r"\b(encoded|decoded)\s+(\d+) tokens in\s+([\d.]+) seconds")
+_COUNT = re.compile(r"\b(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)")
+
+
+class LlamaCppSpeculativePeer:
+    """``llama-speculative-simple`` with the small model drafting, greedy (``--temp 0``), one process per prompt.
+
+    Its own timers give prefill ("encoded") and decode time (model loading is excluded); the generated text is
+    re-tokenized with the target's tokenizer to compare with the other methods' token ids.
+    """
+
+    plain_sibling = "llamacpp"
+
+    def __init__(self, setup: PeerSetup, name: str = "llamacpp-spec") -> None:
+        from transformers import AutoTokenizer
+
+        self.name = name
+        self.setup = setup
+        self.tool = llama_cpp_bin_dir() / SPECULATIVE_TOOL
+        if not self.tool.is_file():
+            found = shutil.which(SPECULATIVE_TOOL)
+            if found is None:
+                raise PeerError(f"{SPECULATIVE_TOOL} not found in {self.tool.parent} or on PATH; run "
+                                "scripts/build_llama_cpp.sh")
+            self.tool = Path(found)
+        _require_file(setup.target_gguf, "target GGUF")
+        self.draft_gguf = _require_file(require_draft(setup, name)[1], "draft GGUF")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(setup.target_dir))
+
+    def command(self, prompt_text: str, max_new_tokens: int) -> list[str]:
+        """The prompt goes in as an argument: ``-f`` would drop its final newline (the chat template's)."""
+        s = self.setup
+        cmd = [str(self.tool), "-m", str(s.target_gguf), "-md", str(self.draft_gguf), "--spec-type", "draft-simple",
+               "-p", prompt_text,
+               "-n", str(max_new_tokens), "--temp", "0", "--top-k", "1", "-s", "0", "-c", str(s.n_ctx),
+               "-b", str(s.n_ctx), "-ub", "512", "-t", str(s.threads), "-tb", str(s.threads)]
+        if s.num_draft_tokens is not None:
+            cmd += ["--spec-draft-n-max", str(s.num_draft_tokens)]
+        return cmd
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> PeerResult:
+        prompt_text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+        env = dict(os.environ, LD_LIBRARY_PATH=str(self.tool.parent))
+        done = subprocess.run(self.command(prompt_text, max_new_tokens), capture_output=True, text=True, env=env,
+                              errors="replace")
+        if done.returncode != 0:
+            raise PeerError(f"{SPECULATIVE_TOOL} failed ({done.returncode}): {done.stderr.strip()[-800:]}")
+        return self._parse(done.stdout, done.stderr, prompt_text, len(prompt_ids), max_new_tokens)
+
+    def _parse(self, stdout: str, stderr: str, prompt_text: str, prompt_tokens: int, max_new: int) -> PeerResult:
+        stats = {kind: (int(n), float(s)) for kind, n, s in _STAT.findall(stderr)}
+        counts = {key: int(value) for key, value in _COUNT.findall(stderr)}
+        if "encoded" not in stats or "decoded" not in stats or "n_accept" not in counts:
+            raise PeerError(f"cannot read {SPECULATIVE_TOOL}'s statistics from: {stderr.strip()[-800:]}")
+        start = stdout.find(prompt_text)
+        if start < 0:
+            raise PeerError(f"{SPECULATIVE_TOOL} did not echo the prompt; cannot locate its output")
+        generated = stdout[start + len(prompt_text):]
+        if not generated.endswith(TOOL_TRAILER):
+            raise PeerError(f"{SPECULATIVE_TOOL}'s output does not end as expected: {generated[-80:]!r}")
+        ids, finish = cut_at_eos(self.tokenizer.encode(generated[: -len(TOOL_TRAILER)], add_special_tokens=False),
+                                 self.setup.eos_ids)
+        if counts.get("n_predict", 0) < max_new and finish == "length":
+            finish = "eos"  # the tool stops at EOS without printing it
+        n_predict, n_accept = counts["n_predict"], counts["n_accept"]
+        return PeerResult(ids[:max_new], prompt_tokens, stats["encoded"][1], stats["decoded"][1],
+                          target_forwards=max(n_predict - n_accept, 1), finish_reason=finish,
+                          drafted=counts.get("n_drafted"), accepted=n_accept,
+                          extra={"n_predict": n_predict, "n_draft": counts.get("n_draft")})
+
+    def close(self) -> None:
+        self.tokenizer = None
