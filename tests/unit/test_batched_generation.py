@@ -73,3 +73,9 @@ def test_batched_data_generation_stores_hidden_states_the_trainer_reads(target, 
     (tmp_path / "elsewhere" / "shard_00000.safetensors").unlink()  # e.g. a fresh clone on another machine
     fresh = TokenShards(batched.out_dir)
     assert fresh[0].hidden is None and fresh[4].hidden is not None  # missing files: the trainer recomputes
+
+
+def test_batched_greedy_refuses_to_run_past_the_context(target):
+    context = target.config.max_position_embeddings
+    with pytest.raises(ValueError, match="context"):
+        batched_greedy(target, [[1] * 8, [2]], context - 7, ())

@@ -67,8 +67,9 @@ def batched_greedy(
     ids, pad = _left_pad(prompts)  # [B, P], [B]
     batch, width = ids.shape
     capacity = width + max_new_tokens
-    if capacity > target.config.max_position_embeddings + int(pad.max()):
-        raise ValueError(f"prompt + {max_new_tokens} new tokens exceed the context of {target.config.max_position_embeddings}")
+    context = target.config.max_position_embeddings
+    if max(len(p) for p in prompts) + max_new_tokens > context:
+        raise ValueError(f"a prompt + {max_new_tokens} new tokens exceed the context of {context}")
     cache = target.new_cache(capacity, batch_size=batch)
     positions = (torch.arange(width)[None] - pad[:, None]).clamp(min=0)  # [B, P]
     out = target(ids.to(device), positions.to(device), cache, prefill_mask(pad, width).to(device),

@@ -357,7 +357,9 @@ def generate_training_data(
     return out_dir
 
 
-def _next_prompts(stream: Iterator[Prompt], encode: Encoder, count: int, max_tokens: int) -> tuple[int, list[list[int]]]:
+def _next_prompts(
+    stream: Iterator[Prompt], encode: Encoder, count: int, max_tokens: int
+) -> tuple[int, list[list[int]]]:
     """Up to ``count`` encoded prompts of 1..max_tokens ids: (prompts consumed from the stream, the kept ones)."""
     taken, kept = 0, []
     while len(kept) < count:
@@ -378,7 +380,8 @@ def _respond(target: Transformer, prompts: list[list[int]], config: DataConfig, 
         return []
     if config.batch_size == 1 and not config.hidden_layers:
         responses = [greedy_response(target, ids, config.max_new_tokens, stop, drafter) for ids in prompts]
-        return [TrainingSequence(torch.tensor(ids + r, dtype=torch.int64), len(ids)) for ids, r in zip(prompts, responses)]
+        return [TrainingSequence(torch.tensor(ids + r, dtype=torch.int64), len(ids))
+                for ids, r in zip(prompts, responses)]
     outputs = batched_greedy(target, prompts, config.max_new_tokens, stop, config.hidden_layers)
     return [TrainingSequence(torch.tensor(ids + out.response, dtype=torch.int64), len(ids),
                              None if out.hidden is None else out.hidden)

@@ -571,5 +571,6 @@ def _load_checkpoint(path: Path, config: TrainConfig, model, optimizer, schedule
 
 __all__ = [
     "AnchorBatch", "EvalResult", "TrainConfig", "build_anchor_batch", "block_loss", "default_gamma",
-    "evaluate_acceptance", "frequent_ids", "latest_checkpoint", "sequence_taps", "position_weights", "sample_anchors", "train_dflash",
+    "evaluate_acceptance", "frequent_ids", "latest_checkpoint", "sequence_taps", "position_weights",
+    "sample_anchors", "train_dflash",
 ]
