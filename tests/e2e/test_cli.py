@@ -59,6 +59,7 @@ def test_unknown_pipeline():
 
 
 @pytest.mark.model
+@pytest.mark.slow  # the overlap pipeline's greedy identity is tested in the default run by tests/unit
 def test_overlap_pipeline_from_the_command_line_matches_plain_decoding_in_fp32():
     model_dir(SMOLLM2, "fp32")
     common = ("generate", "Write a haiku about the sea.", "--model", SMOLLM2, "--dtype", "fp32",

@@ -80,7 +80,9 @@ def assert_matches(samples: torch.Tensor, marginals: list[torch.Tensor]) -> None
         assert p_value > 1e-3, (position, observed.tolist(), marginals[position].tolist())
 
 
-@pytest.mark.parametrize("pipeline", PIPELINES)
+# overlap + sampled drafts: covered in the default run by the frequent-hits test below (the rest: make test-all)
+@pytest.mark.parametrize("pipeline", [pytest.param(p, marks=pytest.mark.slow) if p == "overlap" else p
+                                      for p in PIPELINES])
 @pytest.mark.parametrize("k", [1, 2])  # k = 1: token 3 comes from a pre-drafted block on a hit
 def test_sampled_small_model_drafts_keep_the_target_distribution(tiny_pair, pipeline, k):
     target, draft = tiny_pair

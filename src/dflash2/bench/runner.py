@@ -181,25 +181,17 @@ def _pooled_acceptance(rows: list[dict]) -> list[float]:
 
 
 def format_summary(summary: list[dict]) -> str:
-    lines = [f"{'category':16s} {'method':14s} {'n':>4s} {'tok/s':>8s} {'AR tok/s':>8s} {'speedup':>8s} {'tau':>6s} "
-             f"{'identical':>9s} {'idle T/D':>9s} {'hits':>5s}"]
-
-
     lines = [f"{'category':16s} {'method':21s} {'n':>4s} {'tok/s':>8s} {'AR tok/s':>8s} {'speedup':>8s} {'tau':>6s} "
-             f"{'identical':>9s}"]
+             f"{'identical':>9s} {'idle T/D':>9s} {'hits':>5s}"]
     for s in summary:
         speedup = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
         ar = f"{s['ar_tokens_per_s']:.2f}" if s["ar_tokens_per_s"] is not None else "-"
         identical = f"{s['identical_to_ar']:.0%}" if s["identical_to_ar"] is not None else "-"
+        tau = f"{s['tau']:6.2f}" if s["tau"] is not None else f"{'-':>6s}"
         idle = f"{s['target_idle']:.0%}/{s['drafter_idle']:.0%}" if "target_idle" in s else "-"
         hits = f"{s['predraft_hit_rate']:.0%}" if s.get("predraft_hit_rate") is not None else "-"
-        lines.append(f"{s['category']:16s} {s['method']:14s} {s['requests']:4d} {s['tokens_per_s']:8.2f} {ar:>8s} "
-                     f"{speedup:>8s} {s['tau']:6.2f} {identical:>9s} {idle:>9s} {hits:>5s}")
-
-
-        tau = f"{s['tau']:6.2f}" if s["tau"] is not None else f"{'-':>6s}"
         lines.append(f"{s['category']:16s} {s['method']:21s} {s['requests']:4d} {s['tokens_per_s']:8.2f} {ar:>8s} "
-                     f"{speedup:>8s} {tau} {identical:>9s}")
+                     f"{speedup:>8s} {tau} {identical:>9s} {idle:>9s} {hits:>5s}")
     return "\n".join(lines)
 
 

@@ -261,13 +261,18 @@ def _extension(request: BatchRequest, result: GenerationResult) -> dict:
 async def _collect(request: Request, relay: _Relay, handle) -> GenerationResult:
     """Wait for the result; a client that disconnects meanwhile cancels the request."""
     finished = False
+    checked = time.monotonic()
     try:
         while True:
             try:
                 event = await asyncio.wait_for(relay.queue.get(), timeout=0.5)
             except TimeoutError:
+                event = None
+            if time.monotonic() - checked >= 0.5:  # also while events keep coming (fast token streams)
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     raise ApiError(499, "the client closed the connection") from None
+            if event is None:
                 continue
             if isinstance(event, GenerationResult):
                 finished = True
