@@ -9,7 +9,13 @@ from dflash2.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafte
 from dflash2.kernels import PackedLinear
 from dflash2.models.loading import load_transformer
 from dflash2.train.data import TokenShards, TrainingSequence, write_token_shards
-from dflash2.train.dflash_trainer import block_loss, build_anchor_batch, frequent_ids, position_weights
+from dflash2.train.dflash_trainer import (
+    block_loss,
+    build_anchor_batch,
+    evaluate_acceptance,
+    frequent_ids,
+    position_weights,
+)
 from dflash2.verify.sampling import SamplingParams
 from tests.unit.test_dflash_drafter import NEW_TOKENS, first_draft, make_model, plain_ids, prompt_ids, spec_ids
 
@@ -84,6 +90,13 @@ def test_the_training_loss_ignores_labels_outside_the_draft_vocabulary(target):
     loss = block_loss(model, target, taps, batch)
     loss.backward()
     assert torch.isfinite(loss) and model.fc.weight.grad is not None
+
+
+def test_the_held_out_loss_ignores_labels_outside_the_draft_vocabulary(target):
+    model = vocab_model(target)
+    ids = torch.tensor([1, 2, 3, 7, 3, 6, 6, 6, 200, 11, 42, 6, 7, 3, 200, 6, 6, 11])  # 6 is outside VOCAB
+    result = evaluate_acceptance(model, target, [TrainingSequence(ids=ids, prompt_length=3)], anchors_per_sequence=4)
+    assert result.num_blocks > 0 and torch.isfinite(torch.tensor(result.loss)) and result.loss > 0
 
 
 def test_packed_bf16_drafter_matches_its_unpacked_self(tmp_path):

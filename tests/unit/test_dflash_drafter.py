@@ -286,3 +286,23 @@ def test_warm_start_copies_target_layers(targets):
             assert torch.equal(own.state_dict()[name], tensor)
     taps = [torch.randn(1, 3, target.config.hidden_size) for _ in model.config.target_layer_ids]
     assert torch.allclose(model.fc(torch.cat(taps, -1)), sum(taps) / len(taps), atol=1e-5)
+
+
+def test_warm_start_reads_the_weights_of_packed_target_layers(targets):
+    """A CPU target loaded in bf16 holds its projections packed, outside the state dict; they are still copied."""
+    import copy
+
+    from dflash2.kernels import kernels_available
+    from dflash2.models.loading import pack_layer_projections
+
+    if not kernels_available():
+        pytest.skip("the packed bf16 kernel is not available")
+    target = targets["qwen2"]
+    packed = copy.deepcopy(target)
+    pack_layer_projections(packed.layers)
+    model = make_model(target, 8, num_layers=2)
+    model.init_from_target(packed)
+    for own, index in zip(model.layers, (1, 2)):
+        for name, tensor in target.layers[index].state_dict().items():
+            expected = tensor.to(torch.bfloat16).to(tensor.dtype) if tensor.dim() == 2 else tensor
+            assert torch.equal(own.state_dict()[name], expected), name

@@ -208,11 +208,14 @@ def test_kernel_is_row_count_invariant(n: int, k: int) -> None:
 
 
 def assert_row_count_invariant(layer, k: int) -> None:
-    """Calls of 1..19 rows and single rows equal the same rows of one 70-row call, bitwise."""
-    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4))
+    """Calls of 1..19 rows and single rows equal the same rows of one call long enough to be cut into row
+    blocks (prefill), bitwise."""
+    from dflash2.kernels.packed_linear import ROW_BLOCK
+
+    x = torch.randn(ROW_BLOCK + 70, k, generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         full = layer(x)
         for m in range(1, 20):
             assert torch.equal(layer(x[:m]), full[:m]), m
-        for r in (0, 5, 17):
+        for r in (0, 5, 17, ROW_BLOCK - 1, ROW_BLOCK + 3):
             assert torch.equal(layer(x[r : r + 1]), full[r : r + 1]), r

@@ -100,6 +100,23 @@ class DFlashLayer(nn.Module):
 ContextKV = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per drafter layer: ([B, H_kv, S, Dh], [B, H_kv, S, Dh])
 
 
+def dense_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with the weights of packed / quantized projections included as dense tensors.
+
+    Packed (bf16 kernel) and quantized layers keep their weights outside the state dict; copying a target layer
+    needs them as the ``nn.Linear`` names (``<name>.weight``, ``<name>.bias``).
+    """
+    state = dict(module.state_dict())
+    for name, child in module.named_modules():
+        dense = getattr(child, "unpacked_weight", None) or getattr(child, "dequantized_weight", None)
+        if dense is None or isinstance(child, nn.Linear):
+            continue
+        state[f"{name}.weight"] = dense()
+        if child.bias is not None:
+            state[f"{name}.bias"] = child.bias
+    return state
+
+
 class DFlashDraftModel(nn.Module):
     """The drafter network. Holds no embedding or head: the target's are passed in (:meth:`embed`, :meth:`logits`)."""
 
@@ -257,7 +274,7 @@ class DFlashDraftModel(nn.Module):
         if len(layer_ids) != count:
             raise ValueError(f"need {count} target layer ids, got {layer_ids}")
         for layer, index in zip(self.layers, layer_ids):
-            source = target.layers[index].state_dict()
+            source = dense_state_dict(target.layers[index])
             own = {k: v for k, v in layer.state_dict().items() if "_conv." not in k}  # DFlash2 convs stay as built
             if source.keys() != own.keys() or any(source[k].shape != own[k].shape for k in own):
                 raise ValueError(f"target layer {index} does not match the drafter's layer shape")

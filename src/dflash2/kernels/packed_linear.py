@@ -344,7 +344,10 @@ class PackedLinear(nn.Module):
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         if self.backend == KERNEL:
-            y = self._op(x2, self.weight_data, self.bias_data, self.out_features)
+            def op(rows: torch.Tensor) -> torch.Tensor:
+                return self._op(rows, self.weight_data, self.bias_data, self.out_features)
+
+            y = _row_chunked(op, x2, self.out_features)
         else:
             y = _fallback_linear(x2, self.weight_data, self.bias_data)
         y = y.view(*lead, self.out_features)
@@ -355,6 +358,23 @@ class PackedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias_data is not None}, backend={self.backend}"
         )
+
+
+# The kernel streams all rows of x past each 16-output weight panel, so x is re-read once per panel; past a few
+# hundred rows (prefill) x leaves the cache and the GEMM turns memory-bound. Row blocks of this size keep x in L2.
+# The kernel is row-count invariant (bitwise), so cutting the rows does not change any result.
+ROW_BLOCK = 256
+
+
+def _row_chunked(op, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``op`` over row blocks of ``x`` [M, K] -> [M, out_features] fp32."""
+    m = x.shape[0]
+    if m <= ROW_BLOCK:
+        return op(x)
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    for r0 in range(0, m, ROW_BLOCK):
+        y[r0 : r0 + ROW_BLOCK] = op(x[r0 : r0 + ROW_BLOCK])
+    return y
 
 
 def _fallback_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

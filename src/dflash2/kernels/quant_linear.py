@@ -265,7 +265,10 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
         if self.backend == KERNEL:
-            y = self._op(x2, self.weight_data, self.scale_data, self.bias_data, self.out_features)
+            def op(rows: torch.Tensor) -> torch.Tensor:
+                return self._op(rows, self.weight_data, self.scale_data, self.bias_data, self.out_features)
+
+            y = _bf16._row_chunked(op, x2, self.out_features)
         else:
             y = _FALLBACK[self.weights](x2, self.weight_data, self.scale_data, self.bias_data)
         y = y.view(*lead, self.out_features)  # [..., N]

@@ -99,7 +99,7 @@ class TrainConfig:
 class EvalResult:
     tau: float  # mean accepted length per block, the bonus/recovered token included (1.0 = nothing accepted)
     acceptance_by_position: list[float]  # [bs - 1] share of blocks whose draft j was accepted
-    loss: float  # weighted block loss on the held-out sequences
+    loss: float  # weighted block loss on the held-out sequences (labels inside the draft vocabulary)
     num_blocks: int
 
 
@@ -179,13 +179,19 @@ def block_hidden(
     return model(embeds, batch.positions[None].to(device), context_kv, batch.attn_mask.to(device))[0]
 
 
+def scored_rows(model: DFlashDraftModel, batch: AnchorBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """keep [Q] bool (a weighted label the head can score: inside the draft vocabulary) and the labels [Q] as
+    indices of the head's rows (-1 outside the draft vocabulary)."""
+    labels = model.draft_labels(batch.labels).cpu()
+    return (batch.weights > 0) & (labels >= 0), labels
+
+
 def block_loss(
     model: DFlashDraftModel, target: Transformer, taps: Sequence[torch.Tensor], batch: AnchorBatch
 ) -> torch.Tensor:
     """Weighted cross-entropy of the block predictions (rows without weight skip the head)."""
     hidden = block_hidden(model, target, taps, batch)
-    labels = model.draft_labels(batch.labels).cpu()  # [Q] index in the draft vocabulary, -1 outside it
-    keep = (batch.weights > 0) & (labels >= 0)
+    keep, labels = scored_rows(model, batch)
     if not bool(keep.any()):
         return hidden.sum() * 0.0  # no label the head can score: a zero loss that still backpropagates
     kept_hidden = hidden[keep.to(hidden.device)]  # [Q', D]
@@ -266,11 +272,13 @@ def evaluate_acceptance(
         greedy = out.logits[0].argmax(dim=-1).cpu()  # [N] greedy[p] = the target's choice for position p + 1
         batch = build_anchor_batch(ids, anchors, bs, config.mask_token_id, weights_by_position)
         hidden = block_hidden(model, target, out.hidden_states, batch)
-        logits = model.logits(target, hidden)  # [Q, V]
-        keep = batch.weights > 0
-        losses = F.cross_entropy(logits[keep.to(logits.device)], batch.labels[keep].to(logits.device), reduction="none")
-        total_loss += float((losses * batch.weights[keep].to(losses.device)).sum() / batch.weights[keep].sum())
-        loss_items += 1
+        logits = model.logits(target, hidden)  # [Q, V], -inf outside the draft vocabulary
+        keep, labels = scored_rows(model, batch)  # the loss covers the labels the head can score, as in training
+        if bool(keep.any()):
+            scored = model.draft_logits(target, hidden[keep.to(hidden.device)])  # [Q', V']
+            losses = F.cross_entropy(scored, labels[keep].to(scored.device), reduction="none")
+            total_loss += float((losses * batch.weights[keep].to(losses.device)).sum() / batch.weights[keep].sum())
+            loss_items += 1
         drafts = logits.argmax(dim=-1).cpu().view(-1, bs)[:, 1:]  # [A, bs - 1]
         wanted = greedy[(anchors[:, None] + torch.arange(bs - 1))]  # [A, bs - 1] target choice for a + j
         follows = ids[anchors[:, None] + torch.arange(1, bs)] == wanted  # the data is the target's own choice
@@ -282,7 +290,7 @@ def evaluate_acceptance(
     accepted = torch.cat(accepted_counts)  # [blocks]
     by_position = [(accepted >= j).float().mean().item() for j in range(1, bs)]
     return EvalResult(tau=1.0 + accepted.float().mean().item(), acceptance_by_position=by_position,
-                      loss=total_loss / loss_items, num_blocks=int(accepted.numel()))
+                      loss=total_loss / loss_items if loss_items else float("nan"), num_blocks=int(accepted.numel()))
 
 
 # ---- the training run ------------------------------------------------------------------------------------
