@@ -254,7 +254,44 @@ def unpack_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-class PackedLinear(nn.Module):
+class CpuLinear(nn.Module):
+    """What the CPU replacements of ``nn.Linear`` share: input checks, fp32 rows, row blocks for the kernel,
+    output in the input's dtype. Subclasses hold ``in_features``, ``out_features``, ``backend``, ``bias_data``
+    and implement :meth:`kernel_rows` (the kernel on fp32 [M, K] rows) and :meth:`fallback_rows` (PyTorch)."""
+
+    in_features: int
+    out_features: int
+    backend: str
+    bias_data: torch.Tensor | None
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.bias_data
+
+    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 [M, K] -> fp32 [M, N]
+        raise NotImplementedError
+
+    def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 [M, K] -> fp32 [M, N]
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        name = type(self).__name__
+        if x.device.type != "cpu":
+            raise RuntimeError(f"{name} runs on CPU only (got input on {x.device})")
+        k = self.in_features
+        if x.shape[-1] != k:
+            raise ValueError(f"{name}: expected last dim {k}, got shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k).float().contiguous()  # [M, K] (no copy when already fp32 and contiguous)
+        if self.backend == KERNEL:
+            y = _row_chunked(self.kernel_rows, x2, self.out_features)
+        else:
+            y = self.fallback_rows(x2)
+        y = y.view(*lead, self.out_features)  # [..., N]
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+class PackedLinear(CpuLinear):
     """Inference-only CPU replacement for ``nn.Linear`` with bf16 weights.
 
     ``y = x @ W^T + b`` computed as ``F.linear(x.float(), W_bf16.float(), b_fp32)`` (fp32
@@ -327,31 +364,11 @@ class PackedLinear(nn.Module):
             return unpack_weight(self.weight_data, self.out_features)
         return self.weight_data.clone()
 
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.bias_data
+    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.weight_data, self.bias_data, self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
-            raise RuntimeError(f"PackedLinear runs on CPU only (got input on {x.device})")
-        k = self.in_features
-        if x.shape[-1] != k:
-            raise ValueError(f"PackedLinear: expected last dim {k}, got shape {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k)
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        if self.backend == KERNEL:
-            def op(rows: torch.Tensor) -> torch.Tensor:
-                return self._op(rows, self.weight_data, self.bias_data, self.out_features)
-
-            y = _row_chunked(op, x2, self.out_features)
-        else:
-            y = _fallback_linear(x2, self.weight_data, self.bias_data)
-        y = y.view(*lead, self.out_features)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return _fallback_linear(x, self.weight_data, self.bias_data)
 
     def extra_repr(self) -> str:
         return (

@@ -186,7 +186,7 @@ def quant_kernel_status() -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(_bf16.CpuLinear):
     """Inference-only CPU replacement for ``nn.Linear`` with weight-only quantized weights (``weights``:
     "int8" or "int4", see the module docstring), fp32 math, output in ``x``'s dtype.
 
@@ -252,27 +252,11 @@ class QuantLinear(nn.Module):
         q, scale = self.quantized()
         return q.float() * (scale[:, None] if self.weights == "int8" else scale.repeat_interleave(GROUP, dim=1))
 
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.bias_data
+    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.weight_data, self.scale_data, self.bias_data, self.out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
-            raise RuntimeError(f"QuantLinear runs on CPU only (got input on {x.device})")
-        k = self.in_features
-        if x.shape[-1] != k:
-            raise ValueError(f"QuantLinear: expected last dim {k}, got shape {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k).float().contiguous()  # [M, K]
-        if self.backend == KERNEL:
-            def op(rows: torch.Tensor) -> torch.Tensor:
-                return self._op(rows, self.weight_data, self.scale_data, self.bias_data, self.out_features)
-
-            y = _bf16._row_chunked(op, x2, self.out_features)
-        else:
-            y = _FALLBACK[self.weights](x2, self.weight_data, self.scale_data, self.bias_data)
-        y = y.view(*lead, self.out_features)  # [..., N]
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return _FALLBACK[self.weights](x, self.weight_data, self.scale_data, self.bias_data)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
