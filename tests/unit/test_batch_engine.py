@@ -7,6 +7,7 @@ import torch
 
 from dflash2.decode.batch import BatchConfig, BatchEngine, BatchRequest, QueueFullError, request_drafters, run_to_completion
 from dflash2.decode.engine import Engine
+from dflash2.drafters.dflash import DFlashDrafter
 from dflash2.drafters.ngram import NgramDrafter
 from dflash2.models.loading import load_transformer
 from dflash2.verify import SamplingParams
@@ -131,3 +132,67 @@ def test_near_the_context_limit_batched_equals_single(engine):
     assert results[0].finish_reason == "length" and len(results[0].token_ids) == 512 - 495 + 1  # the last one is never fed
     for request, result in zip(requests, results):
         assert result.token_ids == single(engine, request.prompt_ids, request)
+
+
+class RecordingDFlash(DFlashDrafter):
+    """A DFlash drafter that logs every proposal: (committed length, drafted ids)."""
+
+    def __init__(self, model, target, k, log: list) -> None:
+        super().__init__(model, target, k)
+        self.log = log
+
+    def propose(self, sequence, num_draft_tokens, params, generator):
+        draft = super().propose(sequence, num_draft_tokens, params, generator)
+        self.log.append((len(sequence), draft.tokens.tolist()))
+        return draft
+
+
+@pytest.mark.parametrize("prefill_chunk", [512, 5], ids=["whole-prompt", "chunked-prefill"])
+def test_dflash_drafter_in_a_batch_sees_the_context_it_sees_alone(engine, prefill_chunk):
+    """The batch hands each request's DFlash drafter the target's hidden states of exactly the committed
+    positions (prompt chunks, then pending + accepted): its proposals, not only the outputs, equal those of the
+    same request decoded alone."""
+    from tests.unit.test_dflash_drafter import make_model
+
+    target, k = engine.target, 5
+    model = make_model(target, 8)
+    batch_logs: list[list] = []
+
+    def factory():
+        batch_logs.append([])
+        return RecordingDFlash(model, target, k, batch_logs[-1])
+
+    config = BatchConfig(num_blocks=64, block_size=8, adaptive_drafts=False, max_prefill_tokens=prefill_chunk)
+    batch = BatchEngine(engine, config, {"dflash": factory})
+    requests = [BatchRequest(p, 14 + 2 * i, drafter="dflash", num_draft_tokens=k if i != 1 else 3)
+                for i, p in enumerate(prompts(3))] + [BatchRequest(prompts(1, seed=5)[0], 10)]
+    results = run_to_completion(batch, requests, join_every=2)
+    for request, result, log in zip(requests, results, batch_logs):
+        alone: list = []
+        engine.drafter = RecordingDFlash(model, target, request.num_draft_tokens, alone)
+        try:
+            expected = engine.generate(" ".join(map(str, request.prompt_ids)), max_new_tokens=request.max_new_tokens,
+                                       raw=True).token_ids
+        finally:
+            engine.drafter = None
+        assert result.token_ids == expected
+        assert [length for length, _ in log] == [length for length, _ in alone]
+        for (_, drafted), (_, drafted_alone) in zip(log, alone):  # the room left may shorten the last drafts
+            common = min(len(drafted), len(drafted_alone))
+            assert drafted[:common] == drafted_alone[:common]
+    assert len(batch_logs) == 3 and all(batch_logs)
+
+
+def test_dflash_drafters_are_offered_when_the_engine_holds_one(engine):
+    from dflash2.drafters.hybrid import HybridDrafter
+    from tests.unit.test_dflash_drafter import make_model
+
+    engine.drafter = HybridDrafter(DFlashDrafter(make_model(engine.target, 8), engine.target), stop_ids={0})
+    try:
+        factories = request_drafters(engine)
+    finally:
+        engine.drafter = None
+    assert set(factories) == {"ngram", "dflash", "dflash+ngram"}
+    first, second = factories["dflash"](), factories["dflash"]()
+    assert first is not second and first.model is second.model  # own context cache, shared weights
+    assert isinstance(factories["dflash+ngram"](), HybridDrafter)

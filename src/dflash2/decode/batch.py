@@ -131,9 +131,6 @@ class BatchEngine:
         self.pool = PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, config.num_blocks, config.block_size,
                                 dtype=target.dtype, device=target.device)
         self.drafters = dict(drafters or {})
-        for name, factory in self.drafters.items():
-            if factory().hidden_layers:
-                raise ValueError(f"drafter {name!r} reads the target's hidden states; the batch engine does not")
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._incoming: list[_Sequence] = []
@@ -262,13 +259,14 @@ class BatchEngine:
         lengths = self._draft_lengths(running, chunks)
         drafts = [self._propose(seq, k) if seq.prefilled else None for seq, k in zip(running, lengths)]
         rows = [self._row(seq, draft, chunk) for seq, draft, chunk in zip(running, drafts, chunks)]
+        taps = tuple(sorted({layer for seq in running if seq.drafter for layer in seq.drafter.hidden_layers}))
         started = time.perf_counter()
-        logits = ragged_forward(self.engine.target, self.pool, rows)
+        out = ragged_forward(self.engine.target, self.pool, rows, hidden_layers=taps)
         self.cost.record(sum(len(row.tokens) for row in rows), time.perf_counter() - started)
         with self._lock:
             self._steps += 1
-        for seq, draft, row, row_logits in zip(running, drafts, rows, logits):
-            emitted = self._verify(seq, draft, row, row_logits)
+        for seq, draft, row, row_logits, row_hidden in zip(running, drafts, rows, out.logits, out.hidden):
+            emitted = self._verify(seq, draft, row, row_logits, row_hidden)
             if emitted:
                 self._emit(seq, emitted)
 
@@ -315,15 +313,20 @@ class BatchEngine:
         tokens = [seq.sequence[-1]] + ([] if draft is None else draft.tokens.tolist())
         return RaggedRow(seq.table, tokens, all_logits=True)
 
-    def _verify(self, seq: _Sequence, draft: Draft | None, row: RaggedRow, logits: torch.Tensor) -> list[int]:
+    def _verify(self, seq: _Sequence, draft: Draft | None, row: RaggedRow, logits: torch.Tensor,
+                hidden: dict[int, torch.Tensor]) -> list[int]:
         """logits [1 or k + 1, V] -> the committed tokens (none while the prompt is still being fed); the table
-        keeps the KV of the tokens fed and kept."""
+        keeps the KV of the tokens fed and kept. A drafter that reads the target's hidden states gets those of
+        every position committed by this forward (``hidden``: layer -> [1, T, D] over the row's tokens)."""
         params, generator = seq.request.params, seq.generator
         if not seq.prefilled:
-            seq.table.rollback(seq.table.length + len(row.tokens))
-            if seq.table.length < len(seq.sequence):
-                return []  # more of the prompt to feed
-            return [int(choose_token(logits[-1], params, generator))]
+            start = seq.table.length
+            seq.table.rollback(start + len(row.tokens))
+            emitted = [] if seq.table.length < len(seq.sequence) else [int(choose_token(logits[-1], params, generator))]
+            # A prompt chunk [start, end): observe() expects the id after the tapped positions to be pending.
+            self._observe_taps(seq, seq.sequence[: seq.table.length + 1] + emitted, -1 if start == 0 else 0,
+                               hidden, len(row.tokens))
+            return emitted
         draft_ids = (draft.tokens if draft is not None else torch.zeros(0, dtype=torch.int64)).to(logits.device)
         if params.greedy:
             verdict = verify_greedy(draft_ids[None], logits[None])
@@ -338,8 +341,20 @@ class BatchEngine:
         seq.stats.record_draft(len(draft_ids), accepted)
         seq.acceptance.update(len(draft_ids), accepted)
         if seq.drafter is not None:
-            seq.drafter.observe(seq.sequence + emitted, accepted, ())
+            if seq.drafter.hidden_layers:
+                self._observe_taps(seq, seq.sequence + emitted, accepted, hidden, 1 + accepted)
+            else:
+                seq.drafter.observe(seq.sequence + emitted, accepted, ())
         return emitted
+
+    @staticmethod
+    def _observe_taps(seq: _Sequence, sequence: list[int], num_accepted: int, hidden: dict[int, torch.Tensor],
+                      count: int) -> None:
+        """Hand a hidden-state drafter the taps of the first ``count`` tokens of the row (the kept ones)."""
+        if seq.drafter is None or not seq.drafter.hidden_layers:
+            return
+        taps = tuple(hidden[layer][:, :count] for layer in seq.drafter.hidden_layers)
+        seq.drafter.observe(sequence, num_accepted, taps)
 
     def _emit(self, seq: _Sequence, emitted: list[int]) -> None:
         """Append committed tokens, send the new text, finish on EOS / stop string / max tokens / full context."""
@@ -399,8 +414,11 @@ def _seeded(params: SamplingParams) -> bool:
 
 
 def request_drafters(engine: Engine, max_draft_tokens: int = 8) -> dict[str, DrafterFactory]:
-    """The drafters a batch engine over ``engine`` can give each request: ``ngram`` always (stateless, shared),
-    ``model`` when the engine holds a draft model (one drafter, with its own KV cache, per request)."""
+    """The drafters a batch engine over ``engine`` can give each request: ``ngram`` always (stateless, shared);
+    the engine's own drafter when it is a ``model``, ``dflash`` or ``dflash+ngram`` one (weights shared, one
+    drafter with its own cache per request; a DFlash drafter also serves ``dflash`` when held as a hybrid)."""
+    from dflash2.drafters.dflash import DFlashDrafter
+    from dflash2.drafters.hybrid import HybridDrafter
     from dflash2.drafters.model import ModelDrafter
     from dflash2.drafters.ngram import NgramDrafter
 
@@ -409,6 +427,16 @@ def request_drafters(engine: Engine, max_draft_tokens: int = 8) -> dict[str, Dra
     held = engine.drafter
     if isinstance(held, ModelDrafter):
         factories["model"] = lambda: ModelDrafter(held.model, held.num_draft_tokens, held.target_vocab_size)
+    block = held.block if isinstance(held, HybridDrafter) else held
+    if isinstance(block, DFlashDrafter):
+        def dflash() -> DFlashDrafter:
+            return DFlashDrafter(block.model, block.target, block.num_draft_tokens)
+
+        factories["dflash"] = dflash
+        if isinstance(held, HybridDrafter):
+            factories["dflash+ngram"] = lambda: HybridDrafter(
+                dflash(), held.num_draft_tokens, min_match=held.min_match, max_match=held.max_match,
+                min_tokens=held.min_tokens, stop_ids=held.stop_ids)
     return factories
 
 

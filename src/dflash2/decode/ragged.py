@@ -78,9 +78,17 @@ def build_layout(rows: list[RaggedRow], device: torch.device) -> RaggedLayout:
     )
 
 
+@dataclass
+class RaggedOutput:
+    logits: list[torch.Tensor]  # per row float32 [T or 1, V]
+    hidden: list[dict[int, torch.Tensor]]  # per row: tapped layer -> [1, T, D] hidden states of its new tokens
+
+
 @torch.inference_mode()
-def ragged_forward(model: Transformer, pool: PagedKVPool, rows: list[RaggedRow]) -> list[torch.Tensor]:
-    """Write every row's new tokens into the pool and return per row its logits, float32 [T or 1, V].
+def ragged_forward(model: Transformer, pool: PagedKVPool, rows: list[RaggedRow],
+                   hidden_layers: tuple[int, ...] = ()) -> RaggedOutput:
+    """Write every row's new tokens into the pool; return per row its logits and the hidden states (outputs of
+    the decoder layers ``hidden_layers``) of its new tokens.
 
     The rows' ``table.length`` is not moved: the caller commits (rolls back to) the slots it keeps.
     """
@@ -88,11 +96,16 @@ def ragged_forward(model: Transformer, pool: PagedKVPool, rows: list[RaggedRow])
     cos, sin = model.rope(layout.positions[None])  # [1, 1, N, Dh] each
     cos, sin = cos[0, 0, :, None], sin[0, 0, :, None]  # [N, 1, Dh]
     x = model.embed(layout.input_ids)[None]  # [1, N, D]
+    taps: dict[int, torch.Tensor] = {}
     for index, layer in enumerate(model.layers):
         x = x + _attention(layer.attn, layer.attn_norm(x), cos, sin, pool, index, layout)
         x = x + layer.ffn(layer.ffn_norm(x))
+        if index in hidden_layers:
+            taps[index] = x  # [1, N, D]
     logits = model.lm_head(model.norm(x[0, layout.logit_index])).float()  # [M, V]
-    return [logits[start:end] for start, end in layout.logit_rows]
+    bounds = torch.tensor([0, *(len(row.tokens) for row in rows)]).cumsum(0).tolist()
+    hidden = [{layer: t[:, bounds[r] : bounds[r + 1]] for layer, t in taps.items()} for r in range(len(rows))]
+    return RaggedOutput([logits[start:end] for start, end in layout.logit_rows], hidden)
 
 
 def _attention(attn, h: torch.Tensor, cos, sin, pool: PagedKVPool, layer: int, layout: RaggedLayout) -> torch.Tensor:

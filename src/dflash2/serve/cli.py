@@ -40,8 +40,6 @@ def build_server(args: argparse.Namespace):
     from dflash2.kv.paged import PagedKVPool
     from dflash2.serve.app import ServerConfig, create_app
 
-    if args.drafter == "dflash":
-        raise CliError("serve batches chain drafters (ngram, model); the dflash drafter is not supported yet")
     if args.num_candidates != 1:
         raise CliError("serve verifies chains: --num-candidates must be 1")
     if args.num_draft_tokens is not None and args.num_draft_tokens <= 0:
