@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash2.models.loading import load_transformer
-from dflash2.train.batched import batched_greedy, prefill_mask
+from dflash2.train.batched import batched_greedy
 from dflash2.train.data import DataConfig, TokenShards, generate_training_data, greedy_response, read_manifest
 from dflash2.train.dflash_trainer import sequence_taps, target_pass
 
@@ -18,14 +18,6 @@ LAYERS = (0, 2)
 @pytest.fixture(scope="module")
 def target(tiny_model_dirs):
     return load_transformer(tiny_model_dirs["qwen2"], "fp32")
-
-
-def test_prefill_mask_hides_padding_and_keeps_padded_rows_finite():
-    mask = prefill_mask(torch.tensor([0, 2]), 4)  # [2, 4, 4]
-    assert mask[0].equal(torch.tril(torch.ones(4, 4, dtype=torch.bool)))
-    assert mask[1, 3].tolist() == [False, False, True, True]  # last real query: only real keys
-    assert mask[1, 0].tolist() == [True, False, False, False]  # a pad query sees itself only
-    assert mask.any(dim=-1).all()
 
 
 def test_batched_greedy_matches_batch_one_greedy_and_target_hidden_states(target):

@@ -2,7 +2,8 @@
 
 Rows are left-padded to a common prompt length so that every row writes its next token to the same cache
 slot; row ``b`` ignores its ``pad[b]`` leading slots through the attention mask, and its positions start at 0
-after the padding. One batched decode step costs little more than a batch-1 step on a memory-bound target
+after the padding. Each prompt is prefilled alone (no compute on padding) and its keys/values copied into its
+row. One batched decode step costs little more than a batch-1 step on a memory-bound target
 (the packed CPU kernel reads each weight once for all rows), so B rows come ~B times cheaper per token.
 
 The hidden states that a forward pass computes anyway are kept: the prefill gives those of the prompt, each
@@ -23,32 +24,10 @@ import torch
 
 from dflash2.models.decoder import Transformer
 
-PAD_ID = 0  # any valid id: padded slots are never attended to by real tokens
-
-
 @dataclass
 class BatchedResponse:
     response: list[int]  # generated ids, a stop id included and final when one was produced
     hidden: torch.Tensor | None  # [len(prompt) + len(response) - 1, num_taps, D] (None without taps)
-
-
-def _left_pad(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, P] left-padded with PAD_ID and pad [B] (number of leading pad slots per row)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.int64)
-    pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.int64)
-    return ids, pad
-
-
-def prefill_mask(pad: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, P, P] bool: causal, padded keys hidden; a padded query sees itself (keeps softmax finite)."""
-    query = torch.arange(width)[:, None]
-    key = torch.arange(width)[None, :]
-    causal = key <= query  # [P, P]
-    real_key = key[None] >= pad[:, None, None]  # [B, 1, P]
-    return (causal[None] & real_key) | (key == query)[None]
 
 
 @torch.no_grad()
@@ -64,21 +43,19 @@ def batched_greedy(
         raise ValueError("batched_greedy needs at least one prompt and no empty prompt")
     device = target.device
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64)
-    ids, pad = _left_pad(prompts)  # [B, P], [B]
-    batch, width = ids.shape
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64)  # [B] leading padded slots per row
     capacity = width + max_new_tokens
     context = target.config.max_position_embeddings
     if max(len(p) for p in prompts) + max_new_tokens > context:
         raise ValueError(f"a prompt + {max_new_tokens} new tokens exceed the context of {context}")
     cache = target.new_cache(capacity, batch_size=batch)
     positions = (torch.arange(width)[None] - pad[:, None]).clamp(min=0)  # [B, P]
-    out = target(ids.to(device), positions.to(device), cache, prefill_mask(pad, width).to(device),
-                 hidden_layers=tuple(hidden_layers), logits="last")
-    taps = [_stack_taps(out.hidden_states).cpu()] if hidden_layers else []  # each [B, T, taps, D]
+    next_ids, prompt_taps = _prefill_rows(target, prompts, cache, width, tuple(hidden_layers))
+    taps = [prompt_taps] if hidden_layers else []  # each [B, T, taps, D]
     responses = torch.zeros(batch, 0, dtype=torch.int64)
     finished = torch.zeros(batch, dtype=torch.bool)
     lengths = torch.full((batch,), max_new_tokens, dtype=torch.int64)  # response length per row
-    next_ids = out.logits[:, -1].argmax(dim=-1).cpu()  # [B]
     for step in range(max_new_tokens):
         responses = torch.cat([responses, next_ids[:, None]], dim=1)
         just_stopped = ~finished & torch.isin(next_ids, stop)
@@ -103,6 +80,31 @@ def batched_greedy(
             row_hidden = hidden[row, int(pad[row]) : int(pad[row]) + kept].clone()
         results.append(BatchedResponse(response, row_hidden))
     return results
+
+
+def _prefill_rows(
+    target: Transformer, prompts: Sequence[Sequence[int]], cache, width: int, hidden_layers: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prefill each prompt alone (no padded token is computed: prompts differ a lot in length, and the prefill is
+    compute-bound) and copy its keys/values right-aligned into its row of the batched ``cache`` (slots
+    ``[width - len, width)``; the padded slots stay masked). Returns the first greedy ids [B] and the prompts'
+    tapped hidden states [B, width, taps, D] (zeros at the padding), or None without taps."""
+    c = target.config
+    first = torch.empty(len(prompts), dtype=torch.int64)
+    taps = torch.zeros(len(prompts), width, len(hidden_layers), c.hidden_size, dtype=target.dtype) \
+        if hidden_layers else None
+    for row, prompt in enumerate(prompts):
+        alone = target.new_cache(len(prompt))
+        out = target(torch.tensor([list(prompt)], device=target.device), cache=alone, hidden_layers=hidden_layers,
+                     logits="last")
+        begin = width - len(prompt)
+        cache.keys[:, row, :, begin:width] = alone.keys[:, 0]
+        cache.values[:, row, :, begin:width] = alone.values[:, 0]
+        first[row] = out.logits[0, -1].argmax().cpu()
+        if taps is not None:
+            taps[row, begin:] = _stack_taps(out.hidden_states)[0].cpu()
+    cache.advance(width)
+    return first, taps
 
 
 def _stack_taps(hidden_states: Sequence[torch.Tensor]) -> torch.Tensor:
