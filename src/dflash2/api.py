@@ -16,7 +16,7 @@ def default_device() -> str:
 def load(
     target: str = "qwen2.5-coder-1.5b-instruct",
     *,
-    drafter: str | None = "ngram",
+    drafter: str | None = "auto",
     draft_model: str | None = None,
     num_draft_tokens: int | None = None,
     num_candidates: int = 1,
@@ -30,9 +30,11 @@ def load(
 ) -> Engine:
     """Load a target (model-store name, HF directory or .gguf path) and optionally a drafter.
 
-    drafter: "ngram" (prompt lookup, the default), None / "none" (plain decoding), "model" (an independent small
+    drafter: "auto" (the default: the drafter measured fastest for the target, ``dflash+ngram`` for the default
+    target, else ``ngram``), "ngram" (prompt lookup), None / "none" (plain decoding), "model" (an independent small
     model of the same tokenizer, ``draft_model``; default: the store's pairing for the target), "dflash" (a trained
-    block drafter directory in ``draft_model``). Every drafter is lossless. ``num_candidates`` > 1 makes the n-gram drafter verify a tree of continuations.
+    block drafter: the one shipped for the target, or a directory in ``draft_model``), "dflash+ngram". Every
+    drafter is lossless. ``num_candidates`` > 1 makes the n-gram drafter verify a tree of continuations.
     weights: "bf16" (not quantized, the default), "int8" or "int4" (weight-only, quantized at load time, CPU), for the
     target and the ``model`` drafter; speculation is lossless with respect to the quantized target.
     pipeline: "sync" or "overlap" (the drafter drafts the next block while the target verifies; None: the

@@ -53,8 +53,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
     parser.add_argument("--model", "--target", dest="model", default="qwen2.5-coder-1.5b-instruct",
                         help="model-store name or alias, HF directory, or .gguf path (default: %(default)s)")
     if drafter_choice:
-        parser.add_argument("--drafter", choices=DRAFTER_NAMES, default="ngram",
-                            help="draft method; every one is lossless (default: ngram, the fastest measured on CPU)")
+        parser.add_argument("--drafter", choices=DRAFTER_NAMES, default="auto",
+                            help="draft method; every one is lossless (default: auto, the one measured fastest for "
+                                 "the target: dflash+ngram for the default target, else ngram)")
     parser.add_argument("--draft-model", default=None, help="small model for --drafter model (default: the pairing)")
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="drafts per step")
     parser.add_argument("--num-candidates", type=int, default=1,

@@ -1,4 +1,5 @@
-"""The shipped DFlash drafter for SmolLM2 (scripts/train_smollm2_dflash.sh): lossless, and its drafts are accepted.
+"""The shipped DFlash drafters (SmolLM2: scripts/train_smollm2_dflash.sh; the Qwen target:
+scripts/train_qwen_dflash.sh): lossless, and their drafts are accepted.
 
 It was trained on only 96 regenerated sequences for 150 steps (held-out tau 1.13): the test checks that trained
 weights carry real signal (an untrained drafter's first-position acceptance is ~0 over a 49152-token vocabulary).
@@ -9,13 +10,23 @@ from __future__ import annotations
 import pytest
 
 from dflash2.drafters import build_drafter, shipped_dflash_drafter
-from tests.e2e.conftest import SMOLLM2, lean_engine
+from tests.e2e.conftest import QWEN_TARGET, SMOLLM2, lean_engine
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May?",
     "Write a Python function that returns the n-th Fibonacci number.",
 ]
+
+
+def plain_and_drafted(engine, drafter, prompt: str, max_new_tokens: int):
+    """(plain greedy result, result with ``drafter``) for one prompt."""
+    plain = engine.generate(prompt, max_new_tokens=max_new_tokens)
+    engine.drafter = drafter
+    try:
+        return plain, engine.generate(prompt, max_new_tokens=max_new_tokens)
+    finally:
+        engine.drafter = None
 
 
 @pytest.mark.model
@@ -25,13 +36,19 @@ def test_shipped_smollm2_drafter_is_lossless_and_accepted():
     drafter = build_drafter("dflash", engine)  # no flags: the shipped drafter
     first_position = []
     for prompt in PROMPTS:
-        plain = engine.generate(prompt, max_new_tokens=64)
-        engine.drafter = drafter
-        try:
-            spec = engine.generate(prompt, max_new_tokens=64)
-        finally:
-            engine.drafter = None
+        plain, spec = plain_and_drafted(engine, drafter, prompt, 64)
         assert spec.token_ids == plain.token_ids
         assert spec.stats.tau > 1.0
         first_position.append(spec.stats.acceptance_by_position[0])
     assert sum(first_position) / len(first_position) > 0.03  # measured 0.07 on these prompts
+
+
+@pytest.mark.qwen
+def test_shipped_qwen_drafter_is_lossless_and_accepted():
+    """The default target's drafter, loaded with no flags, in fp32: plain greedy ids, and real acceptance (held-out
+    tau 1.76 after training; an untrained drafter is ~1.0)."""
+    engine = lean_engine(QWEN_TARGET, "fp32")
+    drafter = build_drafter("dflash", engine)
+    plain, spec = plain_and_drafted(engine, drafter, PROMPTS[1], 48)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.tau > 1.2 and spec.stats.acceptance_by_position[0] > 0.2

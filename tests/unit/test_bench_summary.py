@@ -63,3 +63,13 @@ def test_pipelines_are_separate_methods_with_their_bubbles_and_hit_rates(tmp_pat
     assert overlap["predraft_hit_rate"] == 0.4 and overlap["target_idle"] == 0.1 and overlap["drafter_idle"] == 0.5
     assert "predraft_hit_rate" not in summary[("a", "none")]  # rows without the fields (older runs) stay readable
     assert "40%" in format_summary(list(summary.values()))
+
+
+def test_a_drafters_entry_may_carry_its_own_draft_length():
+    from dflash2.bench.cli import _draft_length
+    from dflash2.cli import CliError
+
+    assert _draft_length("dflash:2", 8) == 2 and _draft_length("ngram", 8) == 8 and _draft_length("ngram", None) is None
+    for bad in ("dflash:0", "dflash:x", "dflash:-1"):
+        with pytest.raises(CliError):
+            _draft_length(bad, None)

@@ -306,3 +306,13 @@ def test_warm_start_reads_the_weights_of_packed_target_layers(targets):
         for name, tensor in target.layers[index].state_dict().items():
             expected = tensor.to(torch.bfloat16).to(tensor.dtype) if tensor.dim() == 2 else tensor
             assert torch.equal(own.state_dict()[name], expected), name
+
+
+def test_a_saved_drafter_may_record_its_default_draft_length(targets, tmp_path):
+    target = targets["qwen2"]
+    directory = make_model(target, 8).save_pretrained(tmp_path / "drafter")
+    assert load_dflash_drafter(directory, target).num_draft_tokens == 7  # block_size - 1
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "default_num_draft_tokens": 3}))
+    assert load_dflash_drafter(directory, target).num_draft_tokens == 3
+    assert load_dflash_drafter(directory, target, 5).num_draft_tokens == 5  # an explicit length wins

@@ -53,3 +53,10 @@ def test_hybrid_decoding_is_lossless_and_deterministic(target, params):
     if params.greedy:  # (sampled pending tokens need not repeat the pattern, so lookup may never fire there)
         assert drafter.ngram_steps > 0
         assert runs[0] == plain_ids(target, prompt, capacity)
+
+
+def test_auto_means_the_drafter_measured_fastest_for_the_target():
+    from dflash2.drafters import default_drafter
+
+    assert default_drafter("qwen2.5-coder-1.5b-instruct") == "dflash+ngram" == default_drafter("qwen-1.5b")
+    assert default_drafter("smollm2") == "ngram" and default_drafter("/some/local/dir") == "ngram"

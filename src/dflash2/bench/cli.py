@@ -20,7 +20,8 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--html", action="store_true", help="report: also write report.html")
     add_model_options(p, drafter_choice=False)
     p.add_argument("--suite", default="humaneval", help=f"comma-separated: {', '.join(SUITES)}")
-    p.add_argument("--drafters", default="ngram,model", help="comma-separated drafters; plain decoding always runs")
+    p.add_argument("--drafters", default="ngram,model",
+                   help="comma-separated drafters, each optionally name:k (its draft length); plain decoding always runs")
     p.add_argument("--limit", type=int, default=None, help="first N prompts (per category for spec_bench)")
     p.add_argument("--category", default=None, help="only these categories, comma-separated (e.g. summarization)")
     p.add_argument("--data", default=None, help="folder holding eval/ (default: ../shared/data or $DFLASH2_DATA)")
@@ -45,7 +46,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from dflash2.drafters import DRAFTER_NAMES, build_drafter
 
     names = [BASELINE] + [m for m in args.drafters.split(",") if m and m != BASELINE]
-    unknown = [m for m in names if m not in DRAFTER_NAMES]
+    draft_lengths = {m: _draft_length(m, args.num_draft_tokens) for m in names}  # "dflash:2" drafts 2 per step
+    unknown = [m for m in names if m.partition(":")[0] not in DRAFTER_NAMES]
     if unknown:
         raise CliError(f"unknown drafter(s) {', '.join(unknown)}; choose from {', '.join(DRAFTER_NAMES)}")
     pipelines = [p for p in (args.pipeline or "sync").split(",") if p]
@@ -65,8 +67,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
             raise CliError(f"no prompt in categories {args.category!r} of suites {args.suite!r}")
     args.drafter, args.pipeline = "none", pipelines[0]
     engine = load_engine(args)
-    built = {m: None if m == BASELINE else build_drafter(m, engine, draft_model=args.draft_model,
-                                                         num_draft_tokens=args.num_draft_tokens,
+    built = {m: None if m == BASELINE else build_drafter(m.partition(":")[0], engine, draft_model=args.draft_model,
+                                                         num_draft_tokens=draft_lengths[m],
                                                          num_candidates=args.num_candidates, dtype=args.dtype,
                                                          weights=args.weights)
              for m in names}
@@ -138,3 +140,15 @@ def _report_command(args: argparse.Namespace) -> int:
     print(table)
     print(f"report: {md_path}" + (f" and {md_path.with_suffix('.html')}" if args.html else ""))
     return 0
+
+
+def _draft_length(method: str, default: int | None) -> int | None:
+    """The draft length of a ``--drafters`` entry: ``name:k`` sets it for that drafter, else ``-k`` (or None)."""
+    from dflash2.cli import CliError
+
+    name, _, k = method.partition(":")
+    if not k:
+        return default
+    if not k.isdigit() or int(k) <= 0:
+        raise CliError(f"draft length in {method!r} must be a positive integer")
+    return int(k)

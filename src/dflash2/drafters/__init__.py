@@ -1,6 +1,6 @@
-"""Drafters: ``none`` (plain decoding), ``ngram`` (prompt lookup), ``model`` (an independent small model),
-``dflash`` (a block drafter reading the target's hidden states; needs a trained drafter directory),
-``dflash+ngram`` (a long prompt-lookup match when there is one, the DFlash block otherwise)."""
+"""Drafters: ``auto`` (the one measured fastest for the target), ``none`` (plain decoding), ``ngram`` (prompt
+lookup), ``model`` (an independent small model), ``dflash`` (a block drafter reading the target's hidden states;
+needs a trained drafter directory), ``dflash+ngram`` (a long prompt-lookup match when there is one, the DFlash block otherwise)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,24 @@ from dflash2.drafters.base import Draft, Drafter
 
 TRAINED_DIR = Path(__file__).parent / "trained"  # trained drafters shipped with the package, one per target
 
-DRAFTER_NAMES = ("none", "ngram", "model", "dflash", "dflash+ngram")
+DRAFTER_NAMES = ("auto", "none", "ngram", "model", "dflash", "dflash+ngram")
 DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 8, "model": 4}
+# "auto": the drafter measured fastest for the target with `dflash2 bench` (README, Results); ngram elsewhere.
+MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash+ngram"}
+
+
+def default_drafter(target_name: str) -> str:
+    """What ``drafter="auto"`` means for a target (store name, alias or path)."""
+    from dflash2.models.store import canonical_name
+
+    return MEASURED_DEFAULT_DRAFTERS.get(canonical_name(target_name) or target_name, "ngram")
 
 
 def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draft_tokens: int | None = None,
                   num_candidates: int = 1, dtype: str = "bf16", weights: str = "bf16", pull: bool = True) -> Drafter:
     """Build the named drafter for ``engine``'s target. Refuses a draft model whose tokenizer differs."""
+    if name == "auto":
+        name = default_drafter(engine.name)
     k = num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS.get(name, 4)
     if name == "ngram":
         from dflash2.drafters.ngram import NgramDrafter
@@ -43,7 +54,11 @@ def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draf
 
         directory = draft_model or shipped_dflash_drafter(engine.name)
         block = load_dflash_drafter(directory, engine.target, num_draft_tokens)  # None -> block_size - 1
-        return block if name == "dflash" else HybridDrafter(block, stop_ids=engine.tokenizer.eos_token_ids)
+        if name == "dflash":
+            return block
+        # num_draft_tokens sets the block's drafts; a prompt-lookup match may run as long as the n-gram drafter's
+        lookup = max(block.num_draft_tokens, DEFAULT_NUM_DRAFT_TOKENS["ngram"])
+        return HybridDrafter(block, lookup, stop_ids=engine.tokenizer.eos_token_ids)
     raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
 
 
@@ -60,4 +75,5 @@ def shipped_dflash_drafter(target_name: str) -> Path:
     return directory
 
 
-__all__ = ["DRAFTER_NAMES", "Draft", "Drafter", "TRAINED_DIR", "build_drafter", "shipped_dflash_drafter"]
+__all__ = ["DRAFTER_NAMES", "Draft", "Drafter", "TRAINED_DIR", "build_drafter", "default_drafter",
+           "shipped_dflash_drafter"]

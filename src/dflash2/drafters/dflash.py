@@ -185,6 +185,9 @@ def _draft_from_logits(logits: torch.Tensor, params: SamplingParams, generator: 
     return Draft(tokens=sample(q_draft, generator).cpu(), q_draft=q_draft)
 
 
+DEFAULT_DRAFT_LENGTH_KEY = "default_num_draft_tokens"  # optional config.json key (dflash2's own)
+
+
 def load_dflash_drafter(
     directory: str | Path,
     target: Transformer,
@@ -193,13 +196,17 @@ def load_dflash_drafter(
 ) -> DFlashDrafter:
     """Load a saved drafter for ``target`` (dtype and device default to the target's).
 
-    bf16 / fp16 drafters on a CPU run their projections through the packed kernel, like the target.
+    ``num_draft_tokens`` None: the draft length recorded in config.json as ``default_num_draft_tokens`` (the one
+    measured best for that drafter), else ``block_size - 1``. bf16 / fp16 drafters on a CPU run their projections
+    through the packed kernel, like the target.
     """
     from dflash2.models.loading import should_pack
 
     model = DFlashDraftModel.from_pretrained(directory, dtype or target.dtype, target.device)
     if should_pack(model.device, model.dtype):
         model.pack()
+    if num_draft_tokens is None:
+        num_draft_tokens = model.config.extra.get(DEFAULT_DRAFT_LENGTH_KEY)
     return DFlashDrafter(model, target, num_draft_tokens)
 
 
