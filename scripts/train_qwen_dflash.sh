@@ -3,7 +3,8 @@
 # every step resumes where it stopped (SIGTERM / Ctrl-C keep what is done), so run it again in each session.
 # The shipped drafter (src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct) came from
 #   NUM_SEQUENCES=224 STEPS=450 scripts/train_qwen_dflash.sh
-# (224 sequences: 50 minutes of data generation; 450 steps: 21 minutes of training).
+# (224 sequences: 50 minutes of data generation; 450 steps: 21 minutes of training). The data directory has grown
+# since (more shards); training reads every shard, so reproducing that drafter exactly needs its first 14 shards.
 # Token shards are committed (data/dflash-train/), hidden states stay under $DFLASH2_HOME/train-hidden/ (GBs);
 # shards whose hidden states are missing (a fresh machine) are recomputed by one target forward when trained on.
 set -euo pipefail
