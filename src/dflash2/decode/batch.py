@@ -323,9 +323,10 @@ class BatchEngine:
             start = seq.table.length
             seq.table.rollback(start + len(row.tokens))
             emitted = [] if seq.table.length < len(seq.sequence) else [int(choose_token(logits[-1], params, generator))]
-            # A prompt chunk [start, end): observe() expects the id after the tapped positions to be pending.
-            self._observe_taps(seq, seq.sequence[: seq.table.length + 1] + emitted, -1 if start == 0 else 0,
-                               hidden, len(row.tokens))
+            if seq.drafter is not None and seq.drafter.hidden_layers:
+                # A prompt chunk [start, end): observe() expects the id after the tapped positions to be pending.
+                seq.drafter.observe(seq.sequence[: seq.table.length + 1] + emitted, -1 if start == 0 else 0,
+                                    _kept_taps(seq.drafter, hidden, len(row.tokens)))
             return emitted
         draft_ids = (draft.tokens if draft is not None else torch.zeros(0, dtype=torch.int64)).to(logits.device)
         if params.greedy:
@@ -340,21 +341,9 @@ class BatchEngine:
         seq.stats.committed_tokens += len(emitted)
         seq.stats.record_draft(len(draft_ids), accepted)
         seq.acceptance.update(len(draft_ids), accepted)
-        if seq.drafter is not None:
-            if seq.drafter.hidden_layers:
-                self._observe_taps(seq, seq.sequence + emitted, accepted, hidden, 1 + accepted)
-            else:
-                seq.drafter.observe(seq.sequence + emitted, accepted, ())
+        if seq.drafter is not None:  # the pending token and the accepted drafts are kept
+            seq.drafter.observe(seq.sequence + emitted, accepted, _kept_taps(seq.drafter, hidden, 1 + accepted))
         return emitted
-
-    @staticmethod
-    def _observe_taps(seq: _Sequence, sequence: list[int], num_accepted: int, hidden: dict[int, torch.Tensor],
-                      count: int) -> None:
-        """Hand a hidden-state drafter the taps of the first ``count`` tokens of the row (the kept ones)."""
-        if seq.drafter is None or not seq.drafter.hidden_layers:
-            return
-        taps = tuple(hidden[layer][:, :count] for layer in seq.drafter.hidden_layers)
-        seq.drafter.observe(sequence, num_accepted, taps)
 
     def _emit(self, seq: _Sequence, emitted: list[int]) -> None:
         """Append committed tokens, send the new text, finish on EOS / stop string / max tokens / full context."""
@@ -407,6 +396,12 @@ class BatchEngine:
             for position, (d, a) in enumerate(zip(stats.drafted_by_position, stats.accepted_by_position)):
                 totals.drafted_by_position[position] += d
                 totals.accepted_by_position[position] += a
+
+
+def _kept_taps(drafter: Drafter, hidden: dict[int, torch.Tensor], count: int) -> tuple[torch.Tensor, ...]:
+    """The drafter's tapped layers over the first ``count`` tokens of its row (the kept ones), each [1, count, D];
+    empty for a drafter that reads no hidden states."""
+    return tuple(hidden[layer][:, :count] for layer in drafter.hidden_layers)
 
 
 def _seeded(params: SamplingParams) -> bool:

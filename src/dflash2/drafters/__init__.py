@@ -1,6 +1,7 @@
 """Drafters: ``auto`` (the one measured fastest for the target), ``none`` (plain decoding), ``ngram`` (prompt
 lookup), ``model`` (an independent small model), ``dflash`` (a block drafter reading the target's hidden states;
-needs a trained drafter directory), ``dflash+ngram`` (a long prompt-lookup match when there is one, the DFlash block otherwise)."""
+needs a trained drafter directory), ``dflash+ngram`` (a long prompt-lookup match when there is one, the DFlash
+block otherwise)."""
 
 from __future__ import annotations
 

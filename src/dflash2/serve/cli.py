@@ -55,10 +55,7 @@ def build_server(args: argparse.Namespace):
                          max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                          adaptive_drafts=not args.fixed_draft_length, max_prefill_tokens=args.max_prefill_tokens)
     batch = BatchEngine(engine, config, request_drafters(engine, args.num_draft_tokens or 8))
-    from dflash2.drafters import default_drafter
-
-    drafter = "none" if engine.drafter is None else (default_drafter(args.model) if args.drafter == "auto"
-                                                     else args.drafter)
+    drafter = "none" if engine.drafter is None else engine.drafter.name  # "auto" resolved to the one built
     num_draft_tokens = 0 if engine.drafter is None else engine.drafter.num_draft_tokens
     server = ServerConfig(model_name=args.served_model_name or args.model,
                           api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

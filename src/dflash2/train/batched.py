@@ -47,7 +47,7 @@ def batched_greedy(
     pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.int64)  # [B] leading padded slots per row
     capacity = width + max_new_tokens
     context = target.config.max_position_embeddings
-    if max(len(p) for p in prompts) + max_new_tokens > context:
+    if width + max_new_tokens > context:
         raise ValueError(f"a prompt + {max_new_tokens} new tokens exceed the context of {context}")
     cache = target.new_cache(capacity, batch_size=batch)
     positions = (torch.arange(width)[None] - pad[:, None]).clamp(min=0)  # [B, P]

@@ -273,10 +273,10 @@ def evaluate_acceptance(
         batch = build_anchor_batch(ids, anchors, bs, config.mask_token_id, weights_by_position)
         hidden = block_hidden(model, target, out.hidden_states, batch)
         logits = model.logits(target, hidden)  # [Q, V], -inf outside the draft vocabulary
-        keep, labels = scored_rows(model, batch)  # the loss covers the labels the head can score, as in training
-        if bool(keep.any()):
-            scored = model.draft_logits(target, hidden[keep.to(hidden.device)])  # [Q', V']
-            losses = F.cross_entropy(scored, labels[keep].to(scored.device), reduction="none")
+        keep, _ = scored_rows(model, batch)  # the labels the head can score, as in training (others: -inf, inf loss)
+        if bool(keep.any()):  # over the full vocabulary, the -inf columns add nothing: the draft-vocabulary loss
+            device = logits.device
+            losses = F.cross_entropy(logits[keep.to(device)], batch.labels[keep].to(device), reduction="none")
             total_loss += float((losses * batch.weights[keep].to(losses.device)).sum() / batch.weights[keep].sum())
             loss_items += 1
         drafts = logits.argmax(dim=-1).cpu().view(-1, bs)[:, 1:]  # [A, bs - 1]
