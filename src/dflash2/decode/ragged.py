@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from dflash2.kv.paged import BlockTable, PagedKVPool
+from dflash2.models.attention import attend
 from dflash2.models.decoder import Transformer, rotate_half
 
 
@@ -121,9 +121,7 @@ def _attention(attn, h: torch.Tensor, cos, sin, pool: PagedKVPool, layer: int, l
     keys = _gather(pool.keys[layer], layout.key_slots)  # [B, H_kv, S_max, Dh]
     values = _gather(pool.values[layer], layout.key_slots)  # [B, H_kv, S_max, Dh]
     queries = _gather(q, layout.query_index)  # [B, H, T_max, Dh]
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=layout.mask, enable_gqa=attn.num_kv_heads != attn.num_heads
-    )  # [B, H, T_max, Dh]
+    out = attend(queries, keys, values, layout.mask)  # [B, H, T_max, Dh]
     out = out.transpose(1, 2)[layout.query_valid]  # [N, H, Dh], rows concatenated in order
     return attn.wo(out.reshape(1, num, -1))
 

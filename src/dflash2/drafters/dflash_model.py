@@ -19,6 +19,7 @@ from torch import nn
 
 from dflash2.drafters.dflash2_parts import DynamicConv, PathSelector
 from dflash2.drafters.dflash_config import CONFIG_FILE, WEIGHTS_FILE, DFlashConfig
+from dflash2.models.attention import attend
 from dflash2.models.config import ModelConfig
 from dflash2.models.decoder import FeedForward, RMSNorm, Transformer, rope_inverse_frequencies, rotate_half
 
@@ -70,9 +71,7 @@ class DFlashAttention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         keys = torch.cat([context_k.to(k.dtype), k], dim=2)  # [B, H_kv, S + T, Dh]
         values = torch.cat([context_v.to(v.dtype), v], dim=2)  # [B, H_kv, S + T, Dh]
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=attn_mask, enable_gqa=self.num_kv_heads != self.num_heads
-        )  # [B, H, T, Dh]
+        out = attend(q, keys, values, attn_mask)  # [B, H, T, Dh]
         return self.wo(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.kv.static import StaticKVCache
+from dflash2.models.attention import attend
 from dflash2.models.config import ModelConfig
 
 LogitsSelection = Literal["all", "last", "none"]
@@ -106,9 +107,7 @@ class Attention(nn.Module):
         is_causal = attn_mask is None and seq > 1 and k.shape[2] == seq
         if attn_mask is None and seq > 1 and k.shape[2] > seq:
             attn_mask = causal_mask(seq, k.shape[2], x.device)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads
-        )  # [B, H, T, Dh]
+        out = attend(q, k, v, attn_mask, is_causal)  # [B, H, T, Dh]
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

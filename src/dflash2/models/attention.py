@@ -1,0 +1,46 @@
+"""Scaled dot-product attention for short query blocks with grouped-query heads.
+
+Decoding (1 query), verification (a draft block) and block drafting all attend a handful of queries to a
+long cache. With grouped-query attention, PyTorch's CPU kernel for ``enable_gqa=True`` is slow for a single
+query: measured on this 2-core AVX2 machine (bf16, 12 query / 2 KV heads, Dh 128), one query over 481 cached
+slots in 16 rows costs 16.4 ms per layer, against 1.2 ms when the query heads that share a KV head are folded
+into the query axis ([B, H, T, Dh] -> [B, H_kv, G * T, Dh]) and attended as plain multi-head attention. At one
+row and 1000 slots: 2.3 ms -> 0.16 ms. The fold changes which kernel runs, not the math: outputs equal the
+unfolded call bitwise in the measured cases (bf16 and fp32), and a row of a block still equals that row
+attended alone, as before. Long query blocks (prefill) keep the unfolded call, where the fold gains nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FOLD_MAX_QUERIES = 64  # fold grouped heads into the query axis up to this many queries per row
+
+
+def attend(
+    q: torch.Tensor,  # [B, H, T, Dh]
+    k: torch.Tensor,  # [B, H_kv, S, Dh]
+    v: torch.Tensor,  # [B, H_kv, S, Dh]
+    attn_mask: torch.Tensor | None = None,  # [B or 1, 1, T or 1, S] bool, True = may attend; None = all (or causal)
+    is_causal: bool = False,
+) -> torch.Tensor:  # [B, H, T, Dh]
+    batch, heads, tokens, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if heads == kv_heads:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+    if is_causal or tokens > FOLD_MAX_QUERIES:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True)
+    group = heads // kv_heads
+    folded = q.reshape(batch, kv_heads, group * tokens, head_dim)  # query head h = kv head h // G, then g
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=_fold_mask(attn_mask, group, tokens))
+    return out.view(batch, heads, tokens, head_dim)
+
+
+def _fold_mask(mask: torch.Tensor | None, group: int, tokens: int) -> torch.Tensor | None:
+    """[B', 1, T, S] -> [B', 1, G * T, S] (the same rows for every folded head); a mask broadcast over the
+    queries ([B', 1, 1, S]) or None is kept as it is."""
+    if mask is None or mask.shape[-2] == 1:
+        return mask
+    rows, _, _, slots = mask.shape
+    return mask[:, :, None].expand(rows, 1, group, tokens, slots).reshape(rows, 1, group * tokens, slots)
