@@ -65,11 +65,12 @@ def test_pipelines_are_separate_methods_with_their_bubbles_and_hit_rates(tmp_pat
     assert "40%" in format_summary(list(summary.values()))
 
 
-def test_a_drafters_entry_may_carry_its_own_draft_length():
-    from dflash2.bench.cli import _draft_length
+def test_a_drafters_entry_may_carry_its_own_draft_shape():
+    from dflash2.bench.cli import _draft_shape
     from dflash2.cli import CliError
 
-    assert _draft_length("dflash:2", 8) == 2 and _draft_length("ngram", 8) == 8 and _draft_length("ngram", None) is None
-    for bad in ("dflash:0", "dflash:x", "dflash:-1"):
+    assert _draft_shape("dflash:2", 8, 1) == (2, 1) and _draft_shape("ngram", 8, 3) == (8, 3)
+    assert _draft_shape("ngram", None, 1) == (None, 1) and _draft_shape("dflash2:3x4", None, 1) == (3, 4)
+    for bad in ("dflash:0", "dflash:x", "dflash:-1", "dflash:3x", "dflash:3x0", "dflash:x2", "dflash:3x2x1"):
         with pytest.raises(CliError):
-            _draft_length(bad, None)
+            _draft_shape(bad, None, 1)

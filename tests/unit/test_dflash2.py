@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash2.drafters.dflash import DFlashDraftModel, DFlashDrafter
-from dflash2.drafters.dflash2_parts import DynamicConv, PathSelector, select_path, selector_loss
+from dflash2.drafters.dflash2_parts import DynamicConv, PathSelector, best_paths, select_path, selector_loss
 from dflash2.models.loading import load_transformer
 from dflash2.train.dflash_trainer import train_dflash
 from dflash2.verify.sampling import GREEDY, SamplingParams
@@ -98,6 +98,50 @@ def test_dflash2_decoding_is_lossless(target, params):
         assert torch.allclose(draft.q_draft.sum(-1), torch.ones(5))
         assert int((draft.q_draft > 0).sum(-1).max()) <= 4  # sparse: the selector's top-K candidates only
         assert bool((draft.q_draft[torch.arange(5), draft.tokens] > 0).all())
+
+
+def test_without_a_selector_best_paths_are_the_top_paths_by_log_probability():
+    logits, top = torch.randn(3, 20, generator=torch.Generator().manual_seed(1)), 4
+    paths = best_paths(None, logits, torch.zeros(3, 8), pending_row=0, num_paths=3, top_k=top)
+    candidate_logits, candidates = logits.topk(top, dim=-1)
+    log_probs = torch.log_softmax(candidate_logits, dim=-1)  # [3, K]
+    every = [((a, b, c), float(log_probs[0, a] + log_probs[1, b] + log_probs[2, c]))
+             for a in range(top) for b in range(top) for c in range(top)]
+    best = sorted(every, key=lambda item: item[1], reverse=True)[:3]
+    assert paths == [[int(candidates[t, j]) for t, j in enumerate(choice)] for choice, _ in best]
+    assert paths[0] == logits.argmax(-1).tolist()
+
+
+def test_with_a_selector_the_first_best_path_is_the_greedy_walk_and_all_differ():
+    torch.manual_seed(0)
+    selector = PathSelector(vocab_rows=20, width=8, rank=4, top_k=5)
+    for weight in (selector.gate.weight, selector.prev_codes.weight, selector.next_codes.weight):
+        torch.nn.init.normal_(weight)
+    logits, hidden = torch.randn(4, 20), torch.randn(4, 8)
+    paths = best_paths(selector, logits, hidden, pending_row=20, num_paths=4)
+    assert paths[0] == select_path(selector, logits, hidden, 20, 0.0).rows.tolist()
+    assert len(paths) == 4 and len({tuple(path) for path in paths}) == 4
+    for path in paths:
+        assert all(row in logits[t].topk(5).indices.tolist() for t, row in enumerate(path))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, top_k=40)], ids=["greedy", "sampled"])
+def test_a_tree_of_best_paths_is_lossless_and_contains_the_chain(target, kind, params):
+    prompt = prompt_ids()
+    capacity = len(prompt) + NEW_TOKENS + 8
+    model = dflash2_model(target) if kind == "dflash2" else make_model(target, 8)
+    tree_drafter = DFlashDrafter(model, target, num_draft_tokens=4, num_paths=3)
+    chain = first_draft(DFlashDrafter(model, target, num_draft_tokens=4), target, prompt, capacity, GREEDY, 4)
+    tree = first_draft(tree_drafter, target, prompt, capacity, params, 4)
+    assert tree.parents is not None and tree.q_draft is None and tree.depth == 4
+    assert tree.tokens[:4].tolist() == chain.tokens.tolist() and tree.parents[:4] == [-1, 0, 1, 2]
+    assert 4 < len(tree.tokens) <= tree_drafter.max_draft_tokens == 12
+    runs = [spec_ids(target, tree_drafter, prompt, capacity, params=params, generator=torch.Generator().manual_seed(2))
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == NEW_TOKENS
+    if params.greedy:  # (at T > 0 the deterministic rule's exactness is tested in tests/unit/test_tree*.py)
+        assert runs[0] == plain_ids(target, prompt, capacity)
 
 
 def test_dflash2_weights_survive_save_and_load(target, tmp_path):

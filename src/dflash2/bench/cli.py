@@ -21,7 +21,8 @@ def add_bench_parser(commands) -> None:
     add_model_options(p, drafter_choice=False)
     p.add_argument("--suite", default="humaneval", help=f"comma-separated: {', '.join(SUITES)}")
     p.add_argument("--drafters", default="ngram,model",
-                   help="comma-separated drafters, each optionally name:k (its draft length); plain decoding always runs")
+                   help="comma-separated drafters, each optionally name:k (its draft length) or name:kxW (and W paths "
+                        "verified as a tree); plain decoding always runs")
     p.add_argument("--limit", type=int, default=None, help="first N prompts (per category for spec_bench)")
     p.add_argument("--category", default=None, help="only these categories, comma-separated (e.g. summarization)")
     p.add_argument("--data", default=None, help="folder holding eval/ (default: ../shared/data or $DFLASH2_DATA)")
@@ -46,7 +47,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from dflash2.drafters import DRAFTER_NAMES, build_drafter
 
     names = [BASELINE] + [m for m in args.drafters.split(",") if m and m != BASELINE]
-    draft_lengths = {m: _draft_length(m, args.num_draft_tokens) for m in names}  # "dflash:2" drafts 2 per step
+    shapes = {m: _draft_shape(m, args.num_draft_tokens, args.num_candidates) for m in names}  # "dflash:3x2" etc.
     unknown = [m for m in names if m.partition(":")[0] not in DRAFTER_NAMES]
     if unknown:
         raise CliError(f"unknown drafter(s) {', '.join(unknown)}; choose from {', '.join(DRAFTER_NAMES)}")
@@ -68,8 +69,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     args.drafter, args.pipeline = "none", pipelines[0]
     engine = load_engine(args)
     built = {m: None if m == BASELINE else build_drafter(m.partition(":")[0], engine, draft_model=args.draft_model,
-                                                         num_draft_tokens=draft_lengths[m],
-                                                         num_candidates=args.num_candidates, dtype=args.dtype,
+                                                         num_draft_tokens=shapes[m][0],
+                                                         num_candidates=shapes[m][1], dtype=args.dtype,
                                                          weights=args.weights)
              for m in names}
     drafters = {m: built[m.partition("@")[0]] for m in methods}  # one drafter object serves both pipelines
@@ -142,13 +143,15 @@ def _report_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _draft_length(method: str, default: int | None) -> int | None:
-    """The draft length of a ``--drafters`` entry: ``name:k`` sets it for that drafter, else ``-k`` (or None)."""
+def _draft_shape(method: str, default_k: int | None, default_candidates: int) -> tuple[int | None, int]:
+    """(draft length, candidates) of a ``--drafters`` entry: ``name:k`` sets the draft length of that drafter,
+    ``name:kxW`` also its candidates (W paths verified as a tree); else ``-k`` and ``--num-candidates``."""
     from dflash2.cli import CliError
 
-    name, _, k = method.partition(":")
-    if not k:
-        return default
-    if not k.isdigit() or int(k) <= 0:
-        raise CliError(f"draft length in {method!r} must be a positive integer")
-    return int(k)
+    name, _, shape = method.partition(":")
+    if not shape:
+        return default_k, default_candidates
+    k, times, width = shape.partition("x")
+    if not k.isdigit() or int(k) <= 0 or (times and (not width.isdigit() or int(width) <= 0)):
+        raise CliError(f"draft shape in {method!r} must be k or kxW with positive integers (e.g. dflash:3x2)")
+    return int(k), int(width) if width else default_candidates

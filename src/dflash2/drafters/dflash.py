@@ -30,13 +30,14 @@ from typing import Sequence
 import torch
 
 from dflash2.drafters.base import Draft, Drafter
-from dflash2.drafters.dflash2_parts import select_path
+from dflash2.drafters.dflash2_parts import best_paths, select_path
 from dflash2.drafters.dflash_config import (
     DFlashConfig,
     default_mask_token_id,
     default_target_layer_ids,
 )
 from dflash2.drafters.dflash_model import DFlashDraftModel
+from dflash2.drafters.ngram import merge_into_tree
 from dflash2.kv.static import StaticKVCache
 from dflash2.models.decoder import Transformer
 from dflash2.verify.sampling import SamplingParams, logits_to_probs, sample
@@ -47,11 +48,19 @@ class DFlashDrafter(Drafter):
 
     Greedy drafts at T = 0 (``q_draft`` None); at T > 0 each position is sampled independently from its
     warped distribution, and ``q_draft`` [k, V] goes to rejection sampling.
+
+    ``num_paths > 1`` drafts a tree instead: the greedy path and the next best paths through the top
+    candidates (:func:`~dflash2.drafters.dflash2_parts.best_paths`) merged into a trie, verified in one target
+    pass with tree attention. The tree is deterministic, so at T > 0 it is verified by the exact
+    deterministic rule (draw from the target, follow the child that matches).
     """
 
     name = "dflash"
 
-    def __init__(self, model: DFlashDraftModel, target: Transformer, num_draft_tokens: int | None = None) -> None:
+    def __init__(self, model: DFlashDraftModel, target: Transformer, num_draft_tokens: int | None = None,
+                 num_paths: int = 1) -> None:
+        if num_paths < 1:
+            raise ValueError(f"num_paths must be >= 1, got {num_paths}")
         limit = model.config.block_size - 1
         num_draft_tokens = limit if num_draft_tokens is None else num_draft_tokens
         if num_draft_tokens > limit:
@@ -69,6 +78,12 @@ class DFlashDrafter(Drafter):
         self.target = target
         self.hidden_layers = tuple(model.config.target_layer_ids)
         self.cache: StaticKVCache | None = None  # context K/V of the committed positions, pending token excluded
+        self.num_paths = num_paths
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Nodes of the largest draft: one chain, or ``num_paths`` paths before shared prefixes merge."""
+        return self.num_draft_tokens * self.num_paths
 
     @property
     def context_length(self) -> int:
@@ -117,6 +132,8 @@ class DFlashDrafter(Drafter):
         start = len(sequence) - 1  # the pending token's position
         if self.cache.length != start:
             raise RuntimeError(f"the drafter's context holds {self.cache.length} positions, expected {start}")
+        if self.num_paths > 1:
+            return self._tree_draft(sequence[-1], start, k)
         if self.model.selector is not None:
             return self._selected_draft(sequence[-1], start, k, params, generator)
         logits = self.block_logits(sequence[-1], start)[1 : k + 1]  # [k, V]
@@ -154,6 +171,18 @@ class DFlashDrafter(Drafter):
         q_draft = torch.zeros(k, model.config.vocab_size, device=path.q.device)  # [k, V]
         q_draft.scatter_(1, self._vocab_ids(path.candidates), path.q)
         return Draft(tokens=tokens.cpu(), q_draft=q_draft)
+
+    def _tree_draft(self, pending: int, start: int, k: int) -> Draft:
+        """The best ``num_paths`` paths through the top candidates, merged into a deterministic tree."""
+        model = self.model
+        hidden = self.block_hidden(pending, start)[1 : k + 1]  # [k, D]
+        logits = model.draft_logits(self.target, hidden)  # [k, V']
+        pending_row = 0 if model.selector is None else \
+            int(model.selector_rows(torch.tensor([pending], device=model.device))[0])
+        paths = best_paths(model.selector, logits, hidden, pending_row, self.num_paths)
+        ids = [self._vocab_ids(torch.tensor(path, device=logits.device)).tolist() for path in paths]
+        tokens, parents = merge_into_tree(ids)
+        return Draft(tokens=torch.tensor(tokens, dtype=torch.int64), q_draft=None, parents=parents)
 
     def _vocab_ids(self, rows: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary rows -> target ids."""
@@ -193,6 +222,7 @@ def load_dflash_drafter(
     target: Transformer,
     num_draft_tokens: int | None = None,
     dtype: str | torch.dtype | None = None,
+    num_paths: int = 1,
 ) -> DFlashDrafter:
     """Load a saved drafter for ``target`` (dtype and device default to the target's).
 
@@ -207,7 +237,7 @@ def load_dflash_drafter(
         model.pack()
     if num_draft_tokens is None:
         num_draft_tokens = model.config.extra.get(DEFAULT_DRAFT_LENGTH_KEY)
-    return DFlashDrafter(model, target, num_draft_tokens)
+    return DFlashDrafter(model, target, num_draft_tokens, num_paths)
 
 
 __all__ = [

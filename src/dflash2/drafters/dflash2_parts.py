@@ -117,6 +117,42 @@ def select_path(
     return SelectedPath(rows=rows, q=q, candidates=candidates)
 
 
+def best_paths(
+    selector: PathSelector | None,
+    logits: torch.Tensor,  # [k, V'] float32 drafter logits of block positions 1 .. k
+    hidden: torch.Tensor,  # [k, D] drafter hidden states of those positions
+    pending_row: int,  # codebook row of the pending token
+    num_paths: int,
+    top_k: int = 16,
+) -> list[list[int]]:
+    """Up to ``num_paths`` distinct paths of codebook rows through the candidate lattice, for a draft tree.
+
+    The first path is the greedy one (the selector's walk, or the top-1 chain without a selector), so a tree of
+    these paths always contains the chain draft. The others come from a beam search of width ``num_paths`` over
+    the summed step log-probabilities: log-softmax over the K candidates of the pair scores S_t(a, .) after the
+    previous choice a (DFlash2), or of the drafter logits alone (DFlash, whose positions are independent).
+    """
+    k = logits.shape[0]
+    top = min(selector.top_k if selector is not None else top_k, logits.shape[-1])
+    candidate_logits, candidates = logits.topk(top, dim=-1)  # [k, K]
+    if selector is not None:
+        previous = torch.cat([torch.full((1, top), pending_row, dtype=torch.int64, device=candidates.device),
+                              candidates[:-1]])  # [k, K]
+        scores = selector.pair_scores(previous, candidates, candidate_logits, hidden)  # [k, K, K]
+    else:
+        scores = candidate_logits[:, None, :].expand(k, top, top)  # no pair term: the same row after any choice
+    steps = F.log_softmax(scores.float(), dim=-1).tolist()  # [k][K][K] log P(choice j at t | choice i at t - 1)
+    greedy = [0]  # indices among the candidates; position 1's predecessor is the pending token (row 0)
+    for t in range(k):
+        greedy.append(int(scores[t, greedy[-1]].argmax()))
+    beams = [([0], 0.0)]  # (candidate indices with the predecessor first, summed log-probability)
+    for t in range(k):
+        expanded = [(path + [j], score + steps[t][path[-1]][j]) for path, score in beams for j in range(top)]
+        beams = sorted(expanded, key=lambda beam: beam[1], reverse=True)[:num_paths]
+    chosen = [greedy[1:]] + [path[1:] for path, _ in beams if path != greedy]
+    return [[int(candidates[t, j]) for t, j in enumerate(path)] for path in chosen[:num_paths]]
+
+
 def selector_loss(
     selector: PathSelector,
     logits: torch.Tensor,  # [Q, V'] drafter logits of block positions (Q = blocks * block_size)

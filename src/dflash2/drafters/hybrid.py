@@ -33,6 +33,10 @@ class HybridDrafter(Drafter):
         self.ngram_steps = 0  # steps drafted by prompt lookup (the rest came from the block drafter)
         self.block_steps = 0
 
+    @property
+    def max_draft_tokens(self) -> int:
+        return max(self.num_draft_tokens, self.block.max_draft_tokens)  # the block drafter may draft a tree
+
     def reset(self, capacity: int) -> None:
         self.block.reset(capacity)
 
