@@ -190,3 +190,23 @@ def test_dflash2_training_lowers_the_loss_and_can_start_from_a_dflash_drafter(ta
     with pytest.raises(ValueError, match="differ"):
         train_dflash(train_config(tmp_path, data, "bad", num_layers=2, selector_rank=8, init_from=str(plain)),
                      target=target)
+
+
+def test_the_held_out_check_scores_the_drafts_the_selector_proposes(target):
+    """Training's acceptance check must draft like decoding does: with a selector, its walk, not the argmax."""
+    from dflash2.train.dflash_trainer import (block_hidden, build_anchor_batch, greedy_block_drafts,
+                                              position_weights, target_pass)
+
+    model = dflash2_model(target)
+    prompt = prompt_ids()
+    expected = first_draft(DFlashDrafter(model, target), target, prompt, 40, GREEDY, 7).tokens
+    with torch.inference_mode():
+        pending = target(prompt[None], logits="last").logits[0, -1].argmax()
+        ids = torch.cat([prompt, pending[None], torch.arange(10, 20)])
+        anchors = torch.tensor([len(prompt)])
+        batch = build_anchor_batch(ids, anchors, 8, model.config.mask_token_id, position_weights(8, 4.0))
+        hidden = block_hidden(model, target, target_pass(target, ids, model.config.target_layer_ids).hidden_states,
+                              batch)
+        drafts = greedy_block_drafts(model, target, hidden, model.logits(target, hidden), ids[anchors])
+    assert drafts[0].tolist() == expected.tolist()
+    assert drafts[0].tolist() != model.logits(target, hidden).argmax(-1)[1:].tolist()  # the selector mattered

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash2.drafters.dflash2_parts import selector_loss
+from dflash2.drafters.dflash2_parts import select_path, selector_loss
 from dflash2.drafters.dflash_config import DFlashConfig
 from dflash2.drafters.dflash_model import DFlashDraftModel, replace_directory
 from dflash2.models.decoder import Transformer
@@ -279,7 +279,7 @@ def evaluate_acceptance(
             losses = F.cross_entropy(logits[keep.to(device)], batch.labels[keep].to(device), reduction="none")
             total_loss += float((losses * batch.weights[keep].to(losses.device)).sum() / batch.weights[keep].sum())
             loss_items += 1
-        drafts = logits.argmax(dim=-1).cpu().view(-1, bs)[:, 1:]  # [A, bs - 1]
+        drafts = greedy_block_drafts(model, target, hidden, logits, ids[anchors])  # [A, bs - 1]
         wanted = greedy[(anchors[:, None] + torch.arange(bs - 1))]  # [A, bs - 1] target choice for a + j
         follows = ids[anchors[:, None] + torch.arange(1, bs)] == wanted  # the data is the target's own choice
         hits = (drafts == wanted) & follows
@@ -291,6 +291,26 @@ def evaluate_acceptance(
     by_position = [(accepted >= j).float().mean().item() for j in range(1, bs)]
     return EvalResult(tau=1.0 + accepted.float().mean().item(), acceptance_by_position=by_position,
                       loss=total_loss / loss_items if loss_items else float("nan"), num_blocks=int(accepted.numel()))
+
+
+def greedy_block_drafts(
+    model: DFlashDraftModel,
+    target: Transformer,
+    hidden: torch.Tensor,  # [A * bs, D] drafter hidden states of A blocks
+    logits: torch.Tensor,  # [A * bs, V] their logits over the full vocabulary
+    pending: torch.Tensor,  # [A] int64 the token at each block's first position
+) -> torch.Tensor:
+    """[A, bs - 1] the drafts the drafter proposes at T = 0: the argmax chain, or DFlash2's selector walk."""
+    bs = model.config.block_size
+    if model.selector is None:
+        return logits.argmax(dim=-1).cpu().view(-1, bs)[:, 1:]
+    blocks = hidden.view(-1, bs, hidden.shape[-1])[:, 1:]  # [A, bs - 1, D]
+    rows = model.selector_rows(pending.to(model.device)).tolist()
+    drafts = []
+    for block, pending_row in zip(blocks, rows):
+        path = select_path(model.selector, model.draft_logits(target, block), block, pending_row, 0.0)
+        drafts.append(path.rows if model.draft_vocab is None else model.draft_vocab[path.rows])
+    return torch.stack(drafts).cpu()
 
 
 # ---- the training run ------------------------------------------------------------------------------------
