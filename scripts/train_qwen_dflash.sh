@@ -10,7 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=data/dflash-train/qwen2.5-coder-1.5b-instruct
-RUN=runs/dflash-qwen1.5b
+RUN=${RUN:-runs/dflash-qwen1.5b}
+INIT=()
+if [[ -n "${INIT_FROM:-}" ]]; then INIT=(--init-from "$INIT_FROM"); fi  # continue from a trained drafter
 .venv/bin/dflash2 train data --model qwen-1.5b --out "$DATA" --num-sequences "${NUM_SEQUENCES:-3000}" \
     --batch-size 16 --shard-size 16 --hidden-taps 5 --threads "${THREADS:-2}"
 # Block 8 (a block of 16 costs 2.7 plain steps to verify on this CPU), 2 narrow layers, taps 1, 7, 13, 19, 25 (the
@@ -19,8 +21,8 @@ RUN=runs/dflash-qwen1.5b
 # and a warm start from target layers would need 8960).
 .venv/bin/dflash2 train dflash --model qwen-1.5b --data "$DATA" --out "$RUN" --num-layers 2 --intermediate-size 2048 \
     --block-size 8 --target-layers 1,7,13,19,25 --draft-vocab 16384 --anchors 32 --sequences-per-step 4 \
-    --steps "${STEPS:-3000}" --lr 6e-4 --warmup 30 --heldout 12 --checkpoint-every 50 \
-    --threads "${THREADS:-2}"
+    --steps "${STEPS:-3000}" --lr "${LR:-6e-4}" --warmup 30 --heldout 12 --checkpoint-every 50 \
+    --threads "${THREADS:-2}" "${INIT[@]}"
 rm -rf src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct
 .venv/bin/python - "$RUN/drafter" src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct <<'PY'
 import json

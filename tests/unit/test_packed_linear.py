@@ -219,3 +219,26 @@ def assert_row_count_invariant(layer, k: int) -> None:
             assert torch.equal(layer(x[:m]), full[:m]), m
         for r in (0, 5, 17, ROW_BLOCK - 1, ROW_BLOCK + 3):
             assert torch.equal(layer(x[r : r + 1]), full[r : r + 1]), r
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and " avx512f" in line for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not kernels_available() or not _cpu_has_avx512(), reason="needs the kernel and AVX-512")
+@pytest.mark.parametrize("n,k", [(100, 1536), (48, 320), (33, 7)])
+def test_avx512_calls_equal_avx2_calls_bitwise(n: int, k: int) -> None:
+    """Calls of 4..12 rows take the AVX-512 micro-kernel where the CPU has it; every output stays one in-order
+    FMA chain, so forcing AVX2 (isa=1) must give the same bits for every row count."""
+    op = torch.ops.dflash2_kernels.packed_linear_tuned
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    packed, bias = pack_weight(weight), torch.randn(n, generator=gen)
+    x = torch.randn(40, k, generator=gen)
+    for m in (1, 3, 4, 7, 8, 9, 12, 13, 16, 25, 40):
+        rows = x[:m].contiguous()
+        assert torch.equal(op(rows, packed, bias, n, 0, 0, 0), op(rows, packed, bias, n, 0, 0, 1)), m

@@ -17,6 +17,13 @@
 // fp32 throughout.  Work is split across threads by panels (at::parallel_for + a shared chunk
 // counter); the arithmetic done for one output element does not depend on the split, so
 // results are identical for any thread count.
+//
+// AVX-512 (chosen at run time when the CPU has it): calls of 4..12 rows use a micro-kernel with one zmm
+// accumulator per row (16 outputs): the 32-byte panel step is widened with one zero-extension and one shift,
+// so the lanes hold the outputs in the interleaved order (W0, W8, W1, W9, ...), put back in order when the tile
+// is stored.  Each output is still one in-order fp32 FMA chain over k, so both instruction sets give bitwise
+// the same results (tested), and which one a call of m rows uses never changes its arithmetic.  Calls of 1..3
+// rows stay on AVX2: they are bound by memory, and two ymm chains per row hide the FMA latency better there.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -108,24 +115,92 @@ inline void micro_kernel(const uint16_t* __restrict__ wp,  // panel at k0: 16 bf
   }
 }
 
+#define DFLASH2_AVX512 __attribute__((target("avx512f")))
+
+template <int MR, int U>
+DFLASH2_AVX512 inline void micro_kernel_512(const uint16_t* __restrict__ wp, const uint16_t* pf,
+                                            const float* __restrict__ x, int64_t ldx, int64_t klen,
+                                            float* __restrict__ tile, bool accumulate) {
+  // lane j of an accumulator holds output (j >> 1) + 8 * (j & 1) of the panel (the packed interleave)
+  const __m512i to_lanes = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  const __m512i to_outputs = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  __m512 acc[MR];
+  const float* xr[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+    xr[r] = x + r * ldx;
+    acc[r] = accumulate ? _mm512_permutexvar_ps(to_lanes, _mm512_loadu_ps(tile + r * kPanel))
+                        : _mm512_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + U <= klen; k += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; u += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + (k + u) * kPanel), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (k + u) * kPanel));
+      const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][k + u]), w, acc[r]);
+    }
+  }
+  for (; k < klen; ++k) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + k * kPanel));
+    const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][k]), w, acc[r]);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(tile + r * kPanel, _mm512_permutexvar_ps(to_outputs, acc[r]));
+}
+
+DFLASH2_AVX512 void dispatch_512(int mr, const uint16_t* wp, const uint16_t* pf, const float* x, int64_t ldx,
+                                 int64_t klen, float* tile, bool accumulate) {
+  switch (mr) {
+    case 12: micro_kernel_512<12, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
+    case 11: micro_kernel_512<11, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
+    case 10: micro_kernel_512<10, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
+    case 9: micro_kernel_512<9, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
+    case 8: micro_kernel_512<8, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
+    case 7: micro_kernel_512<7, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
+    case 6: micro_kernel_512<6, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
+    case 5: micro_kernel_512<5, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
+    default: micro_kernel_512<4, 4>(wp, pf, x, ldx, klen, tile, accumulate); break;
+  }
+}
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
 // How a block of rows is cut into micro-kernel calls of 1..6 rows: the split that minimises the
 // estimated cost, in cycles per k step for each call size (measured on Zen 3; a 4-row call keeps
 // exactly the 8 FMAs in flight that hide the FMA latency and runs nearly at peak, 5 rows suffer
 // from register pressure, 6 rows need the most broadcasts per FMA).
+constexpr int kMaxCall = 12;  // rows per micro-kernel call (AVX-512; AVX2 calls take at most 6)
+
 struct RowPlan {
   int count = 0;
   int rows[64];
 };
 
-inline RowPlan plan_rows(int64_t m) {
-  static constexpr float kCost[7] = {0.f, 2.2f, 3.0f, 4.2f, 4.3f, 6.3f, 6.6f};
+// Estimated cycles per k step of one call of r rows (index r).  AVX2: measured on Zen 3.  AVX-512: two FMA
+// ports of 4-cycle latency want 8 independent chains, so 4..8 rows cost about the same; beyond 8 the FMAs
+// dominate (half a cycle per row); calls of 1..3 rows go to AVX2 (see the top of the file).
+constexpr float kCostAvx2[kMaxCall + 1] = {0.f, 2.2f, 3.0f, 4.2f, 4.3f, 6.3f, 6.6f, 1e9f, 1e9f, 1e9f, 1e9f, 1e9f, 1e9f};
+constexpr float kCostAvx512[kMaxCall + 1] = {0.f, 2.2f, 3.0f, 4.2f, 4.2f, 4.3f, 4.4f, 4.5f, 4.6f, 5.0f, 5.5f, 6.0f, 6.5f};
+
+inline RowPlan plan_rows(int64_t m, const float* cost) {
   float best[65];
   int pick[65];
   best[0] = 0.f;
   for (int64_t i = 1; i <= m; ++i) {
     best[i] = 1e30f;
-    for (int r = 1; r <= 6 && r <= i; ++r) {
-      const float c = best[i - r] + kCost[r];
+    for (int r = 1; r <= kMaxCall && r <= i; ++r) {
+      const float c = best[i - r] + cost[r];
       if (c < best[i]) {
         best[i] = c;
         pick[i] = r;
@@ -164,10 +239,10 @@ constexpr int64_t kKc = 256;
 // Panel p (16 outputs starting at n0 = 16p), all M rows.
 inline void panel_all_rows(const uint16_t* wpanel, const float* x, int64_t M, int64_t K,
                            float* y, int64_t N, const float* bias, int64_t p, int64_t mc,
-                           int64_t kc, const RowPlan& full, const RowPlan& tail) {
+                           int64_t kc, const RowPlan& full, const RowPlan& tail, bool wide) {
   const int64_t n0 = p * kPanel;
   const int64_t nv = std::min<int64_t>(kPanel, N - n0);
-  alignas(32) float tile[kMc * kPanel];
+  alignas(64) float tile[kMc * kPanel];
   for (int64_t mb = 0; mb < M; mb += mc) {
     const int64_t me = std::min(M, mb + mc);
     const RowPlan& plan = me - mb == mc ? full : tail;
@@ -183,7 +258,11 @@ inline void panel_all_rows(const uint16_t* wpanel, const float* x, int64_t M, in
       for (int c = 0; c < plan.count; ++c) {
         const int mr = plan.rows[c];
         const uint16_t* pf = c == 0 ? wk + kPrefetchK * kPanel : wk + klen * kPanel;
-        dispatch(mr, wk, pf, x + m * K + k0, K, klen, tile + (m - mb) * kPanel, k0 > 0);
+        if (wide && mr >= 4) {
+          dispatch_512(mr, wk, pf, x + m * K + k0, K, klen, tile + (m - mb) * kPanel, k0 > 0);
+        } else {
+          dispatch(mr, wk, pf, x + m * K + k0, K, klen, tile + (m - mb) * kPanel, k0 > 0);
+        }
         m += mr;
       }
     }
@@ -199,9 +278,10 @@ inline void panel_all_rows(const uint16_t* wpanel, const float* x, int64_t M, in
   }
 }
 
+// isa: 0 = the widest the CPU has, 1 = AVX2 only (benchmarks and the AVX-512 vs AVX2 identity test).
 at::Tensor packed_linear_tuned(const at::Tensor& x, const at::Tensor& packed,
                                const c10::optional<at::Tensor>& bias, int64_t n_out,
-                               int64_t mc_opt, int64_t kc_opt) {
+                               int64_t mc_opt, int64_t kc_opt, int64_t isa) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "packed_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "packed_linear: x must be a contiguous fp32 [M, K] tensor");
@@ -238,8 +318,10 @@ at::Tensor packed_linear_tuned(const at::Tensor& x, const at::Tensor& packed,
   float* yp = y.data_ptr<float>();
 
   const int64_t mc = std::min(M, mc_opt > 0 ? std::min(mc_opt, kMc) : kMc);
-  const RowPlan full = plan_rows(mc);
-  const RowPlan tail = plan_rows(M % mc == 0 ? mc : M % mc);
+  const bool wide = isa == 0 && cpu_has_avx512();
+  const float* cost = wide ? kCostAvx512 : kCostAvx2;
+  const RowPlan full = plan_rows(mc, cost);
+  const RowPlan tail = plan_rows(M % mc == 0 ? mc : M % mc, cost);
   const int64_t kc = kc_opt > 0 ? kc_opt : kKc;
   // Threads take chunks of consecutive panels from a shared counter rather than fixed halves:
   // on a busy machine a worker that starts late (or is preempted) then costs little, as the
@@ -252,7 +334,7 @@ at::Tensor packed_linear_tuned(const at::Tensor& x, const at::Tensor& packed,
   const int64_t chunk = std::max(min_chunk, P / (threads * 8));
   auto run = [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      panel_all_rows(wp + p * K * kPanel, xp, M, K, yp, n_out, bias_ptr, p, mc, kc, full, tail);
+      panel_all_rows(wp + p * K * kPanel, xp, M, K, yp, n_out, bias_ptr, p, mc, kc, full, tail, wide);
     }
   };
   if (threads <= 1) {
@@ -272,7 +354,7 @@ at::Tensor packed_linear_tuned(const at::Tensor& x, const at::Tensor& packed,
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias, int64_t n_out) {
-  return packed_linear_tuned(x, packed, bias, n_out, 0, 0);
+  return packed_linear_tuned(x, packed, bias, n_out, 0, 0, 0);
 }
 
 }  // namespace
@@ -280,9 +362,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
 TORCH_LIBRARY(dflash2_kernels, m) {
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n_out) -> Tensor",
         &packed_linear);
-  // Same with explicit row-block / k-block sizes (<= 0: default), for benchmarks and tests.
+  // Same with explicit row-block / k-block sizes (<= 0: default) and instruction set, for benchmarks and tests.
   m.def(
-      "packed_linear_tuned(Tensor x, Tensor packed, Tensor? bias, int n_out, int mc, int kc) "
+      "packed_linear_tuned(Tensor x, Tensor packed, Tensor? bias, int n_out, int mc, int kc, int isa) "
       "-> Tensor",
       &packed_linear_tuned);
 }
