@@ -55,6 +55,16 @@ def test_hybrid_decoding_is_lossless_and_deterministic(target, params):
         assert runs[0] == plain_ids(target, prompt, capacity)
 
 
+def test_a_tree_drafting_block_keeps_the_hybrid_lossless_and_sized_for_its_tree(target):
+    prompt = torch.tensor([7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 7, 8, 9])
+    capacity = len(prompt) + NEW_TOKENS + 16
+    drafter = HybridDrafter(DFlashDrafter(make_model(target, 8), target, num_draft_tokens=4, num_paths=3),
+                            min_match=2, min_tokens=2)
+    assert drafter.max_draft_tokens == 12  # the block's tree (3 paths of 4) is larger than the lookup's 4
+    assert spec_ids(target, drafter, prompt, capacity) == plain_ids(target, prompt, capacity)
+    assert drafter.block_steps > 0 and drafter.ngram_steps > 0
+
+
 def test_auto_means_the_drafter_measured_fastest_for_the_target():
     from dflash2.drafters import default_drafter
 
