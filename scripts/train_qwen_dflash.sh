@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The DFlash drafter recipe for the default target, Qwen2.5-Coder-1.5B-Instruct. A multi-hour job on 2 CPU cores:
 # every step resumes where it stopped (SIGTERM / Ctrl-C keep what is done), so run it again in each session.
-# The shipped drafter (src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct) came from
-#   NUM_SEQUENCES=224 STEPS=450 scripts/train_qwen_dflash.sh
-# (224 sequences: 50 minutes of data generation; 450 steps: 21 minutes of training). The data directory has grown
-# since (more shards); training reads every shard, so reproducing that drafter exactly needs its first 14 shards.
+# The shipped drafter (src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct) came from two stages:
+#   NUM_SEQUENCES=224 STEPS=450 scripts/train_qwen_dflash.sh      (first 14 shards; 450 steps, 21 minutes)
+#   RUN=runs/dflash-qwen1.5b-stage2 INIT_FROM=runs/dflash-qwen1.5b/drafter NUM_SEQUENCES=608 STEPS=600 LR=4e-4 \
+#       scripts/train_qwen_dflash.sh                               (first 38 shards; 600 steps, 30 minutes)
+# Data generation: about 10 s per sequence on 2 cores (16 rows per step). Training reads every shard present, so
+# reproducing a stage exactly needs the shard count it had (the manifest lists shards in order).
 # Token shards are committed (data/dflash-train/), hidden states stay under $DFLASH2_HOME/train-hidden/ (GBs);
 # shards whose hidden states are missing (a fresh machine) are recomputed by one target forward when trained on.
 set -euo pipefail
