@@ -44,11 +44,14 @@ def test_shipped_smollm2_drafter_is_lossless_and_accepted():
 
 
 @pytest.mark.qwen
-def test_shipped_qwen_drafter_is_lossless_and_accepted():
-    """The default target's drafter, loaded with no flags, in fp32: plain greedy ids, and real acceptance (held-out
-    tau 1.76 after training; an untrained drafter is ~1.0)."""
+@pytest.mark.parametrize("kind,paths", [("dflash", 1), ("dflash2", 1), ("dflash2", 3)],
+                         ids=["dflash", "dflash2", "dflash2-tree"])
+def test_shipped_qwen_drafter_is_lossless_and_accepted(kind, paths):
+    """The default target's drafters, loaded with no flags, in fp32: plain greedy ids, and real acceptance (held-out
+    tau 1.89 for DFlash, 1.99 for DFlash2 after training; an untrained drafter is ~1.0). ``paths`` 3: the best
+    three selector paths verified as a tree."""
     engine = lean_engine(QWEN_TARGET, "fp32")
-    drafter = build_drafter("dflash", engine)
+    drafter = build_drafter(kind, engine, num_candidates=paths)
     plain, spec = plain_and_drafted(engine, drafter, PROMPTS[1], 48)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.tau > 1.2 and spec.stats.acceptance_by_position[0] > 0.2
