@@ -35,6 +35,15 @@ def dflash2_model(target, seed: int = 0, **kwargs) -> DFlashDraftModel:
     return model.eval()
 
 
+def random_selector(seed: int = 0) -> PathSelector:
+    """A selector whose pair term matters (the gate starts at zero otherwise): 20 rows, width 8, top 5."""
+    torch.manual_seed(seed)
+    selector = PathSelector(vocab_rows=20, width=8, rank=4, top_k=5)
+    for weight in (selector.gate.weight, selector.prev_codes.weight, selector.next_codes.weight):
+        torch.nn.init.normal_(weight)
+    return selector
+
+
 def test_dynamic_conv_starts_as_identity_and_never_crosses_a_block_boundary():
     conv = DynamicConv(16, 4, block_size=3)
     x = torch.randn(2, 6, 16)
@@ -58,10 +67,7 @@ def test_an_untrained_selector_walks_the_top1_chain():
 
 
 def test_the_greedy_walk_maximizes_each_pair_score_after_the_previous_choice():
-    torch.manual_seed(0)
-    selector = PathSelector(vocab_rows=20, width=8, rank=4, top_k=5)
-    for weight in (selector.gate.weight, selector.prev_codes.weight, selector.next_codes.weight):
-        torch.nn.init.normal_(weight)
+    selector = random_selector()
     logits, hidden = torch.randn(6, 20), torch.randn(6, 8)
     path = select_path(selector, logits, hidden, pending_row=20, temperature=0.0)  # pending outside the vocab
     previous = 20
@@ -113,10 +119,7 @@ def test_without_a_selector_best_paths_are_the_top_paths_by_log_probability():
 
 
 def test_with_a_selector_the_first_best_path_is_the_greedy_walk_and_all_differ():
-    torch.manual_seed(0)
-    selector = PathSelector(vocab_rows=20, width=8, rank=4, top_k=5)
-    for weight in (selector.gate.weight, selector.prev_codes.weight, selector.next_codes.weight):
-        torch.nn.init.normal_(weight)
+    selector = random_selector()
     logits, hidden = torch.randn(4, 20), torch.randn(4, 8)
     paths = best_paths(selector, logits, hidden, pending_row=20, num_paths=4)
     assert paths[0] == select_path(selector, logits, hidden, 20, 0.0).rows.tolist()

@@ -160,9 +160,7 @@ class DFlashDrafter(Drafter):
     ) -> Draft:
         """DFlash2: the path the selector walks through the top-K candidates (q_draft sparse over them)."""
         model = self.model
-        hidden = self.block_hidden(pending, start)[1 : k + 1]  # [k, D]
-        logits = model.draft_logits(self.target, hidden)  # [k, V']
-        pending_row = int(model.selector_rows(torch.tensor([pending], device=model.device))[0])
+        hidden, logits, pending_row = self._draft_positions(pending, start, k)
         temperature = 0.0 if params.greedy else params.temperature
         path = select_path(model.selector, logits, hidden, pending_row, temperature, generator)
         tokens = self._vocab_ids(path.rows)
@@ -174,15 +172,21 @@ class DFlashDrafter(Drafter):
 
     def _tree_draft(self, pending: int, start: int, k: int) -> Draft:
         """The best ``num_paths`` paths through the top candidates, merged into a deterministic tree."""
-        model = self.model
-        hidden = self.block_hidden(pending, start)[1 : k + 1]  # [k, D]
-        logits = model.draft_logits(self.target, hidden)  # [k, V']
-        pending_row = 0 if model.selector is None else \
-            int(model.selector_rows(torch.tensor([pending], device=model.device))[0])
-        paths = best_paths(model.selector, logits, hidden, pending_row, self.num_paths)
+        hidden, logits, pending_row = self._draft_positions(pending, start, k)
+        paths = best_paths(self.model.selector, logits, hidden, pending_row, self.num_paths)
         ids = [self._vocab_ids(torch.tensor(path, device=logits.device)).tolist() for path in paths]
         tokens, parents = merge_into_tree(ids)
         return Draft(tokens=torch.tensor(tokens, dtype=torch.int64), q_draft=None, parents=parents)
+
+    def _draft_positions(self, pending: int, start: int, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Hidden states [k, D] and draft-vocabulary logits [k, V'] of block positions 1 .. k, and the selector's
+        codebook row of the pending token (0 without a selector)."""
+        model = self.model
+        hidden = self.block_hidden(pending, start)[1 : k + 1]  # [k, D]
+        logits = model.draft_logits(self.target, hidden)  # [k, V']
+        if model.selector is None:
+            return hidden, logits, 0
+        return hidden, logits, int(model.selector_rows(torch.tensor([pending], device=model.device))[0])
 
     def _vocab_ids(self, rows: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary rows -> target ids."""

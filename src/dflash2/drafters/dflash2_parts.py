@@ -88,6 +88,34 @@ class SelectedPath:
     candidates: torch.Tensor  # [k, K] int64 codebook rows of the candidates
 
 
+def candidate_lattice(
+    selector: PathSelector | None,
+    logits: torch.Tensor,  # [k, V'] float32 drafter logits of block positions 1 .. k (V' = draft vocabulary)
+    hidden: torch.Tensor,  # [k, D] drafter hidden states of those positions
+    pending_row: int,  # codebook row of the pending token (selector.outside when it is not in the vocabulary)
+    top_k: int = 16,  # candidates per position without a selector (a selector brings its own)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(candidates [k, K] codebook rows, scores [k, K, K]): scores[t, i, j] scores candidate j at position t
+    after candidate i at t - 1 (row 0 of position 1 stands for the pending token). Every pair score comes from
+    one batched product; without a selector (DFlash) every row is the drafter logits (independent positions)."""
+    k = logits.shape[0]
+    top = min(selector.top_k if selector is not None else top_k, logits.shape[-1])
+    candidate_logits, candidates = logits.topk(top, dim=-1)  # [k, K]
+    if selector is None:
+        return candidates, candidate_logits[:, None, :].expand(k, top, top)
+    previous = torch.cat([torch.full((1, top), pending_row, dtype=torch.int64, device=candidates.device),
+                          candidates[:-1]])  # [k, K]; position 1's only real predecessor is the pending token
+    return candidates, selector.pair_scores(previous, candidates, candidate_logits, hidden)
+
+
+def greedy_walk(scores: torch.Tensor) -> list[int]:
+    """Candidate indices [k] of the greedy path through pair scores [k, K, K] (from row 0 of position 1)."""
+    chosen = [0]
+    for t in range(scores.shape[0]):
+        chosen.append(int(scores[t, chosen[-1]].argmax()))
+    return chosen[1:]
+
+
 def select_path(
     selector: PathSelector,
     logits: torch.Tensor,  # [k, V'] float32 drafter logits of block positions 1 .. k (V' = draft vocabulary)
@@ -96,23 +124,19 @@ def select_path(
     temperature: float,  # 0 = greedy walk
     generator: torch.Generator | None = None,
 ) -> SelectedPath:
-    """Walk the candidate lattice: every pair score in one batched product, then k cheap steps."""
-    k = logits.shape[0]
-    top = min(selector.top_k, logits.shape[-1])
-    candidate_logits, candidates = logits.topk(top, dim=-1)  # [k, K]
-    previous = torch.cat([torch.full((1, top), pending_row, dtype=torch.int64, device=candidates.device),
-                          candidates[:-1]])  # [k, K]; position 1's only real predecessor is the pending token
-    scores = selector.pair_scores(previous, candidates, candidate_logits, hidden)  # [k, K, K]
+    """Walk the candidate lattice greedily (T = 0), or sample each step from softmax(S / T) over the K
+    candidates after the previous choice (q: those sparse distributions, for rejection sampling)."""
+    candidates, scores = candidate_lattice(selector, logits, hidden, pending_row)  # [k, K], [k, K, K]
+    k, top = candidates.shape
+    if temperature <= 0:
+        path = torch.tensor(greedy_walk(scores), dtype=torch.int64, device=candidates.device)  # [k]
+        return SelectedPath(rows=candidates.gather(1, path[:, None])[:, 0], q=None, candidates=candidates)
     rows = torch.empty(k, dtype=torch.int64, device=candidates.device)
-    q = None if temperature <= 0 else torch.empty(k, top, device=scores.device)
+    q = torch.empty(k, top, device=scores.device)
     chosen = 0  # index of the previous choice among its candidates (row 0 of position 1 is the pending token)
     for t in range(k):
-        step = scores[t, chosen]  # [K]
-        if q is None:
-            chosen = int(step.argmax())
-        else:
-            q[t] = F.softmax(step / temperature, dim=-1)
-            chosen = int(torch.multinomial(q[t], 1, generator=generator))
+        q[t] = F.softmax(scores[t, chosen] / temperature, dim=-1)
+        chosen = int(torch.multinomial(q[t], 1, generator=generator))
         rows[t] = candidates[t, chosen]
     return SelectedPath(rows=rows, q=q, candidates=candidates)
 
@@ -132,19 +156,10 @@ def best_paths(
     the summed step log-probabilities: log-softmax over the K candidates of the pair scores S_t(a, .) after the
     previous choice a (DFlash2), or of the drafter logits alone (DFlash, whose positions are independent).
     """
-    k = logits.shape[0]
-    top = min(selector.top_k if selector is not None else top_k, logits.shape[-1])
-    candidate_logits, candidates = logits.topk(top, dim=-1)  # [k, K]
-    if selector is not None:
-        previous = torch.cat([torch.full((1, top), pending_row, dtype=torch.int64, device=candidates.device),
-                              candidates[:-1]])  # [k, K]
-        scores = selector.pair_scores(previous, candidates, candidate_logits, hidden)  # [k, K, K]
-    else:
-        scores = candidate_logits[:, None, :].expand(k, top, top)  # no pair term: the same row after any choice
+    candidates, scores = candidate_lattice(selector, logits, hidden, pending_row, top_k)  # [k, K], [k, K, K]
+    k, top = candidates.shape
     steps = F.log_softmax(scores.float(), dim=-1).tolist()  # [k][K][K] log P(choice j at t | choice i at t - 1)
-    greedy = [0]  # indices among the candidates; position 1's predecessor is the pending token (row 0)
-    for t in range(k):
-        greedy.append(int(scores[t, greedy[-1]].argmax()))
+    greedy = [0] + greedy_walk(scores)  # indices among the candidates, the pending token's row 0 first
     beams = [([0], 0.0)]  # (candidate indices with the predecessor first, summed log-probability)
     for t in range(k):
         expanded = [(path + [j], score + steps[t][path[-1]][j]) for path, score in beams for j in range(top)]
