@@ -147,15 +147,22 @@ class RecordingDFlash(DFlashDrafter):
         return draft
 
 
-@pytest.mark.parametrize("prefill_chunk", [512, 5], ids=["whole-prompt", "chunked-prefill"])
-def test_dflash_drafter_in_a_batch_sees_the_context_it_sees_alone(engine, prefill_chunk):
-    """The batch hands each request's DFlash drafter the target's hidden states of exactly the committed
-    positions (prompt chunks, then pending + accepted): its proposals, not only the outputs, equal those of the
-    same request decoded alone."""
+def block_model(kind: str, target):
+    """An untrained DFlash drafter model, or a DFlash2 one whose selector and convolutions change the drafts."""
+    from tests.unit.test_dflash2 import dflash2_model
     from tests.unit.test_dflash_drafter import make_model
 
+    return make_model(target, 8) if kind == "dflash" else dflash2_model(target)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+@pytest.mark.parametrize("prefill_chunk", [512, 5], ids=["whole-prompt", "chunked-prefill"])
+def test_dflash_drafter_in_a_batch_sees_the_context_it_sees_alone(engine, prefill_chunk, kind):
+    """The batch hands each request's DFlash drafter the target's hidden states of exactly the committed
+    positions (prompt chunks, then pending + accepted): its proposals, not only the outputs, equal those of the
+    same request decoded alone (DFlash2: through its selector walk)."""
     target, k = engine.target, 5
-    model = make_model(target, 8)
+    model = block_model(kind, target)
     batch_logs: list[list] = []
 
     def factory():
@@ -183,16 +190,17 @@ def test_dflash_drafter_in_a_batch_sees_the_context_it_sees_alone(engine, prefil
     assert len(batch_logs) == 3 and all(batch_logs)
 
 
-def test_dflash_drafters_are_offered_when_the_engine_holds_one(engine):
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_dflash_drafters_are_offered_when_the_engine_holds_one(engine, kind):
     from dflash2.drafters.hybrid import HybridDrafter
-    from tests.unit.test_dflash_drafter import make_model
 
-    engine.drafter = HybridDrafter(DFlashDrafter(make_model(engine.target, 8), engine.target), stop_ids={0})
+    engine.drafter = HybridDrafter(DFlashDrafter(block_model(kind, engine.target), engine.target), stop_ids={0})
+    assert engine.drafter.name == f"{kind}+ngram"  # the server's default request drafter
     try:
         factories = request_drafters(engine)
     finally:
         engine.drafter = None
-    assert set(factories) == {"ngram", "dflash", "dflash+ngram"}
-    first, second = factories["dflash"](), factories["dflash"]()
+    assert set(factories) == {"ngram", kind, f"{kind}+ngram"}
+    first, second = factories[kind](), factories[kind]()
     assert first is not second and first.model is second.model  # own context cache, shared weights
-    assert isinstance(factories["dflash+ngram"](), HybridDrafter)
+    assert isinstance(factories[f"{kind}+ngram"](), HybridDrafter)

@@ -411,7 +411,8 @@ def _seeded(params: SamplingParams) -> bool:
 def request_drafters(engine: Engine, max_draft_tokens: int = 8) -> dict[str, DrafterFactory]:
     """The drafters a batch engine over ``engine`` can give each request: ``ngram`` always (stateless, shared);
     the engine's own drafter when it is a ``model``, ``dflash`` or ``dflash+ngram`` one (weights shared, one
-    drafter with its own cache per request; a DFlash drafter also serves ``dflash`` when held as a hybrid)."""
+    drafter with its own cache per request; a DFlash drafter also serves ``dflash`` when held as a hybrid).
+    A DFlash2 drafter (one with a path selector) is offered as ``dflash2`` / ``dflash2+ngram``: chains only."""
     from dflash2.drafters.dflash import DFlashDrafter
     from dflash2.drafters.hybrid import HybridDrafter
     from dflash2.drafters.model import ModelDrafter
@@ -427,9 +428,10 @@ def request_drafters(engine: Engine, max_draft_tokens: int = 8) -> dict[str, Dra
         def dflash() -> DFlashDrafter:
             return DFlashDrafter(block.model, block.target, block.num_draft_tokens)
 
-        factories["dflash"] = dflash
+        kind = "dflash" if block.model.selector is None else "dflash2"
+        factories[kind] = dflash
         if isinstance(held, HybridDrafter):
-            factories["dflash+ngram"] = lambda: HybridDrafter(
+            factories[f"{kind}+ngram"] = lambda: HybridDrafter(
                 dflash(), held.num_draft_tokens, min_match=held.min_match, max_match=held.max_match,
                 min_tokens=held.min_tokens, stop_ids=held.stop_ids)
     return factories

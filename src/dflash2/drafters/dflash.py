@@ -79,6 +79,7 @@ class DFlashDrafter(Drafter):
         self.hidden_layers = tuple(model.config.target_layer_ids)
         self.cache: StaticKVCache | None = None  # context K/V of the committed positions, pending token excluded
         self.num_paths = num_paths
+        self.name = "dflash" if model.selector is None else "dflash2"
 
     @property
     def max_draft_tokens(self) -> int:

@@ -27,6 +27,7 @@ class HybridDrafter(Drafter):
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
         self.block = block
+        self.name = f"{block.name}+ngram"
         self.hidden_layers = block.hidden_layers
         self.min_match, self.max_match, self.min_tokens = min_match, max_match, min_tokens
         self.stop_ids = frozenset(stop_ids)
