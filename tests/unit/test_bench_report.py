@@ -61,3 +61,24 @@ def test_cli_report_prints_the_headline_and_refuses_a_missing_run(run_dir, tmp_p
     assert "llama.cpp 4-bit" in capsys.readouterr().out
     assert main(["bench", "report", str(tmp_path / "nothing")]) == 2
     assert "requests.jsonl" in capsys.readouterr().err
+
+
+def test_labels_name_the_draft_shape_and_pipeline():
+    from dflash2.bench.report import label
+
+    assert label("none") == "dflash2 plain"
+    assert label("dflash2+ngram:2") == "dflash2 DFlash2 + ngram k=2"
+    assert label("dflash2:3x3") == "dflash2 DFlash2 k=3 x3 paths"
+    assert label("model@overlap") == "dflash2 model (0.5B), overlap"
+    assert label("llamacpp-spec") == "llama.cpp 4-bit speculative (0.5B)"
+
+
+def test_best_configuration_against_the_peers(run_dir):
+    from dflash2.bench.report import best_vs_peers
+
+    header, rows = best_vs_peers(load_run(run_dir))
+    assert header == ["category", "dflash2 plain", "dflash2 ngram", "llama.cpp 4-bit",
+                      "llama.cpp 4-bit speculative (0.5B)", "best / fastest peer"]
+    assert rows[0] == ["gsm8k", "5.00", "15.00", "40.00", "30.00", "0.38x"]
+    assert rows[-1][0] == "overall" and rows[-1][-1] == f"{13.5 / 36:.2f}x"
+    assert "against the peers" in write_report(run_dir)[0].read_text()

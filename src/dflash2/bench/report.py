@@ -14,7 +14,8 @@ from pathlib import Path
 from dflash2.bench.runner import BASELINE, summarize
 
 METHOD_LABELS = {BASELINE: "dflash2 plain", "ngram": "dflash2 ngram", "model": "dflash2 model (0.5B)",
-                 "dflash": "dflash2 DFlash", "transformers": "transformers generate",
+                 "dflash": "dflash2 DFlash", "dflash+ngram": "dflash2 DFlash + ngram", "dflash2": "dflash2 DFlash2",
+                 "dflash2+ngram": "dflash2 DFlash2 + ngram", "transformers": "transformers generate",
                  "transformers-assisted": "transformers assisted (0.5B)",
                  "transformers-pld": "transformers prompt lookup", "llamacpp": "llama.cpp 4-bit",
                  "llamacpp-spec": "llama.cpp 4-bit speculative (0.5B)"}
@@ -39,7 +40,14 @@ def load_run(directory: Path) -> Run:
 
 
 def label(method: str) -> str:
-    return METHOD_LABELS.get(method, method)
+    """A reader's name for a bench method: ``dflash2:3x3@overlap`` -> ``dflash2 DFlash2 k=3 x3 paths, overlap``."""
+    drafter, _, pipeline = method.partition("@")
+    name, _, shape = drafter.partition(":")
+    k, _, width = shape.partition("x")
+    text = METHOD_LABELS.get(name, name)
+    text += f" k={k}" if k else ""
+    text += f" x{width} paths" if width else ""
+    return text + (f", {pipeline}" if pipeline else "")
 
 
 def _fmt(value, pattern: str = "{:.2f}") -> str:
@@ -60,6 +68,25 @@ def headline_rows(run: Run, category: str = "overall") -> list[list[str]]:
 
 HEADLINE_HEADER = ["category", "method", "n", "decode tok/s", "vs dflash2 plain", "vs own plain", "tau",
                    "= dflash2 plain", "= own plain"]
+
+
+def best_vs_peers(run: Run) -> tuple[list[str], list[list[str]]]:
+    """dflash2's best configuration (the one fastest over all prompts, kept for every category) against every
+    peer: decode tokens/s per category, and its ratio to the fastest peer. Empty when the run has no peer."""
+    overall = [s for s in run.summary if s["category"] == "overall"]
+    ours = [s for s in overall if not s["peer"] and s["method"] != BASELINE]
+    peers = [s["method"] for s in overall if s["peer"]]
+    if not ours or not peers:
+        return [], []
+    best = max(ours, key=lambda s: s["tokens_per_s"])["method"]
+    header = ["category", label(BASELINE), label(best), *map(label, peers), "best / fastest peer"]
+    rows = []
+    for category in dict.fromkeys(s["category"] for s in run.summary):
+        speed = {s["method"]: s["tokens_per_s"] for s in run.summary if s["category"] == category}
+        fastest_peer = max((speed[p] for p in peers if p in speed), default=None)
+        ratio = speed[best] / fastest_peer if best in speed and fastest_peer else None
+        rows.append([category, *(_fmt(speed.get(m)) for m in (BASELINE, best, *peers)), _fmt(ratio, "{:.2f}x")])
+    return header, rows
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -96,6 +123,10 @@ def write_report(directory: Path, *, html_page: bool = False) -> tuple[Path, str
     categories = [c for c in dict.fromkeys(s["category"] for s in run.summary) if c != "overall"]
     parts = [f"# dflash2 bench: {directory.name}", "", _machine_line(run.info), "",
              "## Headline (all prompts)", "", markdown_table(HEADLINE_HEADER, headline_rows(run)), ""]
+    versus_header, versus = best_vs_peers(run)
+    if versus:
+        parts += ["## dflash2's best configuration against the peers (decode tok/s)", "",
+                  markdown_table(versus_header, versus), ""]
     roofline = roofline_rows(run)
     if roofline:
         parts += ["## Roofline", "", markdown_table(["engine", "GB read per token", "measured GB/s",
@@ -110,7 +141,10 @@ def write_report(directory: Path, *, html_page: bool = False) -> tuple[Path, str
     md_path.write_text(markdown)
     if html_page:
         (directory / "report.html").write_text(_html(markdown))
-    return md_path, terminal_table(HEADLINE_HEADER, headline_rows(run))
+    table = terminal_table(HEADLINE_HEADER, headline_rows(run))
+    if versus:
+        table += "\n\n" + terminal_table(versus_header, versus)
+    return md_path, table
 
 
 def _machine_line(info: dict) -> str:
