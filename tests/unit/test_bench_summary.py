@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from dflash2.bench.datasets import load_suite
+from dflash2.bench.datasets import load_suite, load_suites
 from dflash2.bench.runner import format_summary, method_name, method_pipeline, summarize
 
 
@@ -74,3 +74,20 @@ def test_a_drafters_entry_may_carry_its_own_draft_shape():
     for bad in ("dflash:0", "dflash:x", "dflash:-1", "dflash:3x", "dflash:3x0", "dflash:x2", "dflash:3x2x1"):
         with pytest.raises(CliError):
             _draft_shape(bad, None, 1)
+
+
+def test_suites_together_bring_each_prompt_once():
+    prompts = load_suites(["mt_bench", "spec_bench"], limit=2)
+    keys = [(p.category, p.prompt_id) for p in prompts]
+    assert len(keys) == len(set(keys))
+    assert [p.suite for p in prompts if p.category == "mt_bench"] == ["mt_bench", "mt_bench"]  # not repeated
+    assert len(prompts) == 2 + 5 * 2  # Spec-Bench's other five categories
+
+
+def test_the_run_records_the_processor_and_its_core_count():
+    import os
+
+    from dflash2.bench.runner import processor_name
+
+    name = processor_name()
+    assert name.endswith(f", {os.cpu_count()} logical CPUs") and not name.startswith(",")

@@ -40,7 +40,7 @@ def add_bench_parser(commands) -> None:
 def run_bench_command(args: argparse.Namespace) -> int:
     if args.action == "report":
         return _report_command(args)
-    from dflash2.bench.datasets import load_suite
+    from dflash2.bench.datasets import load_suites
     from dflash2.bench.runner import BASELINE, BenchConfig, format_summary, method_name, run_bench, summarize
     from dflash2.cli import CliError, load_engine
     from dflash2.decode.overlap import PIPELINES
@@ -60,7 +60,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.quick:
         args.suite, args.limit, args.max_new_tokens = "humaneval,gsm8k", 2, 64
     suites = tuple(s for s in args.suite.split(",") if s)
-    prompts = [p for suite in suites for p in load_suite(suite, args.limit, data=args.data)]
+    prompts = load_suites(suites, args.limit, data=args.data)
     if args.category:
         wanted = set(args.category.split(","))
         prompts = [p for p in prompts if p.category in wanted]

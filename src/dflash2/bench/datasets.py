@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 SUITES = ("humaneval", "gsm8k", "mt_bench", "spec_bench")
 SPEC_BENCH_MT_IDS = range(81, 161)  # Spec-Bench's first 80 questions are MT-bench's
@@ -52,6 +53,16 @@ def load_suite(suite: str, limit: int | None = None, data: str | Path | None = N
             kept[prompt.category] = kept.get(prompt.category, 0) + 1
             out.append(prompt)
     return out
+
+
+def load_suites(suites: Sequence[str], limit: int | None = None, data: str | Path | None = None) -> list[BenchPrompt]:
+    """The prompts of several suites in order, each (category, prompt id) once: Spec-Bench's ``mt_bench``
+    category holds MT-bench questions, which the ``mt_bench`` suite already brings."""
+    unique: dict[tuple[str, str], BenchPrompt] = {}
+    for suite in suites:
+        for prompt in load_suite(suite, limit, data):
+            unique.setdefault((prompt.category, prompt.prompt_id), prompt)
+    return list(unique.values())
 
 
 def _jsonl(path: Path) -> list[dict]:

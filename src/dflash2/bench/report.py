@@ -36,7 +36,16 @@ def load_run(directory: Path) -> Run:
     info_path = directory / "run.json"
     info = json.loads(info_path.read_text()) if info_path.is_file() else {}
     rows = [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
-    return Run(directory, info, rows, summarize(raw))
+    return Run(directory, info, rows, _in_run_order(summarize(raw), info))
+
+
+def _in_run_order(summary: list[dict], info: dict) -> list[dict]:
+    """Methods in the order the run lists them (dflash2's, then the peers); categories as summarize sorts them."""
+    listed = [*info.get("methods", []), *info.get("peers", [])]
+    rank = {method: index for index, method in enumerate(listed)}
+    categories = {category: index for index, category in enumerate(dict.fromkeys(s["category"] for s in summary))}
+    return sorted(summary, key=lambda s: (categories[s["category"]], s["peer"], s["method"] != BASELINE,
+                                          rank.get(s["method"], len(rank)), s["method"]))
 
 
 def label(method: str) -> str:

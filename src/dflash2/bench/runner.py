@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -200,7 +201,18 @@ def _run_info(engine, config: BenchConfig) -> dict:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "target": engine.name,
         "dtype": str(engine.target.dtype), "device": str(engine.target.device),
         "weights": weight_format(engine.target),
-        "threads": torch.get_num_threads(), "machine": platform.platform(), "processor": platform.processor(),
+        "threads": torch.get_num_threads(), "machine": platform.platform(), "processor": processor_name(),
         "suites": config.suites, "methods": config.methods, "limit": config.limit,
         "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
     }
+
+
+def processor_name() -> str:
+    """The CPU's model name with its core count (platform.processor() is often empty on Linux)."""
+    name = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            name = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name or 'unknown CPU'}, {os.cpu_count()} logical CPUs"
