@@ -18,7 +18,8 @@ def add_train_parser(commands) -> None:
     data.add_argument("--max-new-tokens", type=int, default=256)
     data.add_argument("--max-prompt-tokens", type=int, default=512)
     data.add_argument("--shard-size", type=int, default=64)
-    data.add_argument("--sources", default="gsm8k,stdlib", help="prompt sources, comma-separated")
+    data.add_argument("--sources", default="gsm8k,stdlib",
+                      help="prompt sources, comma-separated: gsm8k, stdlib, chat (see dflash2.train.prompts)")
     data.add_argument("--gsm8k", default=None, help="GSM8K train jsonl (default: shared/data/train)")
     data.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     data.add_argument("--threads", type=int, default=None)
@@ -48,7 +49,8 @@ def add_train_parser(commands) -> None:
 
 def _add_dflash_arguments(dflash) -> None:
     dflash.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the target (default: %(default)s)")
-    dflash.add_argument("--data", required=True, help="token shards from `dflash2 train data`")
+    dflash.add_argument("--data", required=True,
+                        help="token shards from `dflash2 train data`; several directories comma-separated")
     dflash.add_argument("--out", required=True, help="run directory: checkpoints/, drafter/, logs")
     dflash.add_argument("--num-layers", type=int, default=1)
     dflash.add_argument("--block-size", type=int, default=16)

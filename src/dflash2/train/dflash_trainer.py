@@ -34,7 +34,7 @@ from dflash2.drafters.dflash2_parts import select_path, selector_loss
 from dflash2.drafters.dflash_config import DFlashConfig
 from dflash2.drafters.dflash_model import DFlashDraftModel, replace_directory
 from dflash2.models.decoder import Transformer
-from dflash2.train.data import TokenShards, TrainingSequence
+from dflash2.train.data import ShardSet, TokenShards, TrainingSequence
 
 CHECKPOINTS = "checkpoints"
 FINAL_DRAFTER = "drafter"
@@ -47,7 +47,7 @@ class TrainConfig:
     """One DFlash training run. Fields after ``seed`` may change between a run and its resumption."""
 
     target_dir: str  # HF-style directory of the target (dflash2.models.loading.load_transformer)
-    data_dir: str  # token shards written by dflash2.train.data
+    data_dir: str  # token shards written by dflash2.train.data; several directories: "a,b" (one ShardSet)
     out_dir: str  # checkpoints/, drafter/ (the final drafter), train_log.jsonl, eval.jsonl
     target_model: str = ""  # the target's name, recorded in the drafter's config.json
     target_dtype: str = "bf16"  # the frozen target's weights
@@ -73,7 +73,7 @@ class TrainConfig:
     warmup_steps: int = 50  # linear warmup from 0
     weight_decay: float = 0.01
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
-    heldout_sequences: int = 16  # the data's last sequences: never trained on, used by the acceptance check
+    heldout_sequences: int = 16  # the last ones of each data directory: never trained on; the acceptance check
     seed: int = 0  # drafter init, data order and anchor sampling
     eval_every: int = 0  # acceptance check every this many steps (0 = only at the end)
     eval_anchors: int = 16  # blocks per held-out sequence in the acceptance check
@@ -207,14 +207,15 @@ def block_loss(
     return loss
 
 
-def frequent_ids(shards: TokenShards, num_sequences: int, count: int, always: Sequence[int] = ()) -> torch.Tensor:
-    """The ``count`` ids most frequent in the responses of the first ``num_sequences`` sequences, ``always`` included.
-
-    Ties break toward the smaller id, so the draft vocabulary is a deterministic function of the data.
+def frequent_ids(shards: TokenShards | ShardSet, sequences: int | Sequence[int], count: int,
+                 always: Sequence[int] = ()) -> torch.Tensor:
+    """The ``count`` ids most frequent in the responses of ``sequences`` (indices, or the first N), ``always``
+    included. Ties break toward the smaller id, so the draft vocabulary is a deterministic function of the data.
     """
-    reader = TokenShards(shards.data_dir, load_hidden=False)
+    reader = shards.without_hidden() if isinstance(shards, ShardSet) else \
+        TokenShards(shards.data_dir, load_hidden=False)
     counts = torch.zeros(0, dtype=torch.int64)
-    for index in range(num_sequences):
+    for index in range(sequences) if isinstance(sequences, int) else sequences:
         sequence = reader[index]
         counts = _add_counts(counts, sequence.ids[sequence.prompt_length :])
     must = torch.tensor(sorted(set(always)), dtype=torch.int64)
@@ -389,10 +390,10 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
     out_dir.mkdir(parents=True, exist_ok=True)
     target = target if target is not None else _load_frozen_target(config)
     target.requires_grad_(False)
-    shards = TokenShards(config.data_dir)
-    num_heldout = min(config.heldout_sequences, max(len(shards) - 1, 0))
-    num_train = len(shards) - num_heldout
-    heldout = [_truncate(shards[i], config.max_sequence_length) for i in range(num_train, len(shards))]
+    shards = ShardSet(config.data_dir)
+    train_ids, heldout_ids = shards.split_heldout(config.heldout_sequences)
+    num_train = len(train_ids)
+    heldout = [_truncate(shards[i], config.max_sequence_length) for i in heldout_ids]
     order = _DataOrder(num_train, config.seed)
 
     drafter_config = DFlashConfig.for_target(
@@ -409,7 +410,7 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
     if config.init_from_target:
         model.init_from_target(target)
     if config.draft_vocab_size:
-        model.set_draft_vocab(frequent_ids(shards, num_train, config.draft_vocab_size, target.config.eos_token_ids))
+        model.set_draft_vocab(frequent_ids(shards, train_ids, config.draft_vocab_size, target.config.eos_token_ids))
     if config.init_from:
         _init_from_drafter(model, config.init_from)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
@@ -436,7 +437,7 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
             optimizer.zero_grad(set_to_none=True)
             step_loss, used, skipped = 0.0, 0, 0
             while used < config.sequences_per_step:
-                sequence = _truncate(shards[order.index(data_position)], config.max_sequence_length)
+                sequence = _truncate(shards[train_ids[order.index(data_position)]], config.max_sequence_length)
                 data_position += 1
                 anchors = sample_anchors(sequence.prompt_length, len(sequence.ids), config.anchors_per_sequence,
                                          generator)
