@@ -40,6 +40,13 @@ def _methods(run) -> list[str]:
     return list(dict.fromkeys(s["method"] for s in run.summary))
 
 
+def _colors(count: int) -> list:
+    """``count`` distinct colours (tab20 past ten methods: no two bars of a group share one)."""
+    plt = _pyplot()
+    cmap = plt.get_cmap("tab10" if count <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(count)]
+
+
 def _speedup(run, axes) -> bool:
     from dflash2.bench.report import label
 
@@ -47,11 +54,11 @@ def _speedup(run, axes) -> bool:
     methods = _methods(run)
     by_key = {(s["category"], s["method"]): s["speedup"] for s in run.summary}
     width = 0.8 / len(methods)
-    for i, method in enumerate(methods):
+    for i, (method, color) in enumerate(zip(methods, _colors(len(methods)))):
         values = [by_key.get((c, method)) or 0.0 for c in categories]
-        axes.bar([x + i * width for x in range(len(categories))], values, width, label=label(method))
+        axes.bar([x + i * width for x in range(len(categories))], values, width, label=label(method), color=color)
     axes.axhline(1.0, color="black", linewidth=0.8)
-    axes.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories)
+    axes.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories, rotation=20, ha="right")
     axes.set_ylabel("decode tok/s / dflash2 plain")
     axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return True
@@ -76,10 +83,11 @@ def _acceptance(run, axes) -> bool:
     from dflash2.bench.report import label
 
     drawn, longest = False, 0
-    for s in run.summary:
-        if s["category"] == "overall" and s["acceptance_by_position"]:
+    overall = [s for s in run.summary if s["category"] == "overall"]
+    for s, color in zip(overall, _colors(len(overall))):
+        if s["acceptance_by_position"]:
             values = s["acceptance_by_position"]
-            axes.plot(range(1, len(values) + 1), values, marker="o", label=label(s["method"]))
+            axes.plot(range(1, len(values) + 1), values, marker="o", label=label(s["method"]), color=color)
             drawn, longest = True, max(longest, len(values))
     if drawn:
         axes.set_xticks(range(1, longest + 1))
