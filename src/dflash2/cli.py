@@ -55,7 +55,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
     if drafter_choice:
         parser.add_argument("--drafter", choices=DRAFTER_NAMES, default="auto",
                             help="draft method; every one is lossless (default: auto, the one measured fastest for "
-                                 "the target: dflash+ngram for the default target, else ngram)")
+                                 "the target: dflash2+ngram for the default target, else ngram)")
     parser.add_argument("--draft-model", default=None, help="small model for --drafter model (default: the pairing)")
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="drafts per step")
     parser.add_argument("--num-candidates", type=int, default=1,

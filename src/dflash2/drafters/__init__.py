@@ -16,7 +16,7 @@ DRAFTER_NAMES = ("auto", "none", "ngram", "model", "dflash", "dflash+ngram", "df
 BLOCK_DRAFTERS = ("dflash", "dflash+ngram", "dflash2", "dflash2+ngram")  # read the target's hidden states
 DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 8, "model": 4}
 # "auto": the drafter measured fastest for the target with `dflash2 bench` (README, Results); ngram elsewhere.
-MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash+ngram"}
+MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash2+ngram"}
 
 
 def default_drafter(target_name: str) -> str:
