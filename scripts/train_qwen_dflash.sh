@@ -5,23 +5,30 @@
 #   NUM_SEQUENCES=224 STEPS=450 scripts/train_qwen_dflash.sh      (first 14 shards; 450 steps, 21 minutes)
 #   RUN=runs/dflash-qwen1.5b-stage2 INIT_FROM=runs/dflash-qwen1.5b/drafter NUM_SEQUENCES=608 STEPS=600 LR=4e-4 \
 #       scripts/train_qwen_dflash.sh                               (first 38 shards; 600 steps, 30 minutes)
-# Data generation: about 10 s per sequence on 2 cores (16 rows per step). Training reads every shard present, so
+# Data generation: about 10 s per sequence on 2 Xeon cores, 5.3 s on 2 Zen 4 cores (16 rows per step). Training reads every shard present, so
 # reproducing a stage exactly needs the shard count it had (the manifest lists shards in order).
 # Token shards are committed (data/dflash-train/), hidden states stay under $DFLASH2_HOME/train-hidden/ (GBs);
 # shards whose hidden states are missing (a fresh machine) are recomputed by one target forward when trained on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=data/dflash-train/qwen2.5-coder-1.5b-instruct
+CHAT=data/dflash-train/qwen2.5-coder-1.5b-instruct-chat  # --sources chat, its own directory (not in the shipped drafter)
 RUN=${RUN:-runs/dflash-qwen1.5b}
 INIT=()
 if [[ -n "${INIT_FROM:-}" ]]; then INIT=(--init-from "$INIT_FROM"); fi  # continue from a trained drafter
 .venv/bin/dflash2 train data --model qwen-1.5b --out "$DATA" --num-sequences "${NUM_SEQUENCES:-3000}" \
     --batch-size 16 --shard-size 16 --hidden-taps 5 --threads "${THREADS:-2}"
+TRAIN_DATA=$DATA
+if [[ "${CHAT_SEQUENCES:-0}" -gt 0 ]]; then  # e.g. CHAT_SEQUENCES=1280: every chat prompt once
+  .venv/bin/dflash2 train data --model qwen-1.5b --out "$CHAT" --sources chat --num-sequences "$CHAT_SEQUENCES" \
+      --batch-size 16 --shard-size 16 --hidden-taps 5 --threads "${THREADS:-2}"
+  TRAIN_DATA="$DATA,$CHAT"
+fi
 # Block 8 (a block of 16 costs 2.7 plain steps to verify on this CPU), 2 narrow layers, taps 1, 7, 13, 19, 25 (the
 # stored ones), a 16384-id draft vocabulary for the head (it covers the few thousand ids 224 sequences use).
 # Intermediate size 2048 keeps the shipped bf16 weights at 83 MB (git's 100 MB file limit; 3072 would be 102 MB,
 # and a warm start from target layers would need 8960).
-.venv/bin/dflash2 train dflash --model qwen-1.5b --data "$DATA" --out "$RUN" --num-layers 2 --intermediate-size 2048 \
+.venv/bin/dflash2 train dflash --model qwen-1.5b --data "$TRAIN_DATA" --out "$RUN" --num-layers 2 --intermediate-size 2048 \
     --block-size 8 --target-layers 1,7,13,19,25 --draft-vocab 16384 --anchors 32 --sequences-per-step 4 \
     --steps "${STEPS:-3000}" --lr "${LR:-6e-4}" --warmup 30 --heldout 12 --checkpoint-every 50 \
     --threads "${THREADS:-2}" "${INIT[@]}"
