@@ -5,8 +5,9 @@
 #   NUM_SEQUENCES=224 STEPS=450 scripts/train_qwen_dflash.sh      (first 14 shards; 450 steps, 21 minutes)
 #   RUN=runs/dflash-qwen1.5b-stage2 INIT_FROM=runs/dflash-qwen1.5b/drafter NUM_SEQUENCES=608 STEPS=600 LR=4e-4 \
 #       scripts/train_qwen_dflash.sh                               (first 38 shards; 600 steps, 30 minutes)
-# Data generation: about 10 s per sequence on 2 Xeon cores, 5.3 s on 2 Zen 4 cores (16 rows per step). Training reads every shard present, so
-# reproducing a stage exactly needs the shard count it had (the manifest lists shards in order).
+# Data generation: about 10 s per sequence on 2 Xeon cores, 5.3 s on 2 Zen 4 cores (16 rows per step).
+# Training reads every shard present, so reproducing a stage exactly needs the shard count it had (the manifest
+# lists shards in order).
 # Token shards are committed (data/dflash-train/), hidden states stay under $DFLASH2_HOME/train-hidden/ (GBs);
 # shards whose hidden states are missing (a fresh machine) are recomputed by one target forward when trained on.
 set -euo pipefail
