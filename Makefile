@@ -14,10 +14,10 @@ setup: $(STAMP)
 
 # torch is pinned to the CPU wheel (a bare `torch` pulls a multi-GB CUDA build); on a CUDA machine install the
 # matching CUDA wheel of torch first and this step keeps it.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev,serve]"
+	$(PY) -m pip install --quiet -e ".[dev,serve,bench]"
 	touch $(STAMP)
 
 models: setup
