@@ -17,6 +17,7 @@ CHAT=data/dflash-train/qwen2.5-coder-1.5b-instruct-chat  # --sources chat, its o
 RUN=${RUN:-runs/dflash-qwen1.5b}
 INIT=()
 if [[ -n "${INIT_FROM:-}" ]]; then INIT=(--init-from "$INIT_FROM"); fi  # continue from a trained drafter
+if [[ -n "${REFRESH_VOCAB:-}" ]]; then INIT+=(--refresh-draft-vocab); fi  # ... with a draft vocabulary ranked anew
 .venv/bin/dflash2 train data --model qwen-1.5b --out "$DATA" --num-sequences "${NUM_SEQUENCES:-3000}" \
     --batch-size 16 --shard-size 16 --hidden-taps 5 --threads "${THREADS:-2}"
 TRAIN_DATA=$DATA
@@ -25,6 +26,9 @@ if [[ "${CHAT_SEQUENCES:-0}" -gt 0 ]]; then  # e.g. CHAT_SEQUENCES=1280: every c
       --batch-size 16 --shard-size 16 --hidden-taps 5 --threads "${THREADS:-2}"
   TRAIN_DATA="$DATA,$CHAT"
 fi
+# Hidden states of shards generated on another machine (the tokens are committed, the hidden states are not):
+# one target forward per sequence, about 2 s each on 2 Zen 4 cores, instead of one per visit during training.
+.venv/bin/dflash2 train hidden --model qwen-1.5b --data "$TRAIN_DATA" --threads "${THREADS:-2}"
 # Block 8 (a block of 16 costs 2.7 plain steps to verify on this CPU), 2 narrow layers, taps 1, 7, 13, 19, 25 (the
 # stored ones), a 16384-id draft vocabulary for the head (it covers the few thousand ids 224 sequences use).
 # Intermediate size 2048 keeps the shipped bf16 weights at 83 MB (git's 100 MB file limit; 3072 would be 102 MB,

@@ -7,9 +7,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=data/dflash-train/qwen2.5-coder-1.5b-instruct
+CHAT=data/dflash-train/qwen2.5-coder-1.5b-instruct-chat
+TRAIN_DATA=$DATA
+if [[ "${CHAT_SEQUENCES:-0}" -gt 0 ]]; then TRAIN_DATA="$DATA,$CHAT"; fi  # as the DFlash recipe (it generates them)
 RUN=${RUN:-runs/dflash2-qwen1.5b}
 SHIPPED=src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct
-.venv/bin/dflash2 train dflash2 --model qwen-1.5b --data "$DATA" --out "$RUN" --init-from "${INIT_FROM:-$SHIPPED}" \
+.venv/bin/dflash2 train dflash2 --model qwen-1.5b --data "$TRAIN_DATA" --out "$RUN" --init-from "${INIT_FROM:-$SHIPPED}" \
     --num-layers 2 --intermediate-size 2048 --block-size 8 --target-layers 1,7,13,19,25 --draft-vocab 16384 \
     --selector-rank 128 --selector-top-k 16 --conv-group 16 --anchors 32 --sequences-per-step 4 \
     --steps "${STEPS:-400}" --lr "${LR:-3e-4}" --warmup 20 --heldout 12 --checkpoint-every 50 \

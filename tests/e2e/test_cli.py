@@ -72,3 +72,24 @@ def test_overlap_pipeline_from_the_command_line_matches_plain_decoding_in_fp32()
     assert record["token_ids"] == plain_record["token_ids"]
     assert record["pipeline"] == "overlap" and record["predraft_hit_rate"] > 0.5  # the drafter is the target
     assert 0.0 <= record["target_idle_fraction"] <= 1.0 and 0.0 <= record["drafter_idle_fraction"] <= 1.0
+
+
+def test_train_hidden_refills_what_a_fresh_clone_lacks(tiny_model_dirs, tmp_path):
+    from dflash2.models.loading import load_transformer
+    from dflash2.train.data import DataConfig, TokenShards, generate_training_data, shards_missing_hidden
+
+    assert_one_line_error(dflash2("train", "hidden", "--data", str(tmp_path / "none")), "manifest.json")
+    gsm8k = tmp_path / "gsm8k.jsonl"
+    gsm8k.write_text("".join(json.dumps({"question": f"What is {i} plus {i}?"}) + "\n" for i in range(4)))
+    config = DataConfig(str(tmp_path / "data"), 4, max_new_tokens=4, shard_size=2, batch_size=2, hidden_layers=(0, 1),
+                        hidden_dir=str(tmp_path / "hidden"), sources=("gsm8k",), gsm8k_path=str(gsm8k), progress=False)
+    target = load_transformer(tiny_model_dirs["qwen2"], "fp32")
+    generate_training_data(config, target, lambda text: list(text.encode())[:16], stop_ids=())
+    for shard in (tmp_path / "hidden").glob("*.safetensors"):
+        shard.unlink()
+    assert shards_missing_hidden(config.out_dir) == [0, 1]
+    proc = dflash2("train", "hidden", "--model", tiny_model_dirs["qwen2"], "--data", config.out_dir, "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stderr
+    assert "written for 2 shards" in proc.stdout and shards_missing_hidden(config.out_dir) == []
+    assert all(sequence.hidden is not None for sequence in TokenShards(config.out_dir))
+    assert "every shard has" in dflash2("train", "hidden", "--data", config.out_dir).stdout

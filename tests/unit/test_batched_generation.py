@@ -9,7 +9,8 @@ import torch
 
 from dflash2.models.loading import load_transformer
 from dflash2.train.batched import batched_greedy
-from dflash2.train.data import DataConfig, TokenShards, generate_training_data, greedy_response, read_manifest
+from dflash2.train.data import (DataConfig, TokenShards, fill_missing_hidden, generate_training_data, greedy_response,
+                                read_manifest, shards_missing_hidden)
 from dflash2.train.dflash_trainer import sequence_taps, target_pass
 
 LAYERS = (0, 2)
@@ -65,6 +66,19 @@ def test_batched_data_generation_stores_hidden_states_the_trainer_reads(target, 
     (tmp_path / "elsewhere" / "shard_00000.safetensors").unlink()  # e.g. a fresh clone on another machine
     fresh = TokenShards(batched.out_dir)
     assert fresh[0].hidden is None and fresh[4].hidden is not None  # missing files: the trainer recomputes
+    assert shards_missing_hidden(batched.out_dir) == [0] and shards_missing_hidden(single.out_dir) == []
+    assert fill_missing_hidden(batched.out_dir, target, progress=False) == 1  # ... or `dflash2 train hidden` does once
+    assert shards_missing_hidden(batched.out_dir) == [] and fill_missing_hidden(batched.out_dir, target) == 0
+    filled = TokenShards(batched.out_dir)
+    for index in (0, 1):  # shard 0, rewritten where the manifest says
+        assert filled[index].hidden.shape == (len(filled[index].ids) - 1, len(LAYERS), target.config.hidden_size)
+        torch.testing.assert_close(filled[index].hidden, target_pass_taps(target, filled[index].ids))
+    assert (tmp_path / "elsewhere" / "shard_00000.safetensors").exists()
+
+
+def target_pass_taps(target, ids: torch.Tensor) -> torch.Tensor:
+    """[N - 1, taps, D]: the stored layout of the hidden states of ``ids`` (the last id's are never needed)."""
+    return torch.stack(target_pass(target, ids, LAYERS).hidden_states, dim=2)[0, :-1]
 
 
 def test_batched_greedy_refuses_to_run_past_the_context(target):

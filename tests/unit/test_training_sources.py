@@ -70,3 +70,29 @@ def test_training_reads_several_directories_as_one(tiny_model_dirs, tmp_path):
     assert (final / "config.json").exists()
     evaluation = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
     assert evaluation["num_blocks"] > 0  # one held-out sequence from each directory was scored
+
+
+def test_a_warm_start_keeps_or_refreshes_the_draft_vocabulary(tiny_model_dirs, tmp_path):
+    from dflash2.drafters.dflash_model import DFlashDraftModel
+
+    target = load_transformer(tiny_model_dirs["qwen2"], "fp32")
+    old = write_token_shards(tmp_path / "old", sequences(100, 6), shard_size=3)
+    new = write_token_shards(tmp_path / "new", sequences(200, 6), shard_size=3)
+    source = train_dflash(train_config(tmp_path, str(old), "source", num_steps=2, draft_vocab_size=8), target=target)
+    source_vocab = DFlashDraftModel.from_pretrained(source).draft_vocab
+
+    def warm_start(name: str, **settings) -> torch.Tensor:
+        config = train_config(tmp_path, str(new), name, num_steps=2, draft_vocab_size=8, init_from=str(source),
+                              **settings)
+        return DFlashDraftModel.from_pretrained(train_dflash(config, target=target)).draft_vocab
+
+    assert torch.equal(warm_start("kept"), source_vocab)
+    refreshed = warm_start("refreshed", refresh_draft_vocab=True)
+    train_ids, _ = ShardSet(str(new)).split_heldout(2)
+    assert torch.equal(refreshed.cpu(), frequent_ids(ShardSet(str(new)), train_ids, 8, target.config.eos_token_ids))
+    assert 200 in refreshed.tolist() and 200 not in source_vocab.tolist()
+    selector = train_dflash(train_config(tmp_path, str(old), "selector", num_steps=1, draft_vocab_size=8,
+                                         selector_rank=4, selector_top_k=4), target=target)
+    with pytest.raises(ValueError, match="path selector"):
+        train_dflash(train_config(tmp_path, str(new), "bad", num_steps=1, draft_vocab_size=8, selector_rank=4,
+                                  selector_top_k=4, init_from=str(selector), refresh_draft_vocab=True), target=target)

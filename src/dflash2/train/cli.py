@@ -1,4 +1,4 @@
-"""``dflash2 train data | dflash``: regenerate responses with the target, then train a DFlash drafter."""
+"""``dflash2 train data | hidden | dflash | dflash2``: regenerate responses with the target, then train a DFlash drafter."""
 
 from __future__ import annotations
 
@@ -36,6 +36,14 @@ def add_train_parser(commands) -> None:
                            "(same ids, faster; default ngram)")
     data.set_defaults(handler=run_train_data)
 
+    hidden = sub.add_parser("hidden", help="recompute the target's hidden states that shards lack (e.g. after a "
+                                           "fresh clone: token shards are committed, hidden states are not)")
+    hidden.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the target (default: %(default)s)")
+    hidden.add_argument("--data", required=True, help="token shard directories, comma-separated")
+    hidden.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    hidden.add_argument("--threads", type=int, default=None)
+    hidden.set_defaults(handler=run_train_hidden)
+
     dflash = sub.add_parser("dflash", help="train a DFlash block drafter on token shards (resumable)")
     _add_dflash_arguments(dflash)
     dflash.set_defaults(handler=run_train_dflash, selector_rank=0, selector_top_k=16, conv_group=0)
@@ -60,6 +68,9 @@ def _add_dflash_arguments(dflash) -> None:
     dflash.add_argument("--init-from-target", action="store_true", help="warm start from the target's layers")
     dflash.add_argument("--init-from", default=None,
                         help="start from a trained drafter directory (e.g. a DFlash drafter for a DFlash2 run)")
+    dflash.add_argument("--refresh-draft-vocab", action="store_true",
+                        help="with --init-from: rank the draft vocabulary on this run's data instead of keeping the "
+                             "source drafter's (not for a source with a path selector)")
     dflash.add_argument("--draft-vocab", type=int, default=0,
                         help="score only this many frequent ids in the drafter's head (0 = whole vocabulary)")
     dflash.add_argument("--gamma", type=float, default=None)
@@ -127,6 +138,31 @@ def run_train_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_train_hidden(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflash2.models.loading import load_transformer
+    from dflash2.models.store import resolve_model
+    from dflash2.train.data import fill_missing_hidden, shards_missing_hidden
+
+    _stop_gracefully_on_signals()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    directories = [d for d in args.data.split(",") if d]
+    for directory in directories:
+        if not (Path(directory) / "manifest.json").exists():
+            raise SystemExit(f"no token shards in {directory} (manifest.json missing)")
+    if not any(shards_missing_hidden(d) for d in directories):
+        print("every shard has its hidden states")
+        return 0
+    model_dir = resolve_model(args.model, args.dtype)
+    # torch's own kernels: at hundreds of rows per call (whole sequences) they beat the packed decode kernel
+    target = load_transformer(model_dir, args.dtype, packed=False)
+    for directory in directories:
+        print(f"{directory}: hidden states written for {fill_missing_hidden(directory, target)} shards")
+    return 0
+
+
 def run_train_dflash(args: argparse.Namespace) -> int:
     from dflash2.models.store import canonical_name, resolve_model
     from dflash2.train.dflash_trainer import TrainConfig, train_dflash
@@ -140,7 +176,7 @@ def run_train_dflash(args: argparse.Namespace) -> int:
         mask_token_id=args.mask_token_id, intermediate_size=args.intermediate_size,
         init_from_target=args.init_from_target, draft_vocab_size=args.draft_vocab, gamma=args.gamma,
         selector_rank=args.selector_rank, selector_top_k=args.selector_top_k, conv_group=args.conv_group,
-        init_from=args.init_from, anchors_per_sequence=args.anchors,
+        init_from=args.init_from, refresh_draft_vocab=args.refresh_draft_vocab, anchors_per_sequence=args.anchors,
         max_sequence_length=args.max_seq_len, sequences_per_step=args.sequences_per_step, num_steps=args.steps,
         learning_rate=args.lr, warmup_steps=args.warmup, heldout_sequences=args.heldout, seed=args.seed,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, stop_at_step=args.stop_at_step,

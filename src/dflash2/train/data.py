@@ -157,6 +157,64 @@ def append_shard(out_dir: str | Path, sequences: Sequence[TrainingSequence], pro
     _write_manifest(out_dir, manifest)
 
 
+def shards_missing_hidden(data_dir: str | Path) -> list[int]:
+    """Numbers of the shards whose hidden-state file is absent or stale (e.g. data committed, hidden states made on
+    another machine). Empty when the data stores no hidden states at all."""
+    data_dir = Path(data_dir)
+    manifest = read_manifest(data_dir)
+    if manifest is None or not manifest["settings"].get("hidden_layers"):
+        return []
+    reader = TokenShards(data_dir)
+    return [number for number, entry in enumerate(manifest["shards"])
+            if entry["num_sequences"] and reader._hidden(number, 0, 1) is None]
+
+
+@torch.no_grad()
+def fill_missing_hidden(data_dir: str | Path, target: Transformer, hidden_dir: str | Path | None = None,
+                        progress: bool = True) -> int:
+    """Recompute the tapped hidden states of every shard that lacks them (one uncached target forward per
+    sequence), so that training reads them instead of running the target each time it visits a sequence.
+
+    A shard's file goes where the manifest says, or to ``hidden_dir`` (default ``data_dir/hidden``) when the entry
+    names none. Resumable: each shard is written atomically and skipped once present. Returns the shards written.
+    """
+    from tqdm import tqdm
+
+    data_dir = Path(data_dir)
+    missing = shards_missing_hidden(data_dir)
+    if not missing:
+        return 0
+    manifest = read_manifest(data_dir)
+    layers = tuple(manifest["settings"]["hidden_layers"])
+    if max(layers) >= target.config.num_layers:
+        raise ValueError(f"{data_dir} stores hidden states of layers {layers}; the target has "
+                         f"{target.config.num_layers}")
+    reader = TokenShards(data_dir, load_hidden=False)
+    total = sum(manifest["shards"][n]["num_sequences"] for n in missing)
+    bar = tqdm(total=total, desc=f"hidden states for {len(missing)} shards", unit="seq", disable=not progress,
+               dynamic_ncols=True)
+    try:
+        for number in missing:
+            entry = manifest["shards"][number]
+            sequences = []
+            for index in range(reader.starts[number], reader.starts[number + 1]):
+                sequence = reader[index]
+                out = target(sequence.ids[None].to(target.device), hidden_layers=layers, logits="none")
+                hidden = torch.stack(tuple(out.hidden_states), dim=2)[0, :-1].to(target.dtype).cpu()  # [N-1, taps, D]
+                sequences.append(TrainingSequence(sequence.ids, sequence.prompt_length, hidden))
+                bar.update(1)
+            path = Path(entry["hidden"]) if "hidden" in entry else Path(hidden_dir or data_dir / HIDDEN_DIR) / entry["file"]
+            path = path if path.is_absolute() else data_dir / path
+            write_hidden_shard(path, sequences)
+            if "hidden" not in entry:
+                inside = path.resolve().is_relative_to(data_dir.resolve())
+                entry["hidden"] = str(path.resolve().relative_to(data_dir.resolve()) if inside else path.resolve())
+                _write_manifest(data_dir, manifest)
+    finally:
+        bar.close()
+    return len(missing)
+
+
 def write_token_shards(out_dir: str | Path, sequences: Iterable[TrainingSequence], shard_size: int = 64) -> Path:
     """Store ready-made sequences (tests, imported data) in the shard format."""
     batch: list[TrainingSequence] = []

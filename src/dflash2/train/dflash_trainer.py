@@ -63,6 +63,8 @@ class TrainConfig:
     selector_top_k: int = 16  # DFlash2 candidates per position
     conv_group: int = 0  # DFlash2 dynamic convolution channel group (0 = none)
     init_from: str | None = None  # start from a trained drafter's weights (e.g. DFlash -> DFlash2); new parts fresh
+    refresh_draft_vocab: bool = False  # with init_from: rank the draft vocabulary on this run's data instead of
+    # keeping the source's (the head rows are the target's own, so only the selection changes)
     gamma: float | None = None  # loss decay over block positions; default 1 + 3 * block_size / 8 (8 -> 4, 16 -> 7)
     anchors_per_sequence: int = 64  # blocks per sequence per forward (512 on a GPU in the published recipe)
     max_sequence_length: int = 1024  # longer sequences are truncated
@@ -412,7 +414,7 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
     if config.draft_vocab_size:
         model.set_draft_vocab(frequent_ids(shards, train_ids, config.draft_vocab_size, target.config.eos_token_ids))
     if config.init_from:
-        _init_from_drafter(model, config.init_from)
+        _init_from_drafter(model, config.init_from, keep_draft_vocab=not config.refresh_draft_vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cosine_with_warmup(
@@ -482,13 +484,18 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
     return latest_checkpoint(out_dir) / FINAL_DRAFTER
 
 
-def _init_from_drafter(model: DFlashDraftModel, directory: str) -> None:
+def _init_from_drafter(model: DFlashDraftModel, directory: str, keep_draft_vocab: bool = True) -> None:
     """Copy a trained drafter's weights (and draft vocabulary) into ``model``; parts it lacks keep their init.
 
     DFlash2's parts start as the identity (convolutions) and a zero gate (selector), so the copy drafts exactly
-    like the drafter it came from until training moves them.
+    like the drafter it came from until training moves them. ``keep_draft_vocab=False`` keeps ``model``'s own
+    draft vocabulary (ranked on this run's data): allowed unless the source has a path selector, whose codebooks
+    belong to its vocabulary.
     """
     source = DFlashDraftModel.from_pretrained(directory, model.dtype, model.device)
+    if not keep_draft_vocab and source.selector is not None:
+        raise ValueError(f"{directory} has a path selector tied to its draft vocabulary: keep that vocabulary")
+    own_vocab = None if model.draft_vocab is None else model.draft_vocab.clone()
     if (source.config.num_layers, source.config.target_layer_ids, source.config.block_size,
             source.config.draft_vocab_size) != (model.config.num_layers, model.config.target_layer_ids,
                                                 model.config.block_size, model.config.draft_vocab_size):
@@ -496,6 +503,8 @@ def _init_from_drafter(model: DFlashDraftModel, directory: str) -> None:
     missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
     if unexpected or any(not _is_new_part(name) for name in missing):
         raise ValueError(f"{directory}: weights do not fit ({unexpected[:3]} unexpected, {missing[:3]} missing)")
+    if not keep_draft_vocab and own_vocab is not None:
+        model.set_draft_vocab(own_vocab)
 
 
 def _is_new_part(name: str) -> bool:
