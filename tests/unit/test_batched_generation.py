@@ -11,7 +11,7 @@ from dflash2.models.loading import load_transformer
 from dflash2.train.batched import batched_greedy
 from dflash2.train.data import (DataConfig, TokenShards, fill_missing_hidden, generate_training_data, greedy_response,
                                 read_manifest, shards_missing_hidden)
-from dflash2.train.dflash_trainer import sequence_taps, target_pass
+from dflash2.train.evaluate import sequence_taps, target_pass
 
 LAYERS = (0, 2)
 

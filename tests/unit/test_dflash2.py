@@ -197,8 +197,8 @@ def test_dflash2_training_lowers_the_loss_and_can_start_from_a_dflash_drafter(ta
 
 def test_the_held_out_check_scores_the_drafts_the_selector_proposes(target):
     """Training's acceptance check must draft like decoding does: with a selector, its walk, not the argmax."""
-    from dflash2.train.dflash_trainer import (block_hidden, build_anchor_batch, greedy_block_drafts,
-                                              position_weights, target_pass)
+    from dflash2.train.evaluate import greedy_block_drafts, target_pass
+    from dflash2.train.objective import block_hidden, build_anchor_batch, position_weights
 
     model = dflash2_model(target)
     prompt = prompt_ids()

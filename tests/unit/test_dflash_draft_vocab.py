@@ -8,14 +8,9 @@ import torch
 from dflash2.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter, load_dflash_drafter
 from dflash2.kernels import PackedLinear
 from dflash2.models.loading import load_transformer
-from dflash2.train.data import TokenShards, TrainingSequence, write_token_shards
-from dflash2.train.dflash_trainer import (
-    block_loss,
-    build_anchor_batch,
-    evaluate_acceptance,
-    frequent_ids,
-    position_weights,
-)
+from dflash2.train.data import TokenShards, TrainingSequence, frequent_ids, write_token_shards
+from dflash2.train.evaluate import evaluate_acceptance
+from dflash2.train.objective import block_loss, build_anchor_batch, position_weights
 from dflash2.verify.sampling import SamplingParams
 from tests.unit.test_dflash_drafter import NEW_TOKENS, first_draft, make_model, plain_ids, prompt_ids, spec_ids
 

@@ -20,18 +20,9 @@ from dflash2.train.data import (
     read_manifest,
     write_token_shards,
 )
-from dflash2.train.dflash_trainer import (
-    TrainConfig,
-    build_anchor_batch,
-    block_hidden,
-    default_gamma,
-    evaluate_acceptance,
-    latest_checkpoint,
-    position_weights,
-    sample_anchors,
-    target_pass,
-    train_dflash,
-)
+from dflash2.train.dflash_trainer import TrainConfig, latest_checkpoint, train_dflash
+from dflash2.train.evaluate import evaluate_acceptance, target_pass
+from dflash2.train.objective import block_hidden, build_anchor_batch, default_gamma, position_weights, sample_anchors
 
 MASK = 255
 

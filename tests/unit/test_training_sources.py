@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dflash2.models.loading import load_transformer
-from dflash2.train.data import ShardSet, TokenShards, TrainingSequence, append_shard, write_token_shards
-from dflash2.train.dflash_trainer import frequent_ids, train_dflash
+from dflash2.train.data import ShardSet, TokenShards, TrainingSequence, append_shard, frequent_ids, write_token_shards
+from dflash2.train.dflash_trainer import train_dflash
 from dflash2.train.prompts import CHAT_TASKS, CHAT_TOPICS, chat_prompts, iter_prompts
 from tests.unit.test_dflash_training import gsm8k_file, repetitive_data, train_config
 

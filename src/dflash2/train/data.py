@@ -449,3 +449,35 @@ class ShardSet:
             train += range(start, start + kept)
             heldout += range(start + kept, start + len(part))
         return train, heldout
+
+
+# ---- draft vocabulary ------------------------------------------------------------------------------------
+
+
+def frequent_ids(shards: TokenShards | ShardSet, sequences: int | Sequence[int], count: int,
+                 always: Sequence[int] = ()) -> torch.Tensor:
+    """The ``count`` ids most frequent in the responses of ``sequences`` (indices, or the first N), ``always``
+    included. Ties break toward the smaller id, so the draft vocabulary is a deterministic function of the data.
+    """
+    reader = shards.without_hidden() if isinstance(shards, ShardSet) else \
+        TokenShards(shards.data_dir, load_hidden=False)
+    counts = torch.zeros(0, dtype=torch.int64)
+    for index in range(sequences) if isinstance(sequences, int) else sequences:
+        sequence = reader[index]
+        counts = _add_counts(counts, sequence.ids[sequence.prompt_length :])
+    must = torch.tensor(sorted(set(always)), dtype=torch.int64)
+    counts = _add_counts(counts, must)
+    if count > counts.numel():
+        counts = torch.cat([counts, torch.zeros(count - counts.numel(), dtype=torch.int64)])
+    boost = torch.zeros_like(counts)
+    boost[must] = counts.sum() + 1  # ahead of every counted id
+    order = torch.argsort(-(counts + boost), stable=True)
+    return order[:count]
+
+
+def _add_counts(counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    if ids.numel() == 0:
+        return counts
+    new = torch.bincount(ids, minlength=counts.numel())
+    new[: counts.numel()] += counts
+    return new
