@@ -7,11 +7,17 @@ the formats interleaved in every round (same process, same prompt, same threads)
     python scripts/bench_quant.py --model smollm2 --rounds 3 --decode-tokens 32
     python scripts/bench_quant.py --bandwidth 21                    # GB/s for the roofline column
     python scripts/bench_quant.py --threads 1 --cpu-time --agreement 2   # busy machine: CPU seconds, 1 thread
+    python scripts/bench_quant.py --rounds 0 --pass-rate 10 --out runs/quant-pass   # accuracy only
 
 --cpu-time times with the process's CPU time instead of the wall clock (use with --threads 1): on a machine
 shared with other jobs it measures what the work costs, not how long the scheduler kept it waiting.
 --agreement N also decodes N HumanEval and N GSM8K prompts greedily with every format and reports how many
 tokens each quantized format shares with bf16 before the first difference.
+--pass-rate N answers the first N HumanEval and N GSM8K prompts with every format (chat template, the engine's
+plain greedy decoding, up to --pass-tokens new tokens, stopping at EOS), scores them (dflash2.bench.accuracy:
+the final number for GSM8K, the task's tests in a separate `python -I` for HumanEval) and reports per format and
+suite the pass rate, the responses identical to the first format's and where the others first differ; the
+per-prompt rows (texts included) go to --out/pass_rate.jsonl.  --rounds 0 skips the timing.
 
 Roofline: the bytes of linear-layer weights read per decoding step (packed bf16: 2 B per weight; int8: 1 B +
 4 B per output; int4: 0.5 B + 4 B per 32 weights) over --bandwidth GB/s (scripts/bench_kernels.py measures the
@@ -24,10 +30,14 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from dflash2.bench.datasets import load_suite
+from dflash2.bench.accuracy import SCORED_SUITES, first_divergence, load_references, pass_rate_table, score
+from dflash2.bench.accuracy import summarize_pass_rates
+from dflash2.bench.datasets import BenchPrompt, load_suite
+from dflash2.decode.engine import Engine
 from dflash2.kernels import PackedLinear
 from dflash2.kernels.quant_linear import QuantLinear
 from dflash2.models.loading import load_transformer
@@ -93,6 +103,47 @@ def agreement(models, model_dir, per_suite: int, tokens: int) -> dict[str, list[
     return shared
 
 
+def pass_rates(models, model_dir, per_suite: int, tokens: int) -> list[dict]:
+    """Greedy chat responses of every format to the first ``per_suite`` prompts of each scored suite, scored:
+    one row per (prompt, format)."""
+    tokenizer = Tokenizer(model_dir)
+    engines = {fmt: Engine(model, tokenizer, name=fmt) for fmt, model in models.items()}  # drafter None: plain
+    rows = []
+    for suite in SCORED_SUITES:
+        references = load_references(suite)
+        for prompt in load_suite(suite, per_suite):
+            rows += prompt_rows(engines, prompt, references[prompt.prompt_id], tokens)
+    return rows
+
+
+def prompt_rows(engines: dict[str, Engine], prompt: BenchPrompt, reference, tokens: int) -> list[dict]:
+    results = {fmt: engine.generate(prompt.text, max_new_tokens=tokens) for fmt, engine in engines.items()}
+    baseline = next(iter(results.values())).token_ids
+    rows = []
+    for fmt, result in results.items():
+        verdict = score(reference, result.text)
+        rows.append({"suite": prompt.suite, "prompt_id": prompt.prompt_id, "weights": fmt, "passed": verdict.passed,
+                     "detail": verdict.detail, "first_divergence": first_divergence(result.token_ids, baseline),
+                     "new_tokens": len(result.token_ids), "finish_reason": result.finish_reason,
+                     "decode_tokens_per_s": result.stats.decode_tokens_per_s, "text": result.text,
+                     "token_ids": result.token_ids})
+    print(f"pass {prompt.suite}/{prompt.prompt_id}: " + ", ".join(
+        f"{r['weights']} {'ok' if r['passed'] else 'fail'} ({r['detail'][:40]}; {r['new_tokens']} tok, "
+        f"diverges {'-' if r['first_divergence'] is None else r['first_divergence']})" for r in rows), flush=True)
+    return rows
+
+
+def write_pass_rates(rows: list[dict], formats: list[str], out: Path, args) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "pass_rate.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    table = pass_rate_table(summarize_pass_rates(rows), formats[0])
+    header = (f"model={args.model} prompts per suite={args.pass_rate} max new tokens={args.pass_tokens} "
+              "(greedy, chat template, plain decoding)")
+    (out / "pass_rate.md").write_text(header + "\n\n" + table + "\n")
+    print(f"\n{header}\n\n{table}\n\nrows: {out / 'pass_rate.jsonl'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -104,8 +155,13 @@ def main() -> None:
     ap.add_argument("--cpu-time", action="store_true", help="time with process CPU time (with --threads 1)")
     ap.add_argument("--agreement", type=int, default=0, help="greedy agreement on N prompts per suite")
     ap.add_argument("--agreement-tokens", type=int, default=64)
+    ap.add_argument("--pass-rate", type=int, default=0, help="score greedy responses to N prompts per suite")
+    ap.add_argument("--pass-tokens", type=int, default=384, help="max new tokens per --pass-rate response")
+    ap.add_argument("--out", type=Path, default=None, help="--pass-rate rows (default: runs/quant-pass-<time>)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
+    if args.rounds < 0 or args.pass_rate < 0 or args.pass_tokens <= 0:
+        ap.error("--rounds and --pass-rate must be >= 0, --pass-tokens > 0")
     if args.cpu_time:
         global clock
         clock = time.process_time
@@ -134,9 +190,20 @@ def main() -> None:
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
     shared = agreement(models, model_dir, args.agreement, args.agreement_tokens) if args.agreement else {}
     report(formats, models, times, rates, shared, args)
+    if args.pass_rate:
+        rows = pass_rates(models, model_dir, args.pass_rate, args.pass_tokens)
+        write_pass_rates(rows, formats, args.out or Path("runs") / time.strftime("quant-pass-%Y%m%d-%H%M%S"), args)
 
 
 def report(formats, models, times, rates, shared, args) -> None:
+    if args.rounds:
+        timing_table(formats, models, times, rates, shared, args)
+    for fmt, same in shared.items():
+        full = sum(s == args.agreement_tokens for s in same)
+        print(f"greedy agreement with {formats[0]}, {fmt}: identical {full}/{len(same)}, shared tokens {same}")
+
+
+def timing_table(formats, models, times, rates, shared, args) -> None:
     print(f"\nthreads={torch.get_num_threads()} model={args.model} rounds={args.rounds} clock={clock.__name__} "
           "(medians; formats interleaved)")
     header = (f"{'weights':>7} | {'GB/step':>7} | {'1 row ms':>8} | {'9 rows ms':>9} | {'17 rows ms':>10} | "
@@ -153,9 +220,6 @@ def report(formats, models, times, rates, shared, args) -> None:
         results.append({"weights": fmt, "gb_per_step": gb, "ms": ms, "plain_tokens_per_s": rate,
                         "roofline_tokens_per_s": roof, "all_ms": {r: times[(fmt, r)] for r in ROWS},
                         "all_rates": rates[fmt], "agreement_shared_tokens": shared.get(fmt)})
-    for fmt, same in shared.items():
-        full = sum(s == args.agreement_tokens for s in same)
-        print(f"greedy agreement with {formats[0]}, {fmt}: identical {full}/{len(same)}, shared tokens {same}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -55,6 +55,16 @@ def load_suite(suite: str, limit: int | None = None, data: str | Path | None = N
     return out
 
 
+REFERENCE_FILES = {"humaneval": Path("humaneval/HumanEval.jsonl.gz"), "gsm8k": Path("gsm8k/test.jsonl")}
+
+
+def reference_rows(suite: str, data: str | Path | None = None) -> list[dict]:
+    """The stored rows of a scored suite (answers, tests), in the order of :func:`load_suite`'s prompts."""
+    if suite not in REFERENCE_FILES:
+        raise ValueError(f"suite {suite!r} has no references; choose one of {', '.join(REFERENCE_FILES)}")
+    return _jsonl(data_root(data) / "eval" / REFERENCE_FILES[suite])
+
+
 def load_suites(suites: Sequence[str], limit: int | None = None, data: str | Path | None = None) -> list[BenchPrompt]:
     """The prompts of several suites in order, each (category, prompt id) once: Spec-Bench's ``mt_bench``
     category holds MT-bench questions, which the ``mt_bench`` suite already brings."""
