@@ -64,8 +64,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--weights", default="bf16", choices=("bf16", "int8", "int4"),
                         help="linear-layer weights of the target and draft model: bf16 (not quantized), int8 (per "
-                             "channel) or int4 (groups of 32), weight-only, quantized at load time, CPU "
-                             "(default: %(default)s)")
+                             "channel) or int4 (groups of 32), weight-only, CPU; quantized at the first load and cached in "
+                             "the model store (DFLASH2_QUANT_CACHE=off: never cached) (default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     parser.add_argument("--pipeline", default=None,
