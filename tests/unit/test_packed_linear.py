@@ -1,5 +1,5 @@
-"""PackedLinear (dflash2.kernels): the AVX2/FMA kernel and its PyTorch fallback both match
-F.linear(x.float(), W_bf16.float(), bias) to fp32 accuracy, for any thread count."""
+"""PackedLinear (dflash2.kernels): the AMX kernel (where the CPU has it), the AVX2/FMA kernel and the PyTorch
+fallback all match F.linear(x.float(), W_bf16.float(), bias) to fp32 accuracy, for any thread count."""
 
 from __future__ import annotations
 
@@ -47,7 +47,11 @@ def _layer(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
 
 
 def _backends() -> list[str]:
-    return ["avx2", "torch"] if kernels_available() else ["torch"]
+    from dflash2.kernels.amx import amx_available
+
+    if not kernels_available():
+        return ["torch"]
+    return ["amx", "avx2", "torch"] if amx_available() else ["avx2", "torch"]
 
 
 @pytest.mark.parametrize("backend", _backends())

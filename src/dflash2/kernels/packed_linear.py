@@ -30,6 +30,7 @@ from torch import nn
 
 __all__ = [
     "PackedLinear",
+    "default_backend",
     "kernel_status",
     "kernels_available",
     "pack_weight",
@@ -49,6 +50,7 @@ _LDFLAGS = ["-fopenmp"]
 
 # Backend names of a PackedLinear.
 KERNEL = "avx2"
+AMX = "amx"  # Intel AMX tiles (kernels/amx.py), where the CPU has them
 TORCH = "torch"
 
 _lock = threading.Lock()
@@ -122,12 +124,19 @@ def _self_check(op) -> str:
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         x = torch.randn(m, k, generator=g)
         b = torch.randn(n, generator=g)
-        got = op(x, pack_weight(w), b, n)
-        ref = F.linear(x, w.float(), b)
-        if not torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * (k**0.5)):
-            err = (got - ref).abs().max().item()
-            return f"self-check failed for M={m} N={n} K={k} (max abs err {err:.3g})"
+        bad = self_check_mismatch(op(x, pack_weight(w), b, n), F.linear(x, w.float(), b), k, "")
+        if bad:
+            return bad
     return ""
+
+
+def self_check_mismatch(got: torch.Tensor, ref: torch.Tensor, k: int, what: str) -> str:
+    """"" when a kernel's [M, N] output over K = k inputs matches the reference to fp32 accuracy, else one line."""
+    m, n = got.shape
+    if torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * (k**0.5)):
+        return ""
+    err = (got - ref).abs().max().item()
+    return f"{what}self-check failed for M={m} N={n} K={k} (max abs err {err:.3g})"
 
 
 def kernels_disabled_reason() -> str:
@@ -291,11 +300,13 @@ class CpuLinear(nn.Module):
         if x.shape[-1] != k:
             raise ValueError(f"{name}: expected last dim {k}, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, k).float().contiguous()  # [M, K] (no copy when already fp32 and contiguous)
-        if self.backend == KERNEL:
+        if self.backend == AMX:  # bf16 rows as they are (amx.py: fp32 rows as two bf16 parts)
+            y = _row_chunked(self.kernel_rows, x.reshape(-1, k).contiguous(), self.out_features)
+        elif self.backend == KERNEL:
+            x2 = x.reshape(-1, k).float().contiguous()  # [M, K] (no copy when already fp32 and contiguous)
             y = _row_chunked(self.kernel_rows, x2, self.out_features)
         else:
-            y = self.fallback_rows(x2)
+            y = self.fallback_rows(x.reshape(-1, k).float())
         y = y.view(*lead, self.out_features)  # [..., N]
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
@@ -312,9 +323,9 @@ class PackedLinear(CpuLinear):
     CPU tensors only: on CUDA keep the ``nn.Linear`` (the caller decides; ``forward`` raises on
     a non-CPU input).  No autograd.
 
-    Backends: ``"avx2"`` (the packed kernel) or ``"torch"`` (fallback: the bf16 [N, K] weight and
-    ``F.linear`` on fp32 chunks).  ``from_linear(..., backend=None)`` picks ``"avx2"`` when
-    :func:`kernels_available`.
+    Backends: ``"amx"`` (Intel AMX tiles, :mod:`dflash2.kernels.amx`), ``"avx2"`` (the packed kernel) or
+    ``"torch"`` (fallback: the bf16 [N, K] weight and ``F.linear`` on fp32 chunks).
+    ``from_linear(..., backend=None)`` picks the first available (:func:`default_backend`).
     """
 
     def __init__(
@@ -326,16 +337,15 @@ class PackedLinear(CpuLinear):
         backend: str,
     ) -> None:
         super().__init__()
-        if backend not in (KERNEL, TORCH):
-            raise ValueError(f"unknown backend {backend!r} (expected {KERNEL!r} or {TORCH!r})")
+        if backend not in (AMX, KERNEL, TORCH):
+            raise ValueError(f"unknown backend {backend!r} (expected {AMX!r}, {KERNEL!r} or {TORCH!r})")
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.backend = backend
         # Plain attributes on purpose (see class docstring).
-        self.weight_data = weight  # avx2: packed [P, K, 16]; torch: [N, K]; both bf16
+        self.weight_data = weight  # amx: [P, S, 16, 32]; avx2: packed [P, K, 16]; torch: [N, K]; all bf16
         self.bias_data = bias  # fp32 [N] or None
-        if backend == KERNEL and not kernels_available():
-            raise RuntimeError(f"dflash2 kernel backend requested but unavailable: {kernel_status()}")
+        _check_backend(backend)
         self._op = _state["op"] if backend == KERNEL else None
 
     @classmethod
@@ -351,12 +361,13 @@ class PackedLinear(CpuLinear):
         if weight.dim() != 2:
             raise ValueError(f"weight must be [out_features, in_features], got {tuple(weight.shape)}")
         if backend is None:
-            backend = KERNEL if kernels_available() else TORCH
-        elif backend == KERNEL and not kernels_available():
-            raise RuntimeError(f"dflash2 kernel backend requested but unavailable: {kernel_status()}")
+            backend = default_backend()
+        _check_backend(backend)
         n, k = weight.shape
         with torch.no_grad():
-            if backend == KERNEL:
+            if backend == AMX:
+                w = _amx().pack_weight_amx(weight)
+            elif backend == KERNEL:
                 w = pack_weight(weight)
             else:
                 w = weight.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
@@ -369,11 +380,15 @@ class PackedLinear(CpuLinear):
 
     def unpacked_weight(self) -> torch.Tensor:
         """The bf16 [out_features, in_features] weight (a new tensor)."""
+        if self.backend == AMX:
+            return _amx().unpack_weight_amx(self.weight_data, self.out_features, self.in_features)
         if self.backend == KERNEL:
             return unpack_weight(self.weight_data, self.out_features)
         return self.weight_data.clone()
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == AMX:
+            return _amx().amx_linear_rows(x, self.weight_data, self.bias_data, self.out_features)
         return self._op(x, self.weight_data, self.bias_data, self.out_features)
 
     def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -384,6 +399,26 @@ class PackedLinear(CpuLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias_data is not None}, backend={self.backend}"
         )
+
+
+def _amx():
+    from dflash2.kernels import amx
+
+    return amx
+
+
+def default_backend() -> str:
+    """The fastest backend available here: ``amx`` where the CPU has AMX-BF16, else ``avx2``, else ``torch``."""
+    if kernels_available() and _amx().amx_available():
+        return AMX
+    return KERNEL if kernels_available() else TORCH
+
+
+def _check_backend(backend: str) -> None:
+    if backend == KERNEL and not kernels_available():
+        raise RuntimeError(f"dflash2 kernel backend requested but unavailable: {kernel_status()}")
+    if backend == AMX and not (kernels_available() and _amx().amx_available()):
+        raise RuntimeError(f"dflash2 AMX backend requested but unavailable: {_amx().amx_status()}")
 
 
 # The kernel streams all rows of x past each 16-output weight panel, so x is re-read once per panel; past a few

@@ -152,10 +152,9 @@ def _self_check(op) -> str:
             q, s = _QUANTIZE[weights](w)
             packed = _PACK[weights](q, s)
             got = getattr(torch.ops.dflash2_qkernels, f"{weights}_linear").default(x, *packed, b, n)
-            ref = _FALLBACK[weights](x, q, s, b)
-            if not torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * (k**0.5)):
-                err = (got - ref).abs().max().item()
-                return f"{weights} self-check failed for M={m} N={n} K={k} (max abs err {err:.3g})"
+            bad = _bf16.self_check_mismatch(got, _FALLBACK[weights](x, q, s, b), k, f"{weights} ")
+            if bad:
+                return bad
     return ""
 
 

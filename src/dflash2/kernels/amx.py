@@ -1,0 +1,146 @@
+"""The Intel AMX path of :class:`~dflash2.kernels.PackedLinear`: bf16 tiles, fp32 accumulation (``gemm_amx.cpp``).
+
+Where the CPU has AMX-BF16 (Sapphire Rapids and later Xeons) one tile instruction multiplies 16 rows of x by a
+1 KiB tile of weights, so a linear layer costs about the bytes it reads for any number of rows up to 16: verifying
+a block of drafts costs what one decoding step costs.  Chosen at run time: the CPU must list ``amx_tile`` and
+``amx_bf16``, Linux must grant the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``), the kernel must build and pass
+its self-check, and ``DFLASH2_AMX`` must not be ``off`` (nor ``DFLASH2_KERNELS``).  Otherwise PackedLinear uses
+the AVX2 kernel as before.
+
+Arithmetic: x is multiplied in bf16.  A bf16 x (a bf16 model's activations) is used as it is; an fp32 x is split
+into ``hi = bf16(x)`` and ``lo = bf16(x - hi)`` and both are multiplied (about 16 bits of x, relative error ~1e-5),
+so fp32 callers keep nearly fp32 accuracy.  Every output is the same chain of tile updates over k whatever the
+number of rows (row-count invariant, tested), so speculation stays lossless in bf16 on this path too; results
+differ in rounding from the AVX2 kernel's (another machine, another rounding), never within one machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dflash2.kernels import packed_linear as _bf16
+
+__all__ = ["amx_available", "amx_linear_rows", "amx_status", "pack_weight_amx", "unpack_weight_amx"]
+
+PANEL = 16  # outputs per panel (kPanel in gemm_amx.cpp)
+STEP = 32  # k per tile step (kStep)
+TILE_ROWS = 16  # rows of x per tile (kRows)
+_SOURCE = Path(__file__).with_name("gemm_amx.cpp")
+_CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _disabled_reason() -> str:
+    env = os.environ.get("DFLASH2_AMX", "").strip().lower()
+    if env in ("0", "off", "false", "no", "disable", "disabled"):
+        return f"disabled by DFLASH2_AMX={os.environ['DFLASH2_AMX']}"
+    flags = _bf16._cpu_flags()
+    missing = [f for f in ("amx_tile", "amx_bf16") if f not in flags]
+    if missing:
+        return f"CPU lacks {'/'.join(missing)}"
+    return ""
+
+
+def _self_check(op) -> str:
+    if not torch.ops.dflash2_amx.amx_init():
+        return "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in ((3, 24, 40), (1, 7, 19), (30, 70, 300)):
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        b = torch.randn(n, generator=g)
+        bad = _bf16.self_check_mismatch(_call(op, x, pack_weight_amx(w), b, n), F.linear(x.float(), w.float(), b),
+                                        k, "AMX ")
+        if bad:
+            return bad
+    return ""
+
+
+def _load() -> tuple[bool, str, object]:
+    reason = _disabled_reason()
+    if reason:
+        return False, reason, None
+    tag = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    ok, status, op = _bf16.jit_load(f"dflash2_amx_{tag}", _SOURCE, _CFLAGS, _bf16._build_dir() / f"amx-{tag}",
+                                    "dflash2_amx.amx_linear", _self_check, label="AMX ")
+    return ok, status.replace("AVX2/FMA kernel", "kernel"), op
+
+
+def _ensure_loaded() -> None:
+    if "available" in _state:
+        return
+    with _lock:
+        if "available" not in _state:
+            ok, status, op = _load()
+            _state.update(available=ok, status=status, op=op)
+
+
+def amx_available() -> bool:
+    """True when the AMX kernel is usable here (built, tile state granted, self-check passed).  Not available is
+    normal on most CPUs and says nothing: PackedLinear then uses the AVX2 kernel."""
+    _ensure_loaded()
+    return bool(_state["available"])
+
+
+def amx_status() -> str:
+    """One line: where the AMX kernel was loaded from, or why it is not used."""
+    _ensure_loaded()
+    return str(_state["status"])
+
+
+def pack_weight_amx(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float weight -> bf16 [P, S, 16, 32] (P = ceil(N/16), S = ceil(K/32), zero padded), element
+    [p, s, r, 2c + h] = W[16p + c, 32s + 2r + h]: the pair rows of TDPBF16PS's B operand."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    p, s = -(-n // PANEL), -(-k // STEP)
+    out = torch.empty(p, s, STEP // 2, PANEL, 2, dtype=torch.bfloat16)  # [P, S, pair row, output, half]
+    step = max(1, (1 << 24) // max(1, s * STEP * PANEL * 4))  # panels per chunk: ~16 MB of fp32 source
+    w = weight.detach().cpu()
+    for p0 in range(0, p, step):
+        p1 = min(p, p0 + step)
+        src = torch.zeros((p1 - p0) * PANEL, s * STEP, dtype=torch.bfloat16)
+        src[: min(n, p1 * PANEL) - p0 * PANEL, :k] = w[p0 * PANEL : p1 * PANEL]
+        # [panels, 16 outputs, S, 16 pair rows, 2] -> [panels, S, pair row, output, half]
+        out[p0:p1] = src.view(p1 - p0, PANEL, s, STEP // 2, 2).permute(0, 2, 3, 1, 4)
+    return out.view(p, s, PANEL, STEP)
+
+
+def unpack_weight_amx(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_weight_amx`: bf16 [P, S, 16, 32] -> bf16 [N, K] (exact)."""
+    p, s, _, _ = packed.shape
+    w = packed.view(p, s, STEP // 2, PANEL, 2).permute(0, 3, 1, 2, 4).reshape(p * PANEL, s * STEP)
+    return w[:out_features, :in_features].clone()
+
+
+def _call(op, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """bf16 x [M, K] -> fp32 [M, n]: x padded with zero columns to the packed K and zero rows to a tile shape."""
+    m, k = x.shape
+    kp = packed.shape[1] * STEP
+    mp = m if m <= TILE_ROWS else -(-m // TILE_ROWS) * TILE_ROWS
+    if (mp, kp) != (m, k):
+        x = F.pad(x, (0, kp - k, 0, mp - m))
+    return op(x.contiguous(), packed, bias, m, n)
+
+
+def amx_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x [M, K] (bf16 as it is; fp32 as hi + lo bf16 parts) -> fp32 [M, n] on the AMX kernel."""
+    op = _state["op"]
+    if x.dtype == torch.bfloat16:
+        return _call(op, x, packed, bias, n)
+    x = x.float()
+    hi = x.to(torch.bfloat16)
+    lo = (x - hi.float()).to(torch.bfloat16)
+    m = x.shape[0]
+    both = _call(op, torch.cat([hi, lo]), packed, None, n)  # [2M, n]: one pass over the weights
+    y = both[:m] + both[m:]
+    return y if bias is None else y + bias

@@ -1,0 +1,180 @@
+// dflash2 CPU kernel on Intel AMX: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x and W in bf16, fp32 accumulation.
+//
+// Why: on 2 cores the AVX2/AVX-512 kernel (gemm_avx2.cpp) does one fp32 FMA per weight and row, so a call of 17
+// rows (verifying 16 drafts) costs about 3x a call of 1 row.  One AMX TDPBF16PS multiplies a 16 x 32 bf16 tile of
+// x by a 32 x 16 tile of W (8192 multiply-adds) in about 16 cycles: a 1 KiB weight tile is consumed faster than
+// memory delivers it for any row count up to 16, so verification costs what decoding costs.
+//
+// Packed layout (built by amx.py: pack_weight_amx): bf16 [P, S, 16, 32], P = ceil(N / 16) panels of 16 outputs,
+// S = Kp / 32 k steps (Kp = K rounded up to 32, zero padded).  Element [p, s, r, 2c + h] = W[16p + c, 32s + 2r + h]:
+// row r of the 1 KiB block (p, s) is the VNNI pair row the B operand of TDPBF16PS wants (16 outputs x 2 k).
+//
+// Row-count invariance (what makes speculation lossless in bf16): every output y[m, n] is the same sequence of
+// TDPBF16PS updates of one accumulator, k step 0, 1, ..., S - 1, whatever the number of rows, the row block it
+// falls in and the thread that computes it (each element of a TDPBF16PS result depends only on its own row of
+// A and column of B).  The caller pads x with zero rows to a block of M <= 16 rows or a multiple of 16.
+//
+// Threads: panels are split into groups of 4 (four accumulator tiles share one tile of x), groups are split
+// across threads; each thread loads its own tile configuration (tile state is per thread) and releases it.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kPanel = 16;      // outputs per panel (columns of a C tile)
+constexpr int64_t kStep = 32;       // k per tile step (bf16 columns of an A tile)
+constexpr int64_t kRows = 16;       // rows per A / C tile
+constexpr int64_t kGroup = 4;       // panels sharing one A tile (C tiles 0..3)
+constexpr int64_t kBlock = kPanel * kStep;  // bf16 elements of one packed (panel, k step) block: 1 KiB
+
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0..3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 5..7: B (16 pair rows x 32 bf16).
+inline void load_config(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 5; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// One group of NP panels (NP <= 4) for one block of rows: C_j = sum_s A_s B_{j,s}, stored as fp32 [rows, 16] each.
+template <int NP>
+inline void group_block(const uint16_t* __restrict__ wg,  // first panel of the group, k step 0
+                        int64_t panel_stride,               // elements between consecutive panels
+                        const uint16_t* __restrict__ xb,   // first row of the block, k = 0
+                        int64_t ldx, int64_t steps, float* __restrict__ out /* [NP][16][16] */) {
+  if (NP > 0) _tile_zero(0);
+  if (NP > 1) _tile_zero(1);
+  if (NP > 2) _tile_zero(2);
+  if (NP > 3) _tile_zero(3);
+  const int64_t xstride = ldx * 2;  // bytes between rows of x
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, xb + s * kStep, xstride);
+    const uint16_t* w = wg + s * kBlock;
+    if (NP > 0) { _tile_loadd(5, w, 64); _tile_dpbf16ps(0, 4, 5); }
+    if (NP > 1) { _tile_loadd(6, w + panel_stride, 64); _tile_dpbf16ps(1, 4, 6); }
+    if (NP > 2) { _tile_loadd(7, w + 2 * panel_stride, 64); _tile_dpbf16ps(2, 4, 7); }
+    if (NP > 3) { _tile_loadd(5, w + 3 * panel_stride, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  if (NP > 0) _tile_stored(0, out, 64);
+  if (NP > 1) _tile_stored(1, out + kRows * kPanel, 64);
+  if (NP > 2) _tile_stored(2, out + 2 * kRows * kPanel, 64);
+  if (NP > 3) _tile_stored(3, out + 3 * kRows * kPanel, 64);
+}
+
+inline void run_group(int np, const uint16_t* wg, int64_t panel_stride, const uint16_t* xb, int64_t ldx,
+                      int64_t steps, float* out) {
+  switch (np) {
+    case 4: group_block<4>(wg, panel_stride, xb, ldx, steps, out); break;
+    case 3: group_block<3>(wg, panel_stride, xb, ldx, steps, out); break;
+    case 2: group_block<2>(wg, panel_stride, xb, ldx, steps, out); break;
+    default: group_block<1>(wg, panel_stride, xb, ldx, steps, out); break;
+  }
+}
+
+// Ask Linux for the AMX tile data state (off by default for a process).  True when AMX can be used.
+bool amx_init() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr int kArchReqXcompPerm = 0x1023;
+  constexpr int kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+// x: bf16 [Mp, Kp] (Mp <= 16 or a multiple of 16, zero padded); packed: bf16 [P, S, 16, 32]; y: fp32 [m_out, n_out].
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t m_out, int64_t n_out) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "amx_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "amx_linear: x must be a contiguous bf16 [M, K] tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kPanel &&
+                  packed.size(3) == kStep && packed.is_contiguous(),
+              "amx_linear: packed weight must be a contiguous bf16 [P, S, 16, 32] tensor");
+  const int64_t Mp = x.size(0);
+  const int64_t Kp = x.size(1);
+  const int64_t P = packed.size(0);
+  const int64_t S = packed.size(1);
+  TORCH_CHECK(Kp == S * kStep, "amx_linear: x has ", Kp, " columns, the weight ", S * kStep);
+  TORCH_CHECK(Mp <= kRows || Mp % kRows == 0, "amx_linear: rows must be <= 16 or a multiple of 16, got ", Mp);
+  TORCH_CHECK(m_out <= Mp, "amx_linear: m_out ", m_out, " > rows ", Mp);
+  TORCH_CHECK(n_out > (P - 1) * kPanel && n_out <= P * kPanel,
+              "amx_linear: out_features ", n_out, " does not match ", P, " panels");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out,
+                "amx_linear: bias must be a contiguous fp32 [N] tensor");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(at::kFloat));
+  if (m_out == 0 || n_out == 0) return y;
+
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  const int rows = static_cast<int>(std::min(Mp, kRows));
+  const int64_t panel_stride = S * kBlock;
+  const int64_t groups = (P + kGroup - 1) / kGroup;
+  // Enough groups per thread that a thread's share is a long contiguous stream of the packed weight.
+  const int64_t grain = std::max<int64_t>(1, groups / std::max<int64_t>(1, at::get_num_threads()));
+
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    load_config(rows);
+    alignas(64) float out[kGroup * kRows * kPanel];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * kGroup;
+      const int np = static_cast<int>(std::min(kGroup, P - p0));
+      for (int64_t mb = 0; mb < m_out; mb += kRows) {
+        run_group(np, wp + p0 * panel_stride, panel_stride, xp + mb * Kp, Kp, S, out);
+        const int64_t mv = std::min<int64_t>(rows, m_out - mb);
+        for (int j = 0; j < np; ++j) {
+          const int64_t n0 = (p0 + j) * kPanel;
+          const int64_t nv = std::min<int64_t>(kPanel, n_out - n0);
+          for (int64_t r = 0; r < mv; ++r) {
+            const float* src = out + (j * kRows + r) * kPanel;
+            float* dst = yp + (mb + r) * n_out + n0;
+            if (bias_ptr != nullptr) {
+              for (int64_t c = 0; c < nv; ++c) dst[c] = src[c] + bias_ptr[n0 + c];
+            } else {
+              std::memcpy(dst, src, nv * sizeof(float));
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dflash2_amx, m) {
+  m.def("amx_init() -> bool", &amx_init);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int m_out, int n_out) -> Tensor", &amx_linear);
+}

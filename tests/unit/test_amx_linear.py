@@ -1,0 +1,98 @@
+"""The AMX path of PackedLinear (dflash2.kernels.amx): layout, accuracy, row-count invariance (what keeps
+speculation lossless in bf16), thread-count independence, and the switch that turns it off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash2.kernels import PackedLinear
+from dflash2.kernels.amx import amx_available, amx_status, pack_weight_amx, unpack_weight_amx
+from tests.unit.test_packed_linear import _layer, assert_row_count_invariant
+
+needs_amx = pytest.mark.skipif(not amx_available(), reason=f"AMX unavailable: {amx_status()}")
+
+
+def test_pack_layout_and_round_trip() -> None:
+    """Element [p, s, r, 2c + h] holds W[16p + c, 32s + 2r + h]; padding is zero; unpacking is exact."""
+    n, k = 37, 70
+    w = torch.randn(n, k).to(torch.bfloat16)
+    packed = pack_weight_amx(w)
+    assert packed.shape == (3, 3, 16, 32) and packed.dtype == torch.bfloat16
+    for p, s, r, c, h in ((0, 0, 0, 0, 0), (1, 2, 2, 3, 1), (2, 0, 15, 4, 1), (0, 1, 7, 15, 0)):
+        assert packed[p, s, r, 2 * c + h] == w[16 * p + c, 32 * s + 2 * r + h]
+    assert packed[2, 0, 0, 2 * 5] == 0  # output 37 is padding
+    assert packed[0, 2, 3, 0] == 0  # k = 70 is padding
+    assert torch.equal(unpack_weight_amx(packed, n, k), w)
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(100, 1536), (33, 32), (48, 320), (70, 7)])
+def test_row_count_invariant(n: int, k: int) -> None:
+    layer = PackedLinear.from_linear(_layer(n, k, bias=True, seed=3), backend="amx")
+    assert_row_count_invariant(layer, k)  # fp32 rows (hi + lo parts)
+    x = torch.randn(300, k).to(torch.bfloat16)  # bf16 rows, as in a bf16 model
+    with torch.inference_mode():
+        full = layer(x)
+        for m in range(1, 34):
+            assert torch.equal(layer(x[:m]), full[:m]), m
+
+
+@needs_amx
+def test_bf16_rows_are_exact_products() -> None:
+    """bf16 activations: each output is the fp32 sum of exact bf16 products (compare in float64)."""
+    lin = _layer(40, 96, bias=True, seed=7)
+    layer = PackedLinear.from_linear(lin, backend="amx")
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    ref = F.linear(x.double(), lin.weight.detach().to(torch.bfloat16).double(), lin.bias.detach().double())
+    with torch.inference_mode():
+        got = layer(x.float())  # bf16-valued fp32 rows take the hi + lo path with lo = 0: same numbers
+        assert torch.equal(layer(x).float(), got.to(torch.bfloat16).float())
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_amx
+def test_fp32_rows_keep_fp32_accuracy() -> None:
+    """An fp32 x is split into two bf16 parts: far closer to the fp32 product than x rounded to bf16 once."""
+    lin = _layer(64, 512, bias=False, seed=9)
+    layer = PackedLinear.from_linear(lin, backend="amx")
+    w = lin.weight.detach().to(torch.bfloat16).double()
+    x = torch.randn(6, 512)
+    ref = F.linear(x.double(), w)
+    with torch.inference_mode():
+        err = (layer(x).double() - ref).abs().max().item()
+    once = (F.linear(x.to(torch.bfloat16).double(), w) - ref).abs().max().item()
+    assert err < once / 50, (err, once)
+
+
+@needs_amx
+def test_thread_count_does_not_change_results() -> None:
+    layer = PackedLinear.from_linear(_layer(1000, 256, bias=True, seed=11), backend="amx")
+    x = torch.randn(9, 256).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                outs.append(layer(x))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+@needs_amx
+def test_default_backend_is_amx_and_env_turns_it_off() -> None:
+    assert PackedLinear.from_linear(torch.nn.Linear(8, 3)).backend == "amx"
+    code = ("from dflash2.kernels import PackedLinear; import torch\n"
+            "from dflash2.kernels.amx import amx_status\n"
+            "print(PackedLinear.from_linear(torch.nn.Linear(8, 3)).backend, amx_status())\n")
+    env = dict(os.environ, DFLASH2_AMX="off")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.strip()
+    assert out == "avx2 disabled by DFLASH2_AMX=off", out
