@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash2.kernels import PackedLinear
-from dflash2.kernels.amx import amx_available, amx_status, pack_weight_amx, unpack_weight_amx
+from dflash2.kernels.amx import amx_available, amx_status, pack_int8_amx, pack_weight_amx, unpack_weight_amx
+from dflash2.kernels.quant_linear import QuantLinear, quantize_int8
 from tests.unit.test_packed_linear import _layer, assert_row_count_invariant
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason=f"AMX unavailable: {amx_status()}")
@@ -96,3 +97,83 @@ def test_default_backend_is_amx_and_env_turns_it_off() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                          check=True).stdout.strip()
     assert out == "avx2 disabled by DFLASH2_AMX=off", out
+
+
+# int8 weights on AMX (QuantLinear backend "amx"): widened to bf16 tiles in the kernel, scale and bias after the sum.
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(100, 1536), (33, 32), (24, 96), (40, 70)])
+def test_int8_matches_dequantized_reference(n: int, k: int) -> None:
+    from tests.unit.test_quant_linear import _dequantized_reference, _tolerance, _weights
+
+    w, b = _weights(n, k, seed=n + k)
+    for bias in (None, b):
+        layer = QuantLinear.from_weight(w, bias, weights="int8", backend="amx")
+        q, scale = quantize_int8(w)
+        assert all(torch.equal(a, e) for a, e in zip(layer.quantized(), (q, scale)))
+        for m in (1, 3, 9, 16, 17, 40):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16).float()
+            with torch.inference_mode():
+                got = layer(x)  # bf16-valued rows: exact products, fp32 sums
+            ref = _dequantized_reference(x, q, scale, bias).float()
+            torch.testing.assert_close(got, ref, rtol=0, atol=_tolerance(x, q, scale))
+
+
+@needs_amx
+def test_int8_wrong_layout_or_scale_is_caught() -> None:
+    """The reference check above has teeth: a shifted layout or a neighbour's scale is far outside it."""
+    from tests.unit.test_quant_linear import _dequantized_reference, _tolerance, _weights
+
+    n, k = 100, 1536
+    w, b = _weights(n, k, seed=1)
+    q, scale = quantize_int8(w)
+    x = torch.randn(9, k).to(torch.bfloat16).float()
+    ref = _dequantized_reference(x, q, scale, b).float()
+    for bad_q, bad_scale in ((q.roll(1, dims=1), scale), (q, scale.roll(1, dims=0))):
+        layer = QuantLinear("int8", pack_int8_amx(bad_q), bad_scale, b, k, n, "amx")
+        with torch.inference_mode():
+            assert (layer(x) - ref).abs().max() > 100 * _tolerance(x, q, scale)
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(100, 1536), (48, 320), (70, 7)])
+def test_int8_row_count_invariant(n: int, k: int) -> None:
+    from tests.unit.test_quant_linear import _weights
+
+    w, b = _weights(n, k, seed=3)
+    layer = QuantLinear.from_weight(w, b, weights="int8", backend="amx")
+    assert_row_count_invariant(layer, k)
+    x = torch.randn(300, k).to(torch.bfloat16)
+    with torch.inference_mode():
+        full = layer(x)  # 300 rows: the group-widening path; up to 16 rows: the streamed path
+        for m in range(1, 34):
+            assert torch.equal(layer(x[:m]), full[:m]), m
+
+
+@needs_amx
+def test_int8_fp32_rows_and_threads() -> None:
+    from tests.unit.test_quant_linear import _dequantized_reference, _weights
+
+    w, b = _weights(200, 512, seed=5)
+    layer = QuantLinear.from_weight(w, b, weights="int8", backend="amx")
+    q, scale = quantize_int8(w)
+    x = torch.randn(6, 512)
+    ref = _dequantized_reference(x, q, scale, b)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                outs.append(layer(x))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    once = (_dequantized_reference(x.to(torch.bfloat16).float(), q, scale, b) - ref).abs().max().item()
+    assert (outs[0].double() - ref).abs().max().item() < once / 50
+
+
+def test_int4_has_no_amx_backend() -> None:
+    with pytest.raises(ValueError, match="int8"):
+        QuantLinear.from_weight(torch.randn(16, 32), weights="int4", backend="amx")

@@ -9,7 +9,7 @@ import torch
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.model import ModelDrafter
 from dflash2.drafters.ngram import NgramDrafter
-from dflash2.kernels.quant_linear import QuantLinear, quant_kernel_status, quant_kernels_available
+from dflash2.kernels.quant_linear import QuantLinear, default_quant_backend, quant_kernel_status, quant_kernels_available
 from dflash2.models.loading import WEIGHT_FORMATS, check_weight_format, load_transformer, weight_format
 from tests.unit.test_speculative_greedy import NEW_TOKENS, RandomDrafter, plain_ids, repetitive_prompt, spec_ids
 
@@ -27,7 +27,7 @@ def test_every_projection_and_the_head_are_quantized(quantized, tiny_model_dirs)
     model = quantized[("qwen2", "fp32", "int8")]
     linears = [model.lm_head] + [m for layer in model.layers for m in (layer.attn.wqkv, layer.attn.wo,
                                                                        layer.ffn.w_gate_up, layer.ffn.w_down)]
-    assert all(isinstance(m, QuantLinear) and m.backend == "avx2" for m in linears)
+    assert all(isinstance(m, QuantLinear) and m.backend == default_quant_backend("int8") for m in linears)
     assert weight_format(model) == "int8" and model.embed.weight.dtype == torch.float32
     assert weight_format(quantized[("llama", "bf16", "int4")]) == "int4"
     assert weight_format(load_transformer(tiny_model_dirs["llama"], "bf16")) == "bf16"

@@ -26,13 +26,15 @@ import torch.nn.functional as F
 
 from dflash2.kernels import packed_linear as _bf16
 
-__all__ = ["amx_available", "amx_linear_rows", "amx_status", "pack_weight_amx", "unpack_weight_amx"]
+__all__ = ["amx_available", "amx_int8_rows", "amx_linear_rows", "amx_status", "pack_int8_amx", "pack_weight_amx",
+           "unpack_int8_amx", "unpack_weight_amx"]
 
 PANEL = 16  # outputs per panel (kPanel in gemm_amx.cpp)
 STEP = 32  # k per tile step (kStep)
 TILE_ROWS = 16  # rows of x per tile (kRows)
 _SOURCE = Path(__file__).with_name("gemm_amx.cpp")
-_CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-fopenmp"]
+# -ffp-contract=off: int8 applies the scale and the bias as two roundings (no fused FMA), like the AVX2 int8 kernel.
+_CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16", "-fopenmp", "-ffp-contract=off"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -43,7 +45,7 @@ def _disabled_reason() -> str:
     if env in ("0", "off", "false", "no", "disable", "disabled"):
         return f"disabled by DFLASH2_AMX={os.environ['DFLASH2_AMX']}"
     flags = _bf16._cpu_flags()
-    missing = [f for f in ("amx_tile", "amx_bf16") if f not in flags]
+    missing = [f for f in ("amx_tile", "amx_bf16", "avx512_bf16") if f not in flags]
     if missing:
         return f"CPU lacks {'/'.join(missing)}"
     return ""
@@ -68,7 +70,7 @@ def _load() -> tuple[bool, str, object]:
     reason = _disabled_reason()
     if reason:
         return False, reason, None
-    tag = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
     ok, status, op = _bf16.jit_load(f"dflash2_amx_{tag}", _SOURCE, _CFLAGS, _bf16._build_dir() / f"amx-{tag}",
                                     "dflash2_amx.amx_linear", _self_check, label="AMX ")
     return ok, status.replace("AVX2/FMA kernel", "kernel"), op
@@ -101,14 +103,24 @@ def pack_weight_amx(weight: torch.Tensor) -> torch.Tensor:
     [p, s, r, 2c + h] = W[16p + c, 32s + 2r + h]: the pair rows of TDPBF16PS's B operand."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
-    n, k = weight.shape
+    return _to_tiles(weight.detach().cpu(), torch.bfloat16)
+
+
+def pack_int8_amx(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> int8 [P, S, 16, 32], the layout of :func:`pack_weight_amx` (widened to bf16 in the kernel)."""
+    if q.dim() != 2 or q.dtype != torch.int8:
+        raise ValueError(f"expected an int8 [N, K] tensor, got {q.dtype} {tuple(q.shape)}")
+    return _to_tiles(q, torch.int8)
+
+
+def _to_tiles(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n, k = w.shape
     p, s = -(-n // PANEL), -(-k // STEP)
-    out = torch.empty(p, s, STEP // 2, PANEL, 2, dtype=torch.bfloat16)  # [P, S, pair row, output, half]
+    out = torch.empty(p, s, STEP // 2, PANEL, 2, dtype=dtype)  # [P, S, pair row, output, half]
     step = max(1, (1 << 24) // max(1, s * STEP * PANEL * 4))  # panels per chunk: ~16 MB of fp32 source
-    w = weight.detach().cpu()
     for p0 in range(0, p, step):
         p1 = min(p, p0 + step)
-        src = torch.zeros((p1 - p0) * PANEL, s * STEP, dtype=torch.bfloat16)
+        src = torch.zeros((p1 - p0) * PANEL, s * STEP, dtype=dtype)
         src[: min(n, p1 * PANEL) - p0 * PANEL, :k] = w[p0 * PANEL : p1 * PANEL]
         # [panels, 16 outputs, S, 16 pair rows, 2] -> [panels, S, pair row, output, half]
         out[p0:p1] = src.view(p1 - p0, PANEL, s, STEP // 2, 2).permute(0, 2, 3, 1, 4)
@@ -116,20 +128,34 @@ def pack_weight_amx(weight: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_weight_amx(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """Inverse of :func:`pack_weight_amx`: bf16 [P, S, 16, 32] -> bf16 [N, K] (exact)."""
+    """Inverse of :func:`pack_weight_amx` (and of :func:`pack_int8_amx`): [P, S, 16, 32] -> [N, K] (exact)."""
     p, s, _, _ = packed.shape
     w = packed.view(p, s, STEP // 2, PANEL, 2).permute(0, 3, 1, 2, 4).reshape(p * PANEL, s * STEP)
     return w[:out_features, :in_features].clone()
 
 
-def _call(op, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """bf16 x [M, K] -> fp32 [M, n]: x padded with zero columns to the packed K and zero rows to a tile shape."""
+unpack_int8_amx = unpack_weight_amx
+
+
+def _pad_rows(x: torch.Tensor, kp: int) -> torch.Tensor:
+    """bf16 x [M, K] padded with zero columns to kp and zero rows to a tile shape (M <= 16 or a multiple of 16)."""
     m, k = x.shape
-    kp = packed.shape[1] * STEP
     mp = m if m <= TILE_ROWS else -(-m // TILE_ROWS) * TILE_ROWS
-    if (mp, kp) != (m, k):
-        x = F.pad(x, (0, kp - k, 0, mp - m))
-    return op(x.contiguous(), packed, bias, m, n)
+    return (F.pad(x, (0, kp - k, 0, mp - m)) if (mp, kp) != (m, k) else x).contiguous()
+
+
+def _call(op, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    return op(_pad_rows(x, packed.shape[1] * STEP), packed, bias, x.shape[0], n)
+
+
+def _split_fp32(x: torch.Tensor, matmul) -> torch.Tensor:
+    """``matmul`` (bf16 [M', K] -> fp32 [M', N], no bias) of an fp32 x as hi + lo bf16 parts, in one call."""
+    x = x.float()
+    hi = x.to(torch.bfloat16)
+    lo = (x - hi.float()).to(torch.bfloat16)
+    both = matmul(torch.cat([hi, lo]))  # [2M, N]: one pass over the weights
+    m = x.shape[0]
+    return both[:m] + both[m:]
 
 
 def amx_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -137,10 +163,17 @@ def amx_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     op = _state["op"]
     if x.dtype == torch.bfloat16:
         return _call(op, x, packed, bias, n)
-    x = x.float()
-    hi = x.to(torch.bfloat16)
-    lo = (x - hi.float()).to(torch.bfloat16)
-    m = x.shape[0]
-    both = _call(op, torch.cat([hi, lo]), packed, None, n)  # [2M, n]: one pass over the weights
-    y = both[:m] + both[m:]
+    y = _split_fp32(x, lambda rows: _call(op, rows, packed, None, n))
     return y if bias is None else y + bias
+
+
+def amx_int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                  n: int) -> torch.Tensor:
+    """``(x @ Q^T) * scale + bias`` -> fp32 [M, n] for int8 tiles ``q`` (:func:`pack_int8_amx`)."""
+    op = torch.ops.dflash2_amx.amx_int8_linear.default
+    kp = q.shape[1] * STEP
+    if x.dtype == torch.bfloat16:
+        return op(_pad_rows(x, kp), q, scale, bias, x.shape[0], n)
+    y = _split_fp32(x, lambda rows: op(_pad_rows(rows, kp), q, torch.ones_like(scale), None, rows.shape[0], n))
+    y.mul_(scale)
+    return y if bias is None else y.add_(bias)

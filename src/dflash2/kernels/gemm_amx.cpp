@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace {
@@ -38,6 +39,11 @@ constexpr int64_t kStep = 32;       // k per tile step (bf16 columns of an A til
 constexpr int64_t kRows = 16;       // rows per A / C tile
 constexpr int64_t kGroup = 4;       // panels sharing one A tile (C tiles 0..3)
 constexpr int64_t kBlock = kPanel * kStep;  // bf16 elements of one packed (panel, k step) block: 1 KiB
+
+// GCC's tile intrinsics are asm statements without a memory clobber: the compiler does not know that a tile load
+// reads the buffer just written (it may drop those stores as dead) or that a tile store writes the buffer read next.
+// A compiler barrier around them keeps that order.
+inline void memory_barrier() { asm volatile("" ::: "memory"); }
 
 struct TileConfig {
   uint8_t palette_id = 1;
@@ -84,6 +90,7 @@ inline void group_block(const uint16_t* __restrict__ wg,  // first panel of the 
   if (NP > 1) _tile_stored(1, out + kRows * kPanel, 64);
   if (NP > 2) _tile_stored(2, out + 2 * kRows * kPanel, 64);
   if (NP > 3) _tile_stored(3, out + 3 * kRows * kPanel, 64);
+  memory_barrier();
 }
 
 inline void run_group(int np, const uint16_t* wg, int64_t panel_stride, const uint16_t* xb, int64_t ldx,
@@ -93,6 +100,54 @@ inline void run_group(int np, const uint16_t* wg, int64_t panel_stride, const ui
     case 3: group_block<3>(wg, panel_stride, xb, ldx, steps, out); break;
     case 2: group_block<2>(wg, panel_stride, xb, ldx, steps, out); break;
     default: group_block<1>(wg, panel_stride, xb, ldx, steps, out); break;
+  }
+}
+
+// int8 weights (weight-only, per-output scale): the group's int8 blocks are widened to bf16 once per call into a
+// per-thread buffer (an int8 q in [-127, 127] is exact in bf16), then multiplied like bf16 weights; the scale and
+// the bias are applied after the sum, as two roundings.  The widening costs the same for 1 or 16 rows, so int8
+// verification, like bf16, costs about the bytes read.
+inline void widen_int8(const int8_t* __restrict__ q, uint16_t* __restrict__ out, int64_t n) {  // n % 32 == 0
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i + 16))));
+    _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));  // lo -> low half
+  }
+}
+
+// group_block for int8 weights: each k step's blocks are widened into a 4 KiB buffer (L1) right before use.
+template <int NP>
+inline void group_block_int8(const int8_t* __restrict__ qg, int64_t panel_stride, const uint16_t* __restrict__ xb,
+                             int64_t ldx, int64_t steps, uint16_t* __restrict__ buf, float* __restrict__ out) {
+  if (NP > 0) _tile_zero(0);
+  if (NP > 1) _tile_zero(1);
+  if (NP > 2) _tile_zero(2);
+  if (NP > 3) _tile_zero(3);
+  const int64_t xstride = ldx * 2;
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int j = 0; j < NP; ++j) widen_int8(qg + j * panel_stride + s * kBlock, buf + j * kBlock, kBlock);
+    memory_barrier();
+    _tile_loadd(4, xb + s * kStep, xstride);
+    if (NP > 0) { _tile_loadd(5, buf, 64); _tile_dpbf16ps(0, 4, 5); }
+    if (NP > 1) { _tile_loadd(6, buf + kBlock, 64); _tile_dpbf16ps(1, 4, 6); }
+    if (NP > 2) { _tile_loadd(7, buf + 2 * kBlock, 64); _tile_dpbf16ps(2, 4, 7); }
+    if (NP > 3) { _tile_loadd(5, buf + 3 * kBlock, 64); _tile_dpbf16ps(3, 4, 5); }
+  }
+  if (NP > 0) _tile_stored(0, out, 64);
+  if (NP > 1) _tile_stored(1, out + kRows * kPanel, 64);
+  if (NP > 2) _tile_stored(2, out + 2 * kRows * kPanel, 64);
+  if (NP > 3) _tile_stored(3, out + 3 * kRows * kPanel, 64);
+  memory_barrier();
+}
+
+inline void run_group_int8_streamed(int np, const int8_t* qg, int64_t panel_stride, const uint16_t* xb, int64_t ldx,
+                                    int64_t steps, uint16_t* buf, float* out) {
+  switch (np) {
+    case 4: group_block_int8<4>(qg, panel_stride, xb, ldx, steps, buf, out); break;
+    case 3: group_block_int8<3>(qg, panel_stride, xb, ldx, steps, buf, out); break;
+    case 2: group_block_int8<2>(qg, panel_stride, xb, ldx, steps, buf, out); break;
+    default: group_block_int8<1>(qg, panel_stride, xb, ldx, steps, buf, out); break;
   }
 }
 
@@ -172,9 +227,91 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   return y;
 }
 
+// x: bf16 [Mp, Kp] as for amx_linear; q: int8 [P, S, 16, 32] (the bf16 layout); scale: fp32 [N].
+at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& bias, int64_t m_out, int64_t n_out) {
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu(), "amx_int8_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "amx_int8_linear: x must be a contiguous bf16 [M, K] tensor");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 4 && q.size(2) == kPanel && q.size(3) == kStep &&
+                  q.is_contiguous(),
+              "amx_int8_linear: weight must be a contiguous int8 [P, S, 16, 32] tensor");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_out,
+              "amx_int8_linear: scale must be a contiguous fp32 [N] tensor");
+  const int64_t Mp = x.size(0);
+  const int64_t Kp = x.size(1);
+  const int64_t P = q.size(0);
+  const int64_t S = q.size(1);
+  TORCH_CHECK(Kp == S * kStep, "amx_int8_linear: x has ", Kp, " columns, the weight ", S * kStep);
+  TORCH_CHECK(Mp <= kRows || Mp % kRows == 0, "amx_int8_linear: rows must be <= 16 or a multiple of 16, got ", Mp);
+  TORCH_CHECK(m_out <= Mp, "amx_int8_linear: m_out ", m_out, " > rows ", Mp);
+  TORCH_CHECK(n_out > (P - 1) * kPanel && n_out <= P * kPanel,
+              "amx_int8_linear: out_features ", n_out, " does not match ", P, " panels");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out,
+                "amx_int8_linear: bias must be a contiguous fp32 [N] tensor");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(at::kFloat));
+  if (m_out == 0 || n_out == 0) return y;
+
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int rows = static_cast<int>(std::min(Mp, kRows));
+  const int64_t panel_stride = S * kBlock;
+  const int64_t groups = (P + kGroup - 1) / kGroup;
+  const int64_t grain = std::max<int64_t>(1, groups / std::max<int64_t>(1, at::get_num_threads()));
+
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    load_config(rows);
+    alignas(64) float out[kGroup * kRows * kPanel];
+    // The group's weights widened to bf16: 4 panels x K x 16 x 2 B (1.1 MiB at K = 8960: stays in L2).
+    // Decoding and verification (one row block) widen one k step at a time (4 KiB); more rows widen the group once.
+    const int64_t wide_elems = m_out <= kRows ? kGroup * kBlock : kGroup * panel_stride;
+    auto* wide = static_cast<uint16_t*>(std::aligned_alloc(64, wide_elems * sizeof(uint16_t)));
+    TORCH_CHECK(wide != nullptr, "amx_int8_linear: out of memory");
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * kGroup;
+      const int np = static_cast<int>(std::min(kGroup, P - p0));
+      const int8_t* qg = qp + p0 * panel_stride;
+      if (m_out <= kRows) {
+        // One row block (decoding, verification): widen one k step of the group at a time, into L1.
+        run_group_int8_streamed(np, qg, panel_stride, xp, Kp, S, wide, out);
+      } else {
+        widen_int8(qg, wide, np * panel_stride);
+        memory_barrier();
+      }
+      for (int64_t mb = 0; mb < m_out; mb += kRows) {
+        if (m_out > kRows) run_group(np, wide, panel_stride, xp + mb * Kp, Kp, S, out);
+        const int64_t mv = std::min<int64_t>(rows, m_out - mb);
+        for (int j = 0; j < np; ++j) {
+          const int64_t n0 = (p0 + j) * kPanel;
+          const int64_t nv = std::min<int64_t>(kPanel, n_out - n0);
+          for (int64_t r = 0; r < mv; ++r) {
+            const float* src = out + (j * kRows + r) * kPanel;
+            float* dst = yp + (mb + r) * n_out + n0;
+            for (int64_t c = 0; c < nv; ++c) {
+              const float scaled = src[c] * sp[n0 + c];
+              dst[c] = bias_ptr != nullptr ? scaled + bias_ptr[n0 + c] : scaled;
+            }
+          }
+        }
+      }
+    }
+    std::free(wide);
+    _tile_release();
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dflash2_amx, m) {
+  m.def("amx_int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias, int m_out, int n_out) -> Tensor",
+        &amx_int8_linear);
   m.def("amx_init() -> bool", &amx_init);
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int m_out, int n_out) -> Tensor", &amx_linear);
 }

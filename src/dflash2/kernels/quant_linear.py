@@ -39,6 +39,7 @@ _SOURCE = Path(__file__).with_name("gemm_quant_avx2.cpp")
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
 
 KERNEL = "avx2"
+AMX = "amx"  # int8 only: Intel AMX tiles (kernels/amx.py), where the CPU has them
 TORCH = "torch"
 
 _lock = threading.Lock()
@@ -200,15 +201,12 @@ class QuantLinear(_bf16.CpuLinear):
         super().__init__()
         if weights not in QUANT_FORMATS:
             raise ValueError(f"unknown quantized format {weights!r} (expected one of {', '.join(QUANT_FORMATS)})")
-        if backend not in (KERNEL, TORCH):
-            raise ValueError(f"unknown backend {backend!r} (expected {KERNEL!r} or {TORCH!r})")
-        if backend == KERNEL and not quant_kernels_available():
-            raise RuntimeError(f"dflash2 quantized kernel backend requested but unavailable: {quant_kernel_status()}")
+        _check_backend(weights, backend)
         self.weights = weights
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.backend = backend
-        # avx2: int8 [P, K, 16] / int4 uint8 [P, K/2, 16] panels; torch: Q int8 [N, K]
+        # amx: int8 [P, K/32, 16, 32] tiles; avx2: int8 [P, K, 16] / int4 uint8 [P, K/2, 16] panels; torch: Q [N, K]
         self.weight_data = q
         # int8: fp32 [N]; int4: fp32 [P, K/32, 16] (avx2) or [N, K/32] (torch)
         self.scale_data = scale
@@ -226,7 +224,8 @@ class QuantLinear(_bf16.CpuLinear):
         if weights not in QUANT_FORMATS:
             raise ValueError(f"unknown quantized format {weights!r} (expected one of {', '.join(QUANT_FORMATS)})")
         if backend is None:
-            backend = KERNEL if quant_kernels_available() else TORCH
+            backend = default_quant_backend(weights)
+        _check_backend(weights, backend)
         n, k = weight.shape
         q, scale = _QUANTIZE[weights](weight)
         b = None
@@ -234,14 +233,14 @@ class QuantLinear(_bf16.CpuLinear):
             b = bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
             if b.shape != (n,):
                 raise ValueError(f"bias shape {tuple(b.shape)} != ({n},)")
-        if backend == KERNEL:
-            q, scale = _PACK[weights](q, scale)
-        return cls(weights, q, scale, b, k, n, backend)
+        return cls(weights, *pack_for_backend(weights, backend, q, scale), b, k, n, backend)
 
     def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(Q int8 [N, K], scale: int8 fp32 [N] / int4 fp32 [N, K/32]) as new tensors."""
         if self.backend == TORCH:
             return self.weight_data.clone(), self.scale_data.clone()
+        if self.backend == AMX:
+            return _amx().unpack_int8_amx(self.weight_data, self.out_features, self.in_features), self.scale_data.clone()
         if self.weights == "int8":
             return unpack_int8(self.weight_data, self.out_features), self.scale_data.clone()
         return unpack_int4(self.weight_data, self.scale_data, self.out_features)
@@ -252,6 +251,8 @@ class QuantLinear(_bf16.CpuLinear):
         return q.float() * (scale[:, None] if self.weights == "int8" else scale.repeat_interleave(GROUP, dim=1))
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == AMX:
+            return _amx().amx_int8_rows(x, self.weight_data, self.scale_data, self.bias_data, self.out_features)
         return self._op(x, self.weight_data, self.scale_data, self.bias_data, self.out_features)
 
     def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,6 +261,45 @@ class QuantLinear(_bf16.CpuLinear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias_data is not None}, weights={self.weights}, backend={self.backend}")
+
+
+def _amx():
+    from dflash2.kernels import amx
+
+    return amx
+
+
+def _amx_usable() -> bool:
+    return _bf16.kernels_available() and _amx().amx_available()
+
+
+def default_quant_backend(weights: str) -> str:
+    """``amx`` for int8 where the CPU has AMX-BF16, else ``avx2`` when the kernels built, else ``torch``."""
+    if weights == "int8" and _amx_usable():
+        return AMX
+    return KERNEL if quant_kernels_available() else TORCH
+
+
+def _check_backend(weights: str, backend: str) -> None:
+    if backend not in (AMX, KERNEL, TORCH):
+        raise ValueError(f"unknown backend {backend!r} (expected {AMX!r}, {KERNEL!r} or {TORCH!r})")
+    if backend == KERNEL and not quant_kernels_available():
+        raise RuntimeError(f"dflash2 quantized kernel backend requested but unavailable: {quant_kernel_status()}")
+    if backend == AMX:
+        if weights != "int8":
+            raise ValueError(f"the AMX backend takes int8 weights, not {weights}")
+        if not _amx_usable():
+            raise RuntimeError(f"dflash2 AMX backend requested but unavailable: {_amx().amx_status()}")
+
+
+def pack_for_backend(weights: str, backend: str, q: torch.Tensor, scale: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q int8 [N, K], scale) in the layout ``backend`` multiplies by."""
+    if backend == AMX:
+        return _amx().pack_int8_amx(q), scale
+    if backend == KERNEL:
+        return _PACK[weights](q, scale)
+    return q, scale
 
 
 def _chunked_linear(x: torch.Tensor, q: torch.Tensor, dequantize) -> torch.Tensor:

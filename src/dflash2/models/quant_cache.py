@@ -107,7 +107,7 @@ class QuantCache:
             return None
 
     def _read(self, model: Transformer) -> dict[str, ql.QuantLinear]:
-        backend = ql.KERNEL if ql.quant_kernels_available() else ql.TORCH
+        backend = ql.default_quant_backend(self.metadata["format"])
         expected = _linear_layers(model)
         with safe_open(str(self.path), framework="pt") as handle:
             found = handle.metadata() or {}
@@ -237,7 +237,7 @@ def _packed(module: ql.QuantLinear) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's weight and scale in the kernel's (packed) layout, whatever its backend."""
     if module.backend == ql.KERNEL:
         return module.weight_data, module.scale_data
-    return ql._PACK[module.weights](module.weight_data, module.scale_data)
+    return ql._PACK[module.weights](*module.quantized())
 
 
 def _expected_shapes(weights: str, n: int, k: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -258,8 +258,9 @@ def _layer(weights: str, linear: torch.nn.Module, tensors: dict[str, torch.Tenso
             raise QuantCacheError(f"{part} of a [{n}, {k}] layer is {tensors[part].dtype} "
                                   f"{tuple(tensors[part].shape)}, expected {dtype} {shape}")
     weight, scale = tensors["weight"], tensors["scale"]
-    if backend == ql.TORCH:
+    if backend != ql.KERNEL:  # the cache holds the AVX2 kernel's layout
         weight, scale = (ql.unpack_int8(weight, n), scale) if weights == "int8" else ql.unpack_int4(weight, scale, n)
+        weight, scale = ql.pack_for_backend(weights, backend, weight, scale)
     return ql.QuantLinear(weights, weight, scale, tensors.get("bias"), k, n, backend)
 
 
