@@ -34,7 +34,7 @@ STEP = 32  # k per tile step (kStep)
 TILE_ROWS = 16  # rows of x per tile (kRows)
 _SOURCE = Path(__file__).with_name("gemm_amx.cpp")
 # -ffp-contract=off: int8 applies the scale and the bias as two roundings (no fused FMA), like the AVX2 int8 kernel.
-_CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16", "-fopenmp", "-ffp-contract=off"]
+_CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vbmi", "-fopenmp", "-ffp-contract=off"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -45,7 +45,7 @@ def _disabled_reason() -> str:
     if env in ("0", "off", "false", "no", "disable", "disabled"):
         return f"disabled by DFLASH2_AMX={os.environ['DFLASH2_AMX']}"
     flags = _bf16._cpu_flags()
-    missing = [f for f in ("amx_tile", "amx_bf16", "avx512_bf16") if f not in flags]
+    missing = [f for f in ("amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi") if f not in flags]
     if missing:
         return f"CPU lacks {'/'.join(missing)}"
     return ""
@@ -107,10 +107,25 @@ def pack_weight_amx(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int8_amx(q: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> int8 [P, S, 16, 32], the layout of :func:`pack_weight_amx` (widened to bf16 in the kernel)."""
+    """int8 [N, K] -> int8 [P, S, 16, 32]: the layout of :func:`pack_weight_amx`, each 64-byte chunk stored in the
+    order the kernel's widening puts back (:func:`_int8_chunk_order`)."""
     if q.dim() != 2 or q.dtype != torch.int8:
         raise ValueError(f"expected an int8 [N, K] tensor, got {q.dtype} {tuple(q.shape)}")
-    return _to_tiles(q, torch.int8)
+    tiles = _to_tiles(q, torch.int8)
+    return _int8_chunk_order(tiles.view(-1, 2, 4, 8)).reshape(tiles.shape)
+
+
+def unpack_int8_amx(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int8_amx`: int8 [P, S, 16, 32] -> int8 [N, K] (exact)."""
+    natural = _int8_chunk_order(packed.reshape(-1, 4, 2, 8)).reshape(packed.shape)
+    return unpack_weight_amx(natural, out_features, in_features)
+
+
+def _int8_chunk_order(chunks: torch.Tensor) -> torch.Tensor:
+    """Swap the two middle axes of 64-byte chunks: [C, 2, 4, 8] (h, L, j) -> [C, 4, 2, 8] packs, [C, 4, 2, 8] -> [C, 2,
+    4, 8] unpacks.  Stored byte 16L + 8h + j of a chunk holds element 32h + 8L + j, since the kernel's byte
+    interleave (VPUNPCK{L,H}BW) works within 128-bit lanes."""
+    return chunks.permute(0, 2, 1, 3).contiguous()
 
 
 def _to_tiles(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -128,13 +143,10 @@ def _to_tiles(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def unpack_weight_amx(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """Inverse of :func:`pack_weight_amx` (and of :func:`pack_int8_amx`): [P, S, 16, 32] -> [N, K] (exact)."""
+    """Inverse of :func:`pack_weight_amx`: bf16 [P, S, 16, 32] -> bf16 [N, K] (exact)."""
     p, s, _, _ = packed.shape
     w = packed.view(p, s, STEP // 2, PANEL, 2).permute(0, 3, 1, 2, 4).reshape(p * PANEL, s * STEP)
     return w[:out_features, :in_features].clone()
-
-
-unpack_int8_amx = unpack_weight_amx
 
 
 def _pad_rows(x: torch.Tensor, kp: int) -> torch.Tensor:

@@ -103,30 +103,54 @@ inline void run_group(int np, const uint16_t* wg, int64_t panel_stride, const ui
   }
 }
 
-// int8 weights (weight-only, per-output scale): the group's int8 blocks are widened to bf16 once per call into a
-// per-thread buffer (an int8 q in [-127, 127] is exact in bf16), then multiplied like bf16 weights; the scale and
-// the bias are applied after the sum, as two roundings.  The widening costs the same for 1 or 16 rows, so int8
-// verification, like bf16, costs about the bytes read.
-inline void widen_int8(const int8_t* __restrict__ q, uint16_t* __restrict__ out, int64_t n) {  // n % 32 == 0
-  for (int64_t i = 0; i < n; i += 32) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
-    const __m512 hi =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i + 16))));
-    _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));  // lo -> low half
+// int8 weights (weight-only, per-output scale): the int8 blocks are widened to bf16 in the kernel (an int8 q in
+// [-127, 127] is exact in bf16) and multiplied like bf16 weights; the scale and the bias are applied after the sum, as
+// two roundings.  The widening costs the same for 1 or 16 rows, so int8 verification, like bf16, costs about the
+// bytes read.  Widening is a table lookup: the high and low bytes of bf16(|q|) come from two 128-entry byte tables
+// (VPERMI2B), the sign bit of q is put back, and the two bytes are interleaved into words.  The interleave works
+// within 128-bit lanes, so pack_int8_amx stores each 64-byte chunk in the order that makes the words come out in
+// order (see kInt8Order in amx.py).
+struct Bf16ByteTables {
+  __m512i hi0, hi1, lo0, lo1;  // bytes of bf16(i) for i = 0..63 (…0) and 64..127 (…1)
+};
+
+inline Bf16ByteTables make_tables() {
+  alignas(64) uint8_t hi[128], lo[128];
+  for (int i = 0; i < 128; ++i) {
+    const float f = static_cast<float>(i);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    hi[i] = static_cast<uint8_t>(bits >> 24);
+    lo[i] = static_cast<uint8_t>(bits >> 16);  // exact: an integer below 128 has at most 7 significant bits
+  }
+  return {_mm512_load_si512(hi), _mm512_load_si512(hi + 64), _mm512_load_si512(lo), _mm512_load_si512(lo + 64)};
+}
+
+inline void widen_int8(const int8_t* __restrict__ q, uint16_t* __restrict__ out, int64_t n,
+                       const Bf16ByteTables& t) {  // n % 64 == 0
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t i = 0; i < n; i += 64) {
+    const __m512i v = _mm512_loadu_si512(q + i);
+    const __m512i mag = _mm512_abs_epi8(v);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, mag, t.hi1), v, sign, 0xF8);  // a|(b&c)
+    const __m512i lo = _mm512_permutex2var_epi8(t.lo0, mag, t.lo1);
+    _mm512_storeu_si512(out + i, _mm512_unpacklo_epi8(lo, hi));
+    _mm512_storeu_si512(out + i + 32, _mm512_unpackhi_epi8(lo, hi));
   }
 }
 
 // group_block for int8 weights: each k step's blocks are widened into a 4 KiB buffer (L1) right before use.
 template <int NP>
 inline void group_block_int8(const int8_t* __restrict__ qg, int64_t panel_stride, const uint16_t* __restrict__ xb,
-                             int64_t ldx, int64_t steps, uint16_t* __restrict__ buf, float* __restrict__ out) {
+                             int64_t ldx, int64_t steps, uint16_t* __restrict__ buf, float* __restrict__ out,
+                             const Bf16ByteTables& t) {
   if (NP > 0) _tile_zero(0);
   if (NP > 1) _tile_zero(1);
   if (NP > 2) _tile_zero(2);
   if (NP > 3) _tile_zero(3);
   const int64_t xstride = ldx * 2;
   for (int64_t s = 0; s < steps; ++s) {
-    for (int j = 0; j < NP; ++j) widen_int8(qg + j * panel_stride + s * kBlock, buf + j * kBlock, kBlock);
+    for (int j = 0; j < NP; ++j) widen_int8(qg + j * panel_stride + s * kBlock, buf + j * kBlock, kBlock, t);
     memory_barrier();
     _tile_loadd(4, xb + s * kStep, xstride);
     if (NP > 0) { _tile_loadd(5, buf, 64); _tile_dpbf16ps(0, 4, 5); }
@@ -142,12 +166,12 @@ inline void group_block_int8(const int8_t* __restrict__ qg, int64_t panel_stride
 }
 
 inline void run_group_int8_streamed(int np, const int8_t* qg, int64_t panel_stride, const uint16_t* xb, int64_t ldx,
-                                    int64_t steps, uint16_t* buf, float* out) {
+                                    int64_t steps, uint16_t* buf, float* out, const Bf16ByteTables& t) {
   switch (np) {
-    case 4: group_block_int8<4>(qg, panel_stride, xb, ldx, steps, buf, out); break;
-    case 3: group_block_int8<3>(qg, panel_stride, xb, ldx, steps, buf, out); break;
-    case 2: group_block_int8<2>(qg, panel_stride, xb, ldx, steps, buf, out); break;
-    default: group_block_int8<1>(qg, panel_stride, xb, ldx, steps, buf, out); break;
+    case 4: group_block_int8<4>(qg, panel_stride, xb, ldx, steps, buf, out, t); break;
+    case 3: group_block_int8<3>(qg, panel_stride, xb, ldx, steps, buf, out, t); break;
+    case 2: group_block_int8<2>(qg, panel_stride, xb, ldx, steps, buf, out, t); break;
+    default: group_block_int8<1>(qg, panel_stride, xb, ldx, steps, buf, out, t); break;
   }
 }
 
@@ -265,11 +289,12 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
   const int64_t groups = (P + kGroup - 1) / kGroup;
   const int64_t grain = std::max<int64_t>(1, groups / std::max<int64_t>(1, at::get_num_threads()));
 
+  const Bf16ByteTables tables = make_tables();
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     load_config(rows);
     alignas(64) float out[kGroup * kRows * kPanel];
-    // The group's weights widened to bf16: 4 panels x K x 16 x 2 B (1.1 MiB at K = 8960: stays in L2).
-    // Decoding and verification (one row block) widen one k step at a time (4 KiB); more rows widen the group once.
+    // Decoding and verification (one row block) widen one k step at a time (4 KiB, in L1); more rows widen the
+    // group's weights once: 4 panels x K x 16 x 2 B (1.1 MiB at K = 8960: stays in L2).
     const int64_t wide_elems = m_out <= kRows ? kGroup * kBlock : kGroup * panel_stride;
     auto* wide = static_cast<uint16_t*>(std::aligned_alloc(64, wide_elems * sizeof(uint16_t)));
     TORCH_CHECK(wide != nullptr, "amx_int8_linear: out of memory");
@@ -279,9 +304,9 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
       const int8_t* qg = qp + p0 * panel_stride;
       if (m_out <= kRows) {
         // One row block (decoding, verification): widen one k step of the group at a time, into L1.
-        run_group_int8_streamed(np, qg, panel_stride, xp, Kp, S, wide, out);
+        run_group_int8_streamed(np, qg, panel_stride, xp, Kp, S, wide, out, tables);
       } else {
-        widen_int8(qg, wide, np * panel_stride);
+        widen_int8(qg, wide, np * panel_stride, tables);
         memory_barrier();
       }
       for (int64_t mb = 0; mb < m_out; mb += kRows) {
