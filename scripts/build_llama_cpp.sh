@@ -13,11 +13,20 @@ if [ ! -d "$SRC" ]; then
   "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK/sdist"
   tar xzf "$WORK/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$WORK"
 fi
+# -march=native, except on CPUs with AMX: this llama.cpp's AMX path (GGML_NATIVE turns it on there) crashes in the
+# first llama_decode of the Q4_K_M target (seen on a Sapphire Rapids-class Xeon), so there the AVX-512 kernels are
+# selected explicitly instead.
+ISA_FLAGS=(-DGGML_NATIVE=ON)
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+  ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+             -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF
+             -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+fi
 CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$PY" -m pip install --no-deps "$SRC"
 "$PY" -m pip install "diskcache>=5.6"
 PATH="$(dirname "$PY"):$PATH" cmake -S "$SRC/vendor/llama.cpp" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
-  -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DGGML_NATIVE=ON
+  -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON "${ISA_FLAGS[@]}"
 PATH="$(dirname "$PY"):$PATH" nice -n 10 cmake --build "$WORK/build" -j2 --target llama llama-speculative-simple
 ln -sfn "$WORK/build/bin" "$WORK/bin"
 echo "llama.cpp library and llama-speculative-simple in $WORK/bin"
