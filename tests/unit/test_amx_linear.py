@@ -19,6 +19,20 @@ from tests.unit.test_packed_linear import _layer, assert_row_count_invariant
 needs_amx = pytest.mark.skipif(not amx_available(), reason=f"AMX unavailable: {amx_status()}")
 
 
+def _outputs_by_thread_count(layer, x: torch.Tensor) -> list[torch.Tensor]:
+    """``layer(x)`` with 1, 2 and 3 torch threads."""
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                outs.append(layer(x))
+    finally:
+        torch.set_num_threads(before)
+    return outs
+
+
 def test_pack_layout_and_round_trip() -> None:
     """Element [p, s, r, 2c + h] holds W[16p + c, 32s + 2r + h]; padding is zero; unpacking is exact."""
     n, k = 37, 70
@@ -75,15 +89,7 @@ def test_fp32_rows_keep_fp32_accuracy() -> None:
 def test_thread_count_does_not_change_results() -> None:
     layer = PackedLinear.from_linear(_layer(1000, 256, bias=True, seed=11), backend="amx")
     x = torch.randn(9, 256).to(torch.bfloat16)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            with torch.inference_mode():
-                outs.append(layer(x))
-    finally:
-        torch.set_num_threads(before)
+    outs = _outputs_by_thread_count(layer, x)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
@@ -160,15 +166,7 @@ def test_int8_fp32_rows_and_threads() -> None:
     q, scale = quantize_int8(w)
     x = torch.randn(6, 512)
     ref = _dequantized_reference(x, q, scale, b)
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            with torch.inference_mode():
-                outs.append(layer(x))
-    finally:
-        torch.set_num_threads(before)
+    outs = _outputs_by_thread_count(layer, x)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     once = (_dequantized_reference(x.to(torch.bfloat16).float(), q, scale, b) - ref).abs().max().item()
     assert (outs[0].double() - ref).abs().max().item() < once / 50

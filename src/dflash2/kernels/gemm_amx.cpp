@@ -186,64 +186,76 @@ bool amx_init() {
 #endif
 }
 
-// x: bf16 [Mp, Kp] (Mp <= 16 or a multiple of 16, zero padded); packed: bf16 [P, S, 16, 32]; y: fp32 [m_out, n_out].
+// One call's shapes, checked: x bf16 [Mp, Kp] (Mp <= 16 or a multiple of 16, zero padded), weight [P, S, 16, 32]
+// (bf16, or int8 for amx_int8_linear), y fp32 [m_out, n_out].
+struct Call {
+  int64_t Mp, Kp, P, S, m_out, n_out;
+  const float* bias;  // fp32 [n_out] or nullptr
+  int rows() const { return static_cast<int>(std::min(Mp, kRows)); }
+  int64_t panel_stride() const { return S * kBlock; }  // elements between consecutive panels
+  int64_t groups() const { return (P + kGroup - 1) / kGroup; }
+  // Enough groups per thread that a thread's share is a long contiguous stream of the packed weight.
+  int64_t grain() const { return std::max<int64_t>(1, groups() / std::max<int64_t>(1, at::get_num_threads())); }
+};
+
+Call check_call(const char* name, const at::Tensor& x, const at::Tensor& w, at::ScalarType w_type,
+                const c10::optional<at::Tensor>& bias, int64_t m_out, int64_t n_out) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), name,
+              ": x must be a contiguous bf16 [M, K] tensor");
+  TORCH_CHECK(w.scalar_type() == w_type && w.dim() == 4 && w.size(2) == kPanel && w.size(3) == kStep &&
+                  w.is_contiguous(),
+              name, ": the weight must be a contiguous ", c10::toString(w_type), " [P, S, 16, 32] tensor");
+  Call c{x.size(0), x.size(1), w.size(0), w.size(1), m_out, n_out, nullptr};
+  TORCH_CHECK(c.Kp == c.S * kStep, name, ": x has ", c.Kp, " columns, the weight ", c.S * kStep);
+  TORCH_CHECK(c.Mp <= kRows || c.Mp % kRows == 0, name, ": rows must be <= 16 or a multiple of 16, got ", c.Mp);
+  TORCH_CHECK(m_out <= c.Mp, name, ": m_out ", m_out, " > rows ", c.Mp);
+  TORCH_CHECK(n_out > (c.P - 1) * kPanel && n_out <= c.P * kPanel, name, ": out_features ", n_out,
+              " does not match ", c.P, " panels");
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out, name,
+                ": bias must be a contiguous fp32 [N] tensor");
+    c.bias = bias->data_ptr<float>();
+  }
+  return c;
+}
+
+// The C tiles of one group and row block (out: [np][16][16]) into y: y = out (* scale) (+ bias), each a rounding.
+inline void store_group(const float* out, int np, int64_t p0, int64_t mb, const Call& c, const float* scale,
+                        float* y) {
+  const int64_t mv = std::min<int64_t>(c.rows(), c.m_out - mb);
+  for (int j = 0; j < np; ++j) {
+    const int64_t n0 = (p0 + j) * kPanel;
+    const int64_t nv = std::min<int64_t>(kPanel, c.n_out - n0);
+    for (int64_t r = 0; r < mv; ++r) {
+      const float* src = out + (j * kRows + r) * kPanel;
+      float* dst = y + (mb + r) * c.n_out + n0;
+      for (int64_t i = 0; i < nv; ++i) {
+        const float v = scale != nullptr ? src[i] * scale[n0 + i] : src[i];
+        dst[i] = c.bias != nullptr ? v + c.bias[n0 + i] : v;
+      }
+    }
+  }
+}
+
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t m_out, int64_t n_out) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "amx_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
-              "amx_linear: x must be a contiguous bf16 [M, K] tensor");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kPanel &&
-                  packed.size(3) == kStep && packed.is_contiguous(),
-              "amx_linear: packed weight must be a contiguous bf16 [P, S, 16, 32] tensor");
-  const int64_t Mp = x.size(0);
-  const int64_t Kp = x.size(1);
-  const int64_t P = packed.size(0);
-  const int64_t S = packed.size(1);
-  TORCH_CHECK(Kp == S * kStep, "amx_linear: x has ", Kp, " columns, the weight ", S * kStep);
-  TORCH_CHECK(Mp <= kRows || Mp % kRows == 0, "amx_linear: rows must be <= 16 or a multiple of 16, got ", Mp);
-  TORCH_CHECK(m_out <= Mp, "amx_linear: m_out ", m_out, " > rows ", Mp);
-  TORCH_CHECK(n_out > (P - 1) * kPanel && n_out <= P * kPanel,
-              "amx_linear: out_features ", n_out, " does not match ", P, " panels");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out,
-                "amx_linear: bias must be a contiguous fp32 [N] tensor");
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const Call c = check_call("amx_linear", x, packed, at::kBFloat16, bias, m_out, n_out);
   at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(at::kFloat));
   if (m_out == 0 || n_out == 0) return y;
-
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  const int rows = static_cast<int>(std::min(Mp, kRows));
-  const int64_t panel_stride = S * kBlock;
-  const int64_t groups = (P + kGroup - 1) / kGroup;
-  // Enough groups per thread that a thread's share is a long contiguous stream of the packed weight.
-  const int64_t grain = std::max<int64_t>(1, groups / std::max<int64_t>(1, at::get_num_threads()));
-
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    load_config(rows);
+  const int64_t stride = c.panel_stride();
+  at::parallel_for(0, c.groups(), c.grain(), [&](int64_t g0, int64_t g1) {
+    load_config(c.rows());
     alignas(64) float out[kGroup * kRows * kPanel];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * kGroup;
-      const int np = static_cast<int>(std::min(kGroup, P - p0));
+      const int np = static_cast<int>(std::min(kGroup, c.P - p0));
       for (int64_t mb = 0; mb < m_out; mb += kRows) {
-        run_group(np, wp + p0 * panel_stride, panel_stride, xp + mb * Kp, Kp, S, out);
-        const int64_t mv = std::min<int64_t>(rows, m_out - mb);
-        for (int j = 0; j < np; ++j) {
-          const int64_t n0 = (p0 + j) * kPanel;
-          const int64_t nv = std::min<int64_t>(kPanel, n_out - n0);
-          for (int64_t r = 0; r < mv; ++r) {
-            const float* src = out + (j * kRows + r) * kPanel;
-            float* dst = yp + (mb + r) * n_out + n0;
-            if (bias_ptr != nullptr) {
-              for (int64_t c = 0; c < nv; ++c) dst[c] = src[c] + bias_ptr[n0 + c];
-            } else {
-              std::memcpy(dst, src, nv * sizeof(float));
-            }
-          }
-        }
+        run_group(np, wp + p0 * stride, stride, xp + mb * c.Kp, c.Kp, c.S, out);
+        store_group(out, np, p0, mb, c, nullptr, yp);
       }
     }
     _tile_release();
@@ -251,79 +263,42 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   return y;
 }
 
-// x: bf16 [Mp, Kp] as for amx_linear; q: int8 [P, S, 16, 32] (the bf16 layout); scale: fp32 [N].
+// int8: q int8 [P, S, 16, 32] (pack_int8_amx's chunk order), scale fp32 [N]; otherwise as amx_linear.
 at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& bias, int64_t m_out, int64_t n_out) {
-  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu(), "amx_int8_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
-              "amx_int8_linear: x must be a contiguous bf16 [M, K] tensor");
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 4 && q.size(2) == kPanel && q.size(3) == kStep &&
-                  q.is_contiguous(),
-              "amx_int8_linear: weight must be a contiguous int8 [P, S, 16, 32] tensor");
+  const Call c = check_call("amx_int8_linear", x, q, at::kChar, bias, m_out, n_out);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_out,
               "amx_int8_linear: scale must be a contiguous fp32 [N] tensor");
-  const int64_t Mp = x.size(0);
-  const int64_t Kp = x.size(1);
-  const int64_t P = q.size(0);
-  const int64_t S = q.size(1);
-  TORCH_CHECK(Kp == S * kStep, "amx_int8_linear: x has ", Kp, " columns, the weight ", S * kStep);
-  TORCH_CHECK(Mp <= kRows || Mp % kRows == 0, "amx_int8_linear: rows must be <= 16 or a multiple of 16, got ", Mp);
-  TORCH_CHECK(m_out <= Mp, "amx_int8_linear: m_out ", m_out, " > rows ", Mp);
-  TORCH_CHECK(n_out > (P - 1) * kPanel && n_out <= P * kPanel,
-              "amx_int8_linear: out_features ", n_out, " does not match ", P, " panels");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out,
-                "amx_int8_linear: bias must be a contiguous fp32 [N] tensor");
-    bias_ptr = bias->data_ptr<float>();
-  }
   at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(at::kFloat));
   if (m_out == 0 || n_out == 0) return y;
-
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int rows = static_cast<int>(std::min(Mp, kRows));
-  const int64_t panel_stride = S * kBlock;
-  const int64_t groups = (P + kGroup - 1) / kGroup;
-  const int64_t grain = std::max<int64_t>(1, groups / std::max<int64_t>(1, at::get_num_threads()));
-
+  const int64_t stride = c.panel_stride();
   const Bf16ByteTables tables = make_tables();
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    load_config(rows);
+  at::parallel_for(0, c.groups(), c.grain(), [&](int64_t g0, int64_t g1) {
+    load_config(c.rows());
     alignas(64) float out[kGroup * kRows * kPanel];
     // Decoding and verification (one row block) widen one k step at a time (4 KiB, in L1); more rows widen the
     // group's weights once: 4 panels x K x 16 x 2 B (1.1 MiB at K = 8960: stays in L2).
-    const int64_t wide_elems = m_out <= kRows ? kGroup * kBlock : kGroup * panel_stride;
+    const int64_t wide_elems = m_out <= kRows ? kGroup * kBlock : kGroup * stride;
     auto* wide = static_cast<uint16_t*>(std::aligned_alloc(64, wide_elems * sizeof(uint16_t)));
     TORCH_CHECK(wide != nullptr, "amx_int8_linear: out of memory");
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * kGroup;
-      const int np = static_cast<int>(std::min(kGroup, P - p0));
-      const int8_t* qg = qp + p0 * panel_stride;
+      const int np = static_cast<int>(std::min(kGroup, c.P - p0));
+      const int8_t* qg = qp + p0 * stride;
       if (m_out <= kRows) {
-        // One row block (decoding, verification): widen one k step of the group at a time, into L1.
-        run_group_int8_streamed(np, qg, panel_stride, xp, Kp, S, wide, out, tables);
-      } else {
-        widen_int8(qg, wide, np * panel_stride, tables);
-        memory_barrier();
+        run_group_int8_streamed(np, qg, stride, xp, c.Kp, c.S, wide, out, tables);
+        store_group(out, np, p0, 0, c, sp, yp);
+        continue;
       }
+      widen_int8(qg, wide, np * stride, tables);
+      memory_barrier();
       for (int64_t mb = 0; mb < m_out; mb += kRows) {
-        if (m_out > kRows) run_group(np, wide, panel_stride, xp + mb * Kp, Kp, S, out);
-        const int64_t mv = std::min<int64_t>(rows, m_out - mb);
-        for (int j = 0; j < np; ++j) {
-          const int64_t n0 = (p0 + j) * kPanel;
-          const int64_t nv = std::min<int64_t>(kPanel, n_out - n0);
-          for (int64_t r = 0; r < mv; ++r) {
-            const float* src = out + (j * kRows + r) * kPanel;
-            float* dst = yp + (mb + r) * n_out + n0;
-            for (int64_t c = 0; c < nv; ++c) {
-              const float scaled = src[c] * sp[n0 + c];
-              dst[c] = bias_ptr != nullptr ? scaled + bias_ptr[n0 + c] : scaled;
-            }
-          }
-        }
+        run_group(np, wide, stride, xp + mb * c.Kp, c.Kp, c.S, out);
+        store_group(out, np, p0, mb, c, sp, yp);
       }
     }
     std::free(wide);
