@@ -77,12 +77,8 @@ def _load() -> tuple[bool, str, object]:
 
 
 def _ensure_loaded() -> None:
-    if "available" in _state:
-        return
-    with _lock:
-        if "available" not in _state:
-            ok, status, op = _load()
-            _state.update(available=ok, status=status, op=op)
+    # No warning when it is not available: most CPUs have no AMX, and PackedLinear then uses the AVX2 kernel.
+    _bf16.ensure_loaded(_state, _lock, _load, "AMX kernel", warn=False)
 
 
 def amx_available() -> bool:

@@ -186,8 +186,8 @@ def jit_load(name: str, source: Path, cflags: list[str], build_dir: Path, op_nam
     return True, f"{label}AVX2/FMA kernel loaded from {build_dir}", op
 
 
-def ensure_loaded(state: dict[str, object], lock: threading.Lock, load, what: str) -> None:
-    """Run ``load()`` once per process into ``state`` (available, status, op); warn once if it failed."""
+def ensure_loaded(state: dict[str, object], lock: threading.Lock, load, what: str, warn: bool = True) -> None:
+    """Run ``load()`` once per process into ``state`` (available, status, op); warn once if it failed (``warn``)."""
     if "available" in state:
         return
     with lock:
@@ -197,7 +197,7 @@ def ensure_loaded(state: dict[str, object], lock: threading.Lock, load, what: st
         state.update(available=ok, status=status, op=op)
         if ok:
             log.info("dflash2 kernels: %s", status)
-        else:
+        elif warn:
             warnings.warn(f"dflash2: {what} unavailable ({status}); using the slower PyTorch fallback",
                           RuntimeWarning, stacklevel=4)
 
@@ -407,9 +407,14 @@ def _amx():
     return amx
 
 
+def amx_usable() -> bool:
+    """The AMX backend may be used: the packed kernels are enabled here and the AMX kernel loaded."""
+    return kernels_available() and _amx().amx_available()
+
+
 def default_backend() -> str:
     """The fastest backend available here: ``amx`` where the CPU has AMX-BF16, else ``avx2``, else ``torch``."""
-    if kernels_available() and _amx().amx_available():
+    if amx_usable():
         return AMX
     return KERNEL if kernels_available() else TORCH
 
@@ -417,7 +422,7 @@ def default_backend() -> str:
 def _check_backend(backend: str) -> None:
     if backend == KERNEL and not kernels_available():
         raise RuntimeError(f"dflash2 kernel backend requested but unavailable: {kernel_status()}")
-    if backend == AMX and not (kernels_available() and _amx().amx_available()):
+    if backend == AMX and not amx_usable():
         raise RuntimeError(f"dflash2 AMX backend requested but unavailable: {_amx().amx_status()}")
 
 

@@ -263,19 +263,12 @@ class QuantLinear(_bf16.CpuLinear):
                 f"bias={self.bias_data is not None}, weights={self.weights}, backend={self.backend}")
 
 
-def _amx():
-    from dflash2.kernels import amx
-
-    return amx
-
-
-def _amx_usable() -> bool:
-    return _bf16.kernels_available() and _amx().amx_available()
+_amx = _bf16._amx
 
 
 def default_quant_backend(weights: str) -> str:
     """``amx`` for int8 where the CPU has AMX-BF16, else ``avx2`` when the kernels built, else ``torch``."""
-    if weights == "int8" and _amx_usable():
+    if weights == "int8" and _bf16.amx_usable():
         return AMX
     return KERNEL if quant_kernels_available() else TORCH
 
@@ -288,7 +281,7 @@ def _check_backend(weights: str, backend: str) -> None:
     if backend == AMX:
         if weights != "int8":
             raise ValueError(f"the AMX backend takes int8 weights, not {weights}")
-        if not _amx_usable():
+        if not _bf16.amx_usable():
             raise RuntimeError(f"dflash2 AMX backend requested but unavailable: {_amx().amx_status()}")
 
 
