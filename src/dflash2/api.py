@@ -35,7 +35,8 @@ def load(
     model of the same tokenizer, ``draft_model``; default: the store's pairing for the target), "dflash" (a trained
     block drafter: the one shipped for the target, or a directory in ``draft_model``), "dflash+ngram", "dflash2",
     "dflash2+ngram" (the shipped DFlash2 drafter). Every drafter is lossless. ``num_candidates`` > 1 makes the n-gram
-    drafter verify a tree of continuations, and a block drafter a tree of its best paths.
+    drafter verify a tree of continuations, and a block drafter a tree of k * num_candidates nodes (its
+    chain and the likeliest branches through the block's top candidates).
     weights: "bf16" (not quantized, the default), "int8" or "int4" (weight-only, quantized at load time, CPU), for the
     target and the ``model`` drafter; speculation is lossless with respect to the quantized target.
     pipeline: "sync" or "overlap" (the drafter drafts the next block while the target verifies; None: the

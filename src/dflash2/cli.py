@@ -59,8 +59,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
     parser.add_argument("--draft-model", default=None, help="small model for --drafter model (default: the pairing)")
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="drafts per step")
     parser.add_argument("--num-candidates", type=int, default=1,
-                        help="ngram: continuations verified together as a tree; dflash / dflash2: best paths "
-                             "through the block's top candidates, as a tree (default: 1, a chain)")
+                        help="tree width W: ngram verifies W continuations together as a tree; dflash / dflash2 a "
+                             "tree of k*W nodes, the chain and the likeliest branches through the block's top "
+                             "candidates (default: 1, a chain)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--weights", default="bf16", choices=("bf16", "int8", "int4"),
                         help="linear-layer weights of the target and draft model: bf16 (not quantized), int8 (per "

@@ -68,7 +68,7 @@ def test_labels_name_the_draft_shape_and_pipeline():
 
     assert label("none") == "dflash2 plain"
     assert label("dflash2+ngram:2") == "dflash2 DFlash2 + ngram k=2"
-    assert label("dflash2:3x3") == "dflash2 DFlash2 k=3 x3 paths"
+    assert label("dflash2:3x3") == "dflash2 DFlash2 k=3 tree x3"
     assert label("model@overlap") == "dflash2 model (0.5B), overlap"
     assert label("llamacpp-spec") == "llama.cpp 4-bit speculative (0.5B)"
 

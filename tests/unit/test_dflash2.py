@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dflash2.drafters.dflash import DFlashDraftModel, DFlashDrafter
-from dflash2.drafters.dflash2_parts import DynamicConv, PathSelector, best_paths, select_path, selector_loss
+from dflash2.drafters.dflash2_parts import DynamicConv, PathSelector, best_tree, select_path, selector_loss
 from dflash2.models.loading import load_transformer
 from dflash2.train.dflash_trainer import train_dflash
 from dflash2.verify.sampling import GREEDY, SamplingParams
@@ -106,31 +106,53 @@ def test_dflash2_decoding_is_lossless(target, params):
         assert bool((draft.q_draft[torch.arange(5), draft.tokens] > 0).all())
 
 
-def test_without_a_selector_best_paths_are_the_top_paths_by_log_probability():
-    logits, top = torch.randn(3, 20, generator=torch.Generator().manual_seed(1)), 4
-    paths = best_paths(None, logits, torch.zeros(3, 8), pending_row=0, num_paths=3, top_k=top)
-    candidate_logits, candidates = logits.topk(top, dim=-1)
-    log_probs = torch.log_softmax(candidate_logits, dim=-1)  # [3, K]
-    every = [((a, b, c), float(log_probs[0, a] + log_probs[1, b] + log_probs[2, c]))
-             for a in range(top) for b in range(top) for c in range(top)]
-    best = sorted(every, key=lambda item: item[1], reverse=True)[:3]
-    assert paths == [[int(candidates[t, j]) for t, j in enumerate(choice)] for choice, _ in best]
-    assert paths[0] == logits.argmax(-1).tolist()
+def test_without_a_selector_the_tree_is_the_chain_plus_the_likeliest_other_nodes():
+    logits, top, k, budget = torch.randn(3, 20, generator=torch.Generator().manual_seed(1)), 4, 3, 9
+    rows, parents = best_tree(None, logits, torch.zeros(3, 8), pending_row=0, num_nodes=budget, top_k=top)
+    candidates = logits.topk(top, dim=-1).indices  # [3, K]
+    log_probs = torch.log_softmax(logits, dim=-1)  # [3, V] independent positions
+    every = {}  # every node of the lattice (a path of candidate indices from the root) -> log P(accepted)
+    frontier = [()]
+    for t in range(k):
+        frontier = [path + (j,) for path in frontier for j in range(top)]
+        for path in frontier:
+            every[path] = sum(float(log_probs[d, candidates[d, j]]) for d, j in enumerate(path))
+    chain = (0,) * k  # the top-1 of each position is candidate index 0
+    chain_nodes = {chain[: t + 1] for t in range(k)}
+    others = sorted((p for p in every if p not in chain_nodes), key=every.get, reverse=True)[: budget - k]
+    expected = {tuple(int(candidates[d, j]) for d, j in enumerate(path)) for path in chain_nodes | set(others)}
+    assert len(rows) == budget and rows[:k] == logits.argmax(-1).tolist() and parents[:k] == [-1, 0, 1]
+    assert {node_path(rows, parents, node) for node in range(budget)} == expected
 
 
-def test_with_a_selector_the_first_best_path_is_the_greedy_walk_and_all_differ():
+def node_path(rows: list[int], parents: list[int], node: int) -> tuple[int, ...]:
+    """The rows from the root down to ``node``."""
+    path = []
+    while node >= 0:
+        path.append(rows[node])
+        node = parents[node]
+    return tuple(reversed(path))
+
+
+@pytest.mark.parametrize("budget", [1, 4, 11, 200])
+def test_with_a_selector_the_tree_starts_with_the_greedy_walk_and_is_a_valid_trie(budget):
     selector = random_selector()
     logits, hidden = torch.randn(4, 20), torch.randn(4, 8)
-    paths = best_paths(selector, logits, hidden, pending_row=20, num_paths=4)
-    assert paths[0] == select_path(selector, logits, hidden, 20, 0.0).rows.tolist()
-    assert len(paths) == 4 and len({tuple(path) for path in paths}) == 4
-    for path in paths:
-        assert all(row in logits[t].topk(5).indices.tolist() for t, row in enumerate(path))
+    rows, parents = best_tree(selector, logits, hidden, pending_row=20, num_nodes=budget)
+    walk = select_path(selector, logits, hidden, 20, 0.0).rows.tolist()
+    size = min(budget, 5 + 5**2 + 5**3 + 5**4)  # a budget past the whole lattice takes all of it
+    assert len(rows) == len(parents) == size
+    assert rows[: min(budget, 4)] == walk[:budget] and parents[:4] == [-1, 0, 1, 2][:budget]
+    assert all(-1 <= parent < node for node, parent in enumerate(parents))  # parents precede children
+    paths = [node_path(rows, parents, node) for node in range(size)]
+    assert len(set(paths)) == size  # no two siblings carry the same row
+    top = logits.topk(5).indices.tolist()  # the selector keeps the top 5
+    assert all(row in top[t] for path in paths for t, row in enumerate(path)) and max(map(len, paths)) <= 4
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, top_k=40)], ids=["greedy", "sampled"])
-def test_a_tree_of_best_paths_is_lossless_and_contains_the_chain(target, kind, params):
+def test_a_draft_tree_is_lossless_and_contains_the_chain(target, kind, params):
     prompt = prompt_ids()
     capacity = len(prompt) + NEW_TOKENS + 8
     model = dflash2_model(target) if kind == "dflash2" else make_model(target, 8)
@@ -139,7 +161,7 @@ def test_a_tree_of_best_paths_is_lossless_and_contains_the_chain(target, kind, p
     tree = first_draft(tree_drafter, target, prompt, capacity, params, 4)
     assert tree.parents is not None and tree.q_draft is None and tree.depth == 4
     assert tree.tokens[:4].tolist() == chain.tokens.tolist() and tree.parents[:4] == [-1, 0, 1, 2]
-    assert 4 < len(tree.tokens) <= tree_drafter.max_draft_tokens == 12
+    assert len(tree.tokens) == tree_drafter.max_draft_tokens == 12
     runs = [spec_ids(target, tree_drafter, prompt, capacity, params=params, generator=torch.Generator().manual_seed(2))
             for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == NEW_TOKENS

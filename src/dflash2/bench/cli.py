@@ -21,8 +21,8 @@ def add_bench_parser(commands) -> None:
     add_model_options(p, drafter_choice=False)
     p.add_argument("--suite", default="humaneval", help=f"comma-separated: {', '.join(SUITES)}")
     p.add_argument("--drafters", default="ngram,model",
-                   help="comma-separated drafters, each optionally name:k (its draft length) or name:kxW (and W paths "
-                        "verified as a tree); plain decoding always runs")
+                   help="comma-separated drafters, each optionally name:k (its draft length) or name:kxW (and a tree of "
+                        "width W: W n-gram continuations, k*W block-drafter nodes); plain decoding always runs")
     p.add_argument("--limit", type=int, default=None, help="first N prompts (per category for spec_bench)")
     p.add_argument("--category", default=None, help="only these categories, comma-separated (e.g. summarization)")
     p.add_argument("--data", default=None, help="folder holding eval/ (default: ../shared/data or $DFLASH2_DATA)")
@@ -145,7 +145,7 @@ def _report_command(args: argparse.Namespace) -> int:
 
 def _draft_shape(method: str, default_k: int | None, default_candidates: int) -> tuple[int | None, int]:
     """(draft length, candidates) of a ``--drafters`` entry: ``name:k`` sets the draft length of that drafter,
-    ``name:kxW`` also its candidates (W paths verified as a tree); else ``-k`` and ``--num-candidates``."""
+    ``name:kxW`` also its tree width W; else ``-k`` and ``--num-candidates``."""
     from dflash2.cli import CliError
 
     name, _, shape = method.partition(":")

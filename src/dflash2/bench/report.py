@@ -49,13 +49,13 @@ def _in_run_order(summary: list[dict], info: dict) -> list[dict]:
 
 
 def label(method: str) -> str:
-    """A reader's name for a bench method: ``dflash2:3x3@overlap`` -> ``dflash2 DFlash2 k=3 x3 paths, overlap``."""
+    """A reader's name for a bench method: ``dflash2:3x3@overlap`` -> ``dflash2 DFlash2 k=3 tree x3, overlap``."""
     drafter, _, pipeline = method.partition("@")
     name, _, shape = drafter.partition(":")
     k, _, width = shape.partition("x")
     text = METHOD_LABELS.get(name, name)
     text += f" k={k}" if k else ""
-    text += f" x{width} paths" if width else ""
+    text += f" tree x{width}" if width else ""
     return text + (f", {pipeline}" if pipeline else "")
 
 

@@ -57,7 +57,7 @@ def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draf
 
         kind = name.partition("+")[0]
         directory = draft_model or shipped_dflash_drafter(engine.name, kind)
-        # num_candidates > 1: the best few paths through the block's top candidates, verified as a tree
+        # num_candidates W > 1: a tree of k * W nodes through the block's top candidates
         block = load_dflash_drafter(directory, engine.target, num_draft_tokens, num_paths=num_candidates)
         if not name.endswith("+ngram"):
             return block

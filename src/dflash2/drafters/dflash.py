@@ -30,14 +30,13 @@ from typing import Sequence
 import torch
 
 from dflash2.drafters.base import Draft, Drafter
-from dflash2.drafters.dflash2_parts import best_paths, select_path
+from dflash2.drafters.dflash2_parts import best_tree, select_path
 from dflash2.drafters.dflash_config import (
     DFlashConfig,
     default_mask_token_id,
     default_target_layer_ids,
 )
 from dflash2.drafters.dflash_model import DFlashDraftModel
-from dflash2.drafters.ngram import merge_into_tree
 from dflash2.kv.static import StaticKVCache
 from dflash2.models.decoder import Transformer
 from dflash2.verify.sampling import SamplingParams, logits_to_probs, sample
@@ -49,10 +48,10 @@ class DFlashDrafter(Drafter):
     Greedy drafts at T = 0 (``q_draft`` None); at T > 0 each position is sampled independently from its
     warped distribution, and ``q_draft`` [k, V] goes to rejection sampling.
 
-    ``num_paths > 1`` drafts a tree instead: the greedy path and the next best paths through the top
-    candidates (:func:`~dflash2.drafters.dflash2_parts.best_paths`) merged into a trie, verified in one target
-    pass with tree attention. The tree is deterministic, so at T > 0 it is verified by the exact
-    deterministic rule (draw from the target, follow the child that matches).
+    ``num_paths`` W > 1 drafts a tree instead: k * W nodes, the chain plus the likeliest branches through the
+    block's top candidates (:func:`~dflash2.drafters.dflash2_parts.best_tree`), verified in one target pass with
+    tree attention. The tree is deterministic, so at T > 0 it is verified by the exact deterministic rule (draw
+    from the target, follow the child that matches).
     """
 
     name = "dflash"
@@ -83,7 +82,7 @@ class DFlashDrafter(Drafter):
 
     @property
     def max_draft_tokens(self) -> int:
-        """Nodes of the largest draft: one chain, or ``num_paths`` paths before shared prefixes merge."""
+        """Nodes of the largest draft: one chain, or a tree of ``num_paths`` times its draft length."""
         return self.num_draft_tokens * self.num_paths
 
     @property
@@ -172,12 +171,11 @@ class DFlashDrafter(Drafter):
         return Draft(tokens=tokens.cpu(), q_draft=q_draft)
 
     def _tree_draft(self, pending: int, start: int, k: int) -> Draft:
-        """The best ``num_paths`` paths through the top candidates, merged into a deterministic tree."""
+        """A deterministic tree of k * num_paths nodes: the chain and the likeliest branches (``best_tree``)."""
         hidden, logits, pending_row = self._draft_positions(pending, start, k)
-        paths = best_paths(self.model.selector, logits, hidden, pending_row, self.num_paths)
-        ids = [self._vocab_ids(torch.tensor(path, device=logits.device)).tolist() for path in paths]
-        tokens, parents = merge_into_tree(ids)
-        return Draft(tokens=torch.tensor(tokens, dtype=torch.int64), q_draft=None, parents=parents)
+        rows, parents = best_tree(self.model.selector, logits, hidden, pending_row, k * self.num_paths)
+        tokens = self._vocab_ids(torch.tensor(rows, dtype=torch.int64, device=logits.device))
+        return Draft(tokens=tokens.cpu(), q_draft=None, parents=parents)
 
     def _draft_positions(self, pending: int, start: int, k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Hidden states [k, D] and draft-vocabulary logits [k, V'] of block positions 1 .. k, and the selector's

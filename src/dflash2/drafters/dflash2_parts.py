@@ -18,6 +18,7 @@ zero at a block's first position. The taps start at (1, 0): an identity that tra
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -141,31 +142,57 @@ def select_path(
     return SelectedPath(rows=rows, q=q, candidates=candidates)
 
 
-def best_paths(
+def best_tree(
     selector: PathSelector | None,
-    logits: torch.Tensor,  # [k, V'] float32 drafter logits of block positions 1 .. k
+    logits: torch.Tensor,  # [k, V'] float32 drafter logits of block positions 1 .. k (V' = draft vocabulary)
     hidden: torch.Tensor,  # [k, D] drafter hidden states of those positions
     pending_row: int,  # codebook row of the pending token
-    num_paths: int,
+    num_nodes: int,
     top_k: int = 16,
-) -> list[list[int]]:
-    """Up to ``num_paths`` distinct paths of codebook rows through the candidate lattice, for a draft tree.
+) -> tuple[list[int], list[int]]:
+    """A draft tree of at most ``num_nodes`` nodes and depth k through the candidate lattice: (codebook row of
+    each node, parent of each node, -1 = child of the pending token); parents precede their children.
 
-    The first path is the greedy one (the selector's walk, or the top-1 chain without a selector), so a tree of
-    these paths always contains the chain draft. The others come from a beam search of width ``num_paths`` over
-    the summed step log-probabilities: log-softmax over the K candidates of the pair scores S_t(a, .) after the
-    previous choice a (DFlash2), or of the drafter logits alone (DFlash, whose positions are independent).
+    The chain draft (the selector's greedy walk, or the top-1 chain without a selector) comes first, so the tree
+    accepts at least what the chain would. The rest of the budget goes to the nodes of highest estimated
+    acceptance probability (best-first, as in EAGLE-2's dynamic trees): a node's probability is the product of
+    its steps' P(choice | previous choice) = softmax over the K candidates of the pair scores after the previous
+    choice (DFlash2; the drafter logits alone for DFlash), times the drafter's probability mass on those K.
+    A child is never likelier than its parent, so the best nodes always form a tree.
     """
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
     candidates, scores = candidate_lattice(selector, logits, hidden, pending_row, top_k)  # [k, K], [k, K, K]
     k, top = candidates.shape
-    steps = F.log_softmax(scores.float(), dim=-1).tolist()  # [k][K][K] log P(choice j at t | choice i at t - 1)
-    greedy = [0] + greedy_walk(scores)  # indices among the candidates, the pending token's row 0 first
-    beams = [([0], 0.0)]  # (candidate indices with the predecessor first, summed log-probability)
-    for t in range(k):
-        expanded = [(path + [j], score + steps[t][path[-1]][j]) for path, score in beams for j in range(top)]
-        beams = sorted(expanded, key=lambda beam: beam[1], reverse=True)[:num_paths]
-    chosen = [greedy[1:]] + [path[1:] for path, _ in beams if path != greedy]
-    return [[int(candidates[t, j]) for t, j in enumerate(path)] for path in chosen[:num_paths]]
+    full = logits.float().logsumexp(dim=-1)  # [k]
+    mass = logits.float().gather(1, candidates).logsumexp(dim=-1) - full  # [k] log P(one of the K candidates)
+    steps = (F.log_softmax(scores.float(), dim=-1) + mass[:, None, None]).tolist()  # [k][K][K]
+    chain = greedy_walk(scores)  # [k] candidate indices
+    nodes: list[tuple[int, int]] = []  # (block position t, candidate index j) of each node
+    parents: list[int] = []
+    frontier: list[tuple[float, int, int, int, int]] = []  # (-log P, tie, t, j, parent node): heapq's min first
+
+    def add(t: int, j: int, parent: int, log_p: float, skip: int = -1) -> None:
+        nodes.append((t, j))
+        parents.append(parent)
+        if t + 1 < k:  # its children wait in the frontier (but the next chain node, added already)
+            node = len(nodes) - 1
+            for child in range(top):
+                if child != skip:
+                    heapq.heappush(frontier, (-(log_p + steps[t + 1][j][child]), len(nodes) * top + child,
+                                              t + 1, child, node))
+
+    for root in range(top):
+        if root != chain[0]:
+            heapq.heappush(frontier, (-steps[0][0][root], root, 0, root, -1))
+    log_p = 0.0
+    for t, j in enumerate(chain[:num_nodes]):
+        log_p += steps[t][chain[t - 1] if t else 0][j]
+        add(t, j, t - 1, log_p, chain[t + 1] if t + 1 < k else -1)
+    while len(nodes) < num_nodes and frontier:
+        negative, _, t, j, parent = heapq.heappop(frontier)
+        add(t, j, parent, -negative)
+    return [int(candidates[t, j]) for t, j in nodes], parents
 
 
 def selector_loss(
