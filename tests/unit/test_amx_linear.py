@@ -1,5 +1,6 @@
-"""The AMX path of PackedLinear (dflash2.kernels.amx): layout, accuracy, row-count invariance (what keeps
-speculation lossless in bf16), thread-count independence, and the switch that turns it off."""
+"""The paths of PackedLinear on the AMX weight layout, AMX tiles (dflash2.kernels.amx) and AVX512-BF16
+(dflash2.kernels.dpbf16): layout, accuracy, row-count invariance (what keeps speculation lossless in bf16),
+thread-count independence, the switches that turn them off; int8 on AMX."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import torch.nn.functional as F
 
 from dflash2.kernels import PackedLinear
 from dflash2.kernels.amx import amx_available, amx_status, pack_int8_amx, pack_weight_amx, unpack_weight_amx
+from dflash2.kernels.dpbf16 import dpbf16_available, dpbf16_status
 from dflash2.kernels.quant_linear import QuantLinear, quantize_int8
 from tests.unit.test_packed_linear import _layer, assert_row_count_invariant
 
 needs_amx = pytest.mark.skipif(not amx_available(), reason=f"AMX unavailable: {amx_status()}")
+needs_dpbf16 = pytest.mark.skipif(not dpbf16_available(), reason=f"AVX512-BF16 unavailable: {dpbf16_status()}")
+TILE_BACKENDS = [pytest.param("amx", marks=needs_amx), pytest.param("avx512bf16", marks=needs_dpbf16)]
 
 
 def _outputs_by_thread_count(layer, x: torch.Tensor) -> list[torch.Tensor]:
@@ -46,10 +50,10 @@ def test_pack_layout_and_round_trip() -> None:
     assert torch.equal(unpack_weight_amx(packed, n, k), w)
 
 
-@needs_amx
-@pytest.mark.parametrize("n,k", [(100, 1536), (33, 32), (48, 320), (70, 7)])
-def test_row_count_invariant(n: int, k: int) -> None:
-    layer = PackedLinear.from_linear(_layer(n, k, bias=True, seed=3), backend="amx")
+@pytest.mark.parametrize("backend", TILE_BACKENDS)
+@pytest.mark.parametrize("n,k", [(100, 1536), (33, 32), (48, 320), (70, 7), (20, 3000)])  # 3000: two k chunks
+def test_row_count_invariant(n: int, k: int, backend: str) -> None:
+    layer = PackedLinear.from_linear(_layer(n, k, bias=True, seed=3), backend=backend)
     assert_row_count_invariant(layer, k)  # fp32 rows (hi + lo parts)
     x = torch.randn(300, k).to(torch.bfloat16)  # bf16 rows, as in a bf16 model
     with torch.inference_mode():
@@ -58,11 +62,11 @@ def test_row_count_invariant(n: int, k: int) -> None:
             assert torch.equal(layer(x[:m]), full[:m]), m
 
 
-@needs_amx
-def test_bf16_rows_are_exact_products() -> None:
+@pytest.mark.parametrize("backend", TILE_BACKENDS)
+def test_bf16_rows_are_exact_products(backend: str) -> None:
     """bf16 activations: each output is the fp32 sum of exact bf16 products (compare in float64)."""
     lin = _layer(40, 96, bias=True, seed=7)
-    layer = PackedLinear.from_linear(lin, backend="amx")
+    layer = PackedLinear.from_linear(lin, backend=backend)
     x = torch.randn(5, 96).to(torch.bfloat16)
     ref = F.linear(x.double(), lin.weight.detach().to(torch.bfloat16).double(), lin.bias.detach().double())
     with torch.inference_mode():
@@ -71,11 +75,11 @@ def test_bf16_rows_are_exact_products() -> None:
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-@needs_amx
-def test_fp32_rows_keep_fp32_accuracy() -> None:
+@pytest.mark.parametrize("backend", TILE_BACKENDS)
+def test_fp32_rows_keep_fp32_accuracy(backend: str) -> None:
     """An fp32 x is split into two bf16 parts: far closer to the fp32 product than x rounded to bf16 once."""
     lin = _layer(64, 512, bias=False, seed=9)
-    layer = PackedLinear.from_linear(lin, backend="amx")
+    layer = PackedLinear.from_linear(lin, backend=backend)
     w = lin.weight.detach().to(torch.bfloat16).double()
     x = torch.randn(6, 512)
     ref = F.linear(x.double(), w)
@@ -85,9 +89,9 @@ def test_fp32_rows_keep_fp32_accuracy() -> None:
     assert err < once / 50, (err, once)
 
 
-@needs_amx
-def test_thread_count_does_not_change_results() -> None:
-    layer = PackedLinear.from_linear(_layer(1000, 256, bias=True, seed=11), backend="amx")
+@pytest.mark.parametrize("backend", TILE_BACKENDS)
+def test_thread_count_does_not_change_results(backend: str) -> None:
+    layer = PackedLinear.from_linear(_layer(1000, 256, bias=True, seed=11), backend=backend)
     x = torch.randn(9, 256).to(torch.bfloat16)
     outs = _outputs_by_thread_count(layer, x)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
@@ -96,13 +100,22 @@ def test_thread_count_does_not_change_results() -> None:
 @needs_amx
 def test_default_backend_is_amx_and_env_turns_it_off() -> None:
     assert PackedLinear.from_linear(torch.nn.Linear(8, 3)).backend == "amx"
+    assert _backend_in_subprocess(DFLASH2_AMX="off", DFLASH2_DPBF16="off") == "avx2 disabled by DFLASH2_AMX=off"
+
+
+@needs_dpbf16
+def test_without_amx_the_default_backend_is_avx512bf16_and_env_turns_it_off() -> None:
+    assert _backend_in_subprocess(DFLASH2_AMX="off").startswith("avx512bf16 ")
+    assert _backend_in_subprocess(DFLASH2_AMX="off", DFLASH2_DPBF16="off").startswith("avx2 ")
+
+
+def _backend_in_subprocess(**env: str) -> str:
+    """The default PackedLinear backend and the AMX status in a fresh process with ``env`` set."""
     code = ("from dflash2.kernels import PackedLinear; import torch\n"
             "from dflash2.kernels.amx import amx_status\n"
             "print(PackedLinear.from_linear(torch.nn.Linear(8, 3)).backend, amx_status())\n")
-    env = dict(os.environ, DFLASH2_AMX="off")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         check=True).stdout.strip()
-    assert out == "avx2 disabled by DFLASH2_AMX=off", out
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True,
+                          timeout=120, check=True).stdout.strip()
 
 
 # int8 weights on AMX (QuantLinear backend "amx"): widened to bf16 tiles in the kernel, scale and bias after the sum.

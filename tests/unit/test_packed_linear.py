@@ -48,10 +48,11 @@ def _layer(n: int, k: int, bias: bool, seed: int) -> nn.Linear:
 
 def _backends() -> list[str]:
     from dflash2.kernels.amx import amx_available
+    from dflash2.kernels.dpbf16 import dpbf16_available
 
     if not kernels_available():
         return ["torch"]
-    return ["amx", "avx2", "torch"] if amx_available() else ["avx2", "torch"]
+    return ["amx"] * amx_available() + ["avx512bf16"] * dpbf16_available() + ["avx2", "torch"]
 
 
 @pytest.mark.parametrize("backend", _backends())

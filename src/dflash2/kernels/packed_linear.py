@@ -51,6 +51,8 @@ _LDFLAGS = ["-fopenmp"]
 # Backend names of a PackedLinear.
 KERNEL = "avx2"
 AMX = "amx"  # Intel AMX tiles (kernels/amx.py), where the CPU has them
+DPBF16 = "avx512bf16"  # VDPBF16PS over the AMX layout (kernels/dpbf16.py), where the CPU has AVX512-BF16
+TILE_LAYOUT = (AMX, DPBF16)  # backends on pack_weight_amx's layout, fed bf16 rows
 TORCH = "torch"
 
 _lock = threading.Lock()
@@ -300,7 +302,7 @@ class CpuLinear(nn.Module):
         if x.shape[-1] != k:
             raise ValueError(f"{name}: expected last dim {k}, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        if self.backend == AMX:  # bf16 rows as they are (amx.py: fp32 rows as two bf16 parts)
+        if self.backend in TILE_LAYOUT:  # bf16 rows as they are (amx.py: fp32 rows as two bf16 parts)
             y = _row_chunked(self.kernel_rows, x.reshape(-1, k).contiguous(), self.out_features)
         elif self.backend == KERNEL:
             x2 = x.reshape(-1, k).float().contiguous()  # [M, K] (no copy when already fp32 and contiguous)
@@ -323,7 +325,8 @@ class PackedLinear(CpuLinear):
     CPU tensors only: on CUDA keep the ``nn.Linear`` (the caller decides; ``forward`` raises on
     a non-CPU input).  No autograd.
 
-    Backends: ``"amx"`` (Intel AMX tiles, :mod:`dflash2.kernels.amx`), ``"avx2"`` (the packed kernel) or
+    Backends: ``"amx"`` (Intel AMX tiles, :mod:`dflash2.kernels.amx`), ``"avx512bf16"`` (VDPBF16PS on the same
+    layout, :mod:`dflash2.kernels.dpbf16`), ``"avx2"`` (the packed kernel) or
     ``"torch"`` (fallback: the bf16 [N, K] weight and ``F.linear`` on fp32 chunks).
     ``from_linear(..., backend=None)`` picks the first available (:func:`default_backend`).
     """
@@ -337,13 +340,13 @@ class PackedLinear(CpuLinear):
         backend: str,
     ) -> None:
         super().__init__()
-        if backend not in (AMX, KERNEL, TORCH):
-            raise ValueError(f"unknown backend {backend!r} (expected {AMX!r}, {KERNEL!r} or {TORCH!r})")
+        if backend not in (AMX, DPBF16, KERNEL, TORCH):
+            raise ValueError(f"unknown backend {backend!r} (expected {AMX!r}, {DPBF16!r}, {KERNEL!r} or {TORCH!r})")
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         self.backend = backend
         # Plain attributes on purpose (see class docstring).
-        self.weight_data = weight  # amx: [P, S, 16, 32]; avx2: packed [P, K, 16]; torch: [N, K]; all bf16
+        self.weight_data = weight  # amx, avx512bf16: [P, S, 16, 32]; avx2: packed [P, K, 16]; torch: [N, K]; all bf16
         self.bias_data = bias  # fp32 [N] or None
         _check_backend(backend)
         self._op = _state["op"] if backend == KERNEL else None
@@ -365,7 +368,7 @@ class PackedLinear(CpuLinear):
         _check_backend(backend)
         n, k = weight.shape
         with torch.no_grad():
-            if backend == AMX:
+            if backend in TILE_LAYOUT:
                 w = _amx().pack_weight_amx(weight)
             elif backend == KERNEL:
                 w = pack_weight(weight)
@@ -380,7 +383,7 @@ class PackedLinear(CpuLinear):
 
     def unpacked_weight(self) -> torch.Tensor:
         """The bf16 [out_features, in_features] weight (a new tensor)."""
-        if self.backend == AMX:
+        if self.backend in TILE_LAYOUT:
             return _amx().unpack_weight_amx(self.weight_data, self.out_features, self.in_features)
         if self.backend == KERNEL:
             return unpack_weight(self.weight_data, self.out_features)
@@ -389,6 +392,8 @@ class PackedLinear(CpuLinear):
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == AMX:
             return _amx().amx_linear_rows(x, self.weight_data, self.bias_data, self.out_features)
+        if self.backend == DPBF16:
+            return _dpbf16().dpbf16_linear_rows(x, self.weight_data, self.bias_data, self.out_features)
         return self._op(x, self.weight_data, self.bias_data, self.out_features)
 
     def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -407,15 +412,29 @@ def _amx():
     return amx
 
 
+def _dpbf16():
+    from dflash2.kernels import dpbf16
+
+    return dpbf16
+
+
+def dpbf16_usable() -> bool:
+    """The AVX512-BF16 backend may be used: the packed kernels are enabled here and that kernel loaded."""
+    return kernels_available() and _dpbf16().dpbf16_available()
+
+
 def amx_usable() -> bool:
     """The AMX backend may be used: the packed kernels are enabled here and the AMX kernel loaded."""
     return kernels_available() and _amx().amx_available()
 
 
 def default_backend() -> str:
-    """The fastest backend available here: ``amx`` where the CPU has AMX-BF16, else ``avx2``, else ``torch``."""
+    """The fastest backend available here: ``amx`` where the CPU has AMX-BF16, else ``avx512bf16`` where it has
+    AVX512-BF16, else ``avx2``, else ``torch``."""
     if amx_usable():
         return AMX
+    if dpbf16_usable():
+        return DPBF16
     return KERNEL if kernels_available() else TORCH
 
 
@@ -424,6 +443,8 @@ def _check_backend(backend: str) -> None:
         raise RuntimeError(f"dflash2 kernel backend requested but unavailable: {kernel_status()}")
     if backend == AMX and not amx_usable():
         raise RuntimeError(f"dflash2 AMX backend requested but unavailable: {_amx().amx_status()}")
+    if backend == DPBF16 and not dpbf16_usable():
+        raise RuntimeError(f"dflash2 AVX512-BF16 backend requested but unavailable: {_dpbf16().dpbf16_status()}")
 
 
 # The kernel streams all rows of x past each 16-output weight panel, so x is re-read once per panel; past a few

@@ -1,0 +1,91 @@
+"""The AVX512-BF16 path of :class:`~dflash2.kernels.PackedLinear`: VDPBF16PS over the AMX weight layout
+(``gemm_dpbf16.cpp``).
+
+For CPUs with AVX512-BF16 and no AMX (AMD Zen 4 / Zen 5, Intel Cooper Lake): one instruction multiplies 16 pairs
+of bf16 weights by a pair of x and adds both products to 16 fp32 lanes, so a call of up to about 8 rows costs about
+the bytes it reads (the AVX2 kernel's cost grows by half from 1 to 7 rows).  Chosen at run time, after AMX: the CPU
+must list ``avx512_bf16``, the kernel must build and pass its self-check, and ``DFLASH2_DPBF16`` must not be
+``off`` (nor ``DFLASH2_KERNELS``).
+
+Arithmetic and layout are the AMX path's (:mod:`dflash2.kernels.amx`): the packed weights are the same tensor, a
+bf16 x is multiplied as it is and an fp32 x as hi + lo bf16 parts; every output is one chain of VDPBF16PS over k in
+order whatever the number of rows, so the kernel is row-count invariant (tested) and speculation stays lossless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dflash2.kernels import amx as _amx
+from dflash2.kernels import packed_linear as _bf16
+
+__all__ = ["dpbf16_available", "dpbf16_linear_rows", "dpbf16_status"]
+
+_SOURCE = Path(__file__).with_name("gemm_dpbf16.cpp")
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bf16", "-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _disabled_reason() -> str:
+    env = os.environ.get("DFLASH2_DPBF16", "").strip().lower()
+    if env in ("0", "off", "false", "no", "disable", "disabled"):
+        return f"disabled by DFLASH2_DPBF16={os.environ['DFLASH2_DPBF16']}"
+    missing = [f for f in ("avx512f", "avx512_bf16") if f not in _bf16._cpu_flags()]
+    return f"CPU lacks {'/'.join(missing)}" if missing else ""
+
+
+def _self_check(op) -> str:
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in ((3, 24, 40), (1, 7, 19), (13, 70, 3000)):  # 3000: more than one k chunk
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        b = torch.randn(n, generator=g)
+        got = _amx._call(op, x, _amx.pack_weight_amx(w), b, n)
+        bad = _bf16.self_check_mismatch(got, F.linear(x.float(), w.float(), b), k, "AVX512-BF16 ")
+        if bad:
+            return bad
+    return ""
+
+
+def _load() -> tuple[bool, str, object]:
+    reason = _disabled_reason()
+    if reason:
+        return False, reason, None
+    tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+    ok, status, op = _bf16.jit_load(f"dflash2_dpbf16_{tag}", _SOURCE, _CFLAGS, _bf16._build_dir() / f"dpbf16-{tag}",
+                                    "dflash2_dpbf16.dpbf16_linear", _self_check, label="AVX512-BF16 ")
+    return ok, status.replace("AVX2/FMA kernel", "kernel"), op
+
+
+def _ensure_loaded() -> None:
+    # No warning when it is not available: PackedLinear then uses the AVX2 kernel, as on most CPUs.
+    _bf16.ensure_loaded(_state, _lock, _load, "AVX512-BF16 kernel", warn=False)
+
+
+def dpbf16_available() -> bool:
+    """True when the AVX512-BF16 kernel is usable here (built, self-check passed)."""
+    _ensure_loaded()
+    return bool(_state["available"])
+
+
+def dpbf16_status() -> str:
+    """One line: where the AVX512-BF16 kernel was loaded from, or why it is not used."""
+    _ensure_loaded()
+    return str(_state["status"])
+
+
+def dpbf16_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x [M, K] (bf16 as it is; fp32 as hi + lo bf16 parts) -> fp32 [M, n]; ``packed`` from ``pack_weight_amx``."""
+    op = _state["op"]
+    if x.dtype == torch.bfloat16:
+        return _amx._call(op, x, packed, bias, n)
+    y = _amx._split_fp32(x, lambda rows: _amx._call(op, rows, packed, None, n))
+    return y if bias is None else y + bias

@@ -1,0 +1,156 @@
+// dflash2 CPU kernel on AVX512-BF16: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x and W in bf16, fp32 accumulation.
+//
+// Why: CPUs with AVX512-BF16 but no AMX (AMD Zen 4 / Zen 5, Cooper Lake) have VDPBF16PS, which multiplies 16 pairs
+// of bf16 and adds both products to 16 fp32 lanes in one instruction.  The AVX2 / AVX-512 kernel (gemm_avx2.cpp)
+// widens every weight to fp32 and does one FMA per weight and row, so a call of 7 rows (verifying a tree of 6
+// drafts) costs 1.5x a call of 1 row there; with one VDPBF16PS per pair of weights and row, the rows up to about 8
+// stay inside the time that reading the weights takes.
+//
+// Packed layout: the AMX one (amx.py: pack_weight_amx), bf16 [P, S, 16, 32], element [p, s, r, 2c + h] =
+// W[16p + c, 32s + 2r + h]: row r of block (p, s) is the pair row VDPBF16PS wants as its weight operand (lane c
+// holds W[c, k] and W[c, k + 1]); the x operand is the 32-bit word x[m, k .. k + 1] broadcast to every lane.
+//
+// Row-count invariance (what makes speculation lossless in bf16): every output y[m, n] is one accumulator updated by
+// VDPBF16PS over the k pairs 0, 1, ..., Kp / 2 - 1 in order, whatever the number of rows, the row block it falls in,
+// the k chunk (accumulators spill to fp32 memory between chunks, which is exact) and the thread; the bias is added
+// after the sum.  x is padded with zero columns to Kp (a multiple of 32) by the caller.
+//
+// Threads: panels are split into groups of 4 (one broadcast of x feeds 4 panels), groups are split across threads.
+// Each group runs its row blocks (of up to 6 rows: 24 accumulators + 4 weight registers) over k chunks of 64 steps
+// (256 KiB of weights for the group: the second and later row blocks read them from L2).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPanel = 16;              // outputs per panel (fp32 lanes of one accumulator)
+constexpr int64_t kStep = 32;               // k per packed block
+constexpr int64_t kPairs = kStep / 2;       // pair rows per packed block
+constexpr int64_t kGroup = 4;               // panels sharing one broadcast of x
+constexpr int64_t kBlock = kPanel * kStep;  // bf16 elements of one packed (panel, k step) block: 1 KiB
+constexpr int kMaxRows = 6;                 // rows per register block
+constexpr int64_t kChunk = 64;              // k steps per chunk (the group's weights of a chunk: 256 KiB)
+
+inline int32_t pair_at(const uint16_t* x) {  // the bf16 pair x[0], x[1] as one 32-bit word (x[0] in the low half)
+  int32_t word;
+  std::memcpy(&word, x, sizeof(word));
+  return word;
+}
+
+// R rows x NP panels over k steps [s0, s1): acc [R][kGroup][16] fp32 in memory, zeroed by the caller before s = 0.
+template <int R, int NP>
+inline void row_block(const uint16_t* __restrict__ wg, int64_t panel_stride, const uint16_t* __restrict__ xb,
+                      int64_t ldx, int64_t s0, int64_t s1, float* __restrict__ acc) {
+  __m512 c[R][NP];
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NP; ++j) c[m][j] = _mm512_loadu_ps(acc + (m * kGroup + j) * kPanel);
+  for (int64_t s = s0; s < s1; ++s) {
+    const uint16_t* w = wg + s * kBlock;
+    const uint16_t* xs = xb + s * kStep;
+    for (int64_t r = 0; r < kPairs; ++r) {
+      __m512bh b[NP];
+      for (int j = 0; j < NP; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_stride + r * kStep);
+      for (int m = 0; m < R; ++m) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pair_at(xs + m * ldx + 2 * r));
+        for (int j = 0; j < NP; ++j) c[m][j] = _mm512_dpbf16_ps(c[m][j], a, b[j]);
+      }
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(acc + (m * kGroup + j) * kPanel, c[m][j]);
+}
+
+template <int NP>
+inline void run_rows(int rows, const uint16_t* wg, int64_t panel_stride, const uint16_t* xb, int64_t ldx,
+                     int64_t s0, int64_t s1, float* acc) {
+  switch (rows) {
+    case 6: row_block<6, NP>(wg, panel_stride, xb, ldx, s0, s1, acc); break;
+    case 5: row_block<5, NP>(wg, panel_stride, xb, ldx, s0, s1, acc); break;
+    case 4: row_block<4, NP>(wg, panel_stride, xb, ldx, s0, s1, acc); break;
+    case 3: row_block<3, NP>(wg, panel_stride, xb, ldx, s0, s1, acc); break;
+    case 2: row_block<2, NP>(wg, panel_stride, xb, ldx, s0, s1, acc); break;
+    default: row_block<1, NP>(wg, panel_stride, xb, ldx, s0, s1, acc); break;
+  }
+}
+
+inline void run_block(int np, int rows, const uint16_t* wg, int64_t panel_stride, const uint16_t* xb, int64_t ldx,
+                      int64_t s0, int64_t s1, float* acc) {
+  switch (np) {
+    case 4: run_rows<4>(rows, wg, panel_stride, xb, ldx, s0, s1, acc); break;
+    case 3: run_rows<3>(rows, wg, panel_stride, xb, ldx, s0, s1, acc); break;
+    case 2: run_rows<2>(rows, wg, panel_stride, xb, ldx, s0, s1, acc); break;
+    default: run_rows<1>(rows, wg, panel_stride, xb, ldx, s0, s1, acc); break;
+  }
+}
+
+at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t m_out, int64_t n_out) {
+  const char* name = "dpbf16_linear";
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), name,
+              ": x must be a contiguous bf16 [M, K] tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kPanel &&
+                  packed.size(3) == kStep && packed.is_contiguous(),
+              name, ": the weight must be a contiguous bf16 [P, S, 16, 32] tensor");
+  const int64_t Kp = x.size(1), P = packed.size(0), S = packed.size(1);
+  TORCH_CHECK(Kp == S * kStep, name, ": x has ", Kp, " columns, the weight ", S * kStep);
+  TORCH_CHECK(m_out <= x.size(0), name, ": m_out ", m_out, " > rows ", x.size(0));
+  TORCH_CHECK(n_out > (P - 1) * kPanel && n_out <= P * kPanel, name, ": out_features ", n_out, " does not match ",
+              P, " panels");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out, name,
+                ": bias must be a contiguous fp32 [N] tensor");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(at::kFloat));
+  if (m_out == 0 || n_out == 0) return y;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  const int64_t stride = S * kBlock;  // elements between consecutive panels
+  const int64_t groups = (P + kGroup - 1) / kGroup;
+  const int64_t grain = std::max<int64_t>(1, groups / std::max<int64_t>(1, at::get_num_threads()));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    std::vector<float> acc(static_cast<size_t>(m_out * kGroup * kPanel));  // [m_out][kGroup][16]
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p0 = g * kGroup;
+      const int np = static_cast<int>(std::min(kGroup, P - p0));
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t s0 = 0; s0 < S; s0 += kChunk) {
+        const int64_t s1 = std::min(S, s0 + kChunk);
+        for (int64_t mb = 0; mb < m_out; mb += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m_out - mb));
+          run_block(np, rows, wp + p0 * stride, stride, xp + mb * Kp, Kp, s0, s1, acc.data() + mb * kGroup * kPanel);
+        }
+      }
+      for (int64_t m = 0; m < m_out; ++m) {
+        for (int j = 0; j < np; ++j) {
+          const int64_t n0 = (p0 + j) * kPanel;
+          const int64_t nv = std::min<int64_t>(kPanel, n_out - n0);
+          const float* src = acc.data() + (m * kGroup + j) * kPanel;
+          float* dst = yp + m * n_out + n0;
+          for (int64_t i = 0; i < nv; ++i) dst[i] = bp != nullptr ? src[i] + bp[n0 + i] : src[i];
+        }
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dflash2_dpbf16, m) {
+  m.def("dpbf16_linear(Tensor x, Tensor packed, Tensor? bias, int m_out, int n_out) -> Tensor", &dpbf16_linear);
+}
