@@ -17,7 +17,6 @@ differ in rounding from the AVX2 kernel's (another machine, another rounding), n
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from pathlib import Path
 
@@ -26,8 +25,8 @@ import torch.nn.functional as F
 
 from dflash2.kernels import packed_linear as _bf16
 
-__all__ = ["amx_available", "amx_int8_rows", "amx_linear_rows", "amx_status", "pack_int8_amx", "pack_weight_amx",
-           "unpack_int8_amx", "unpack_weight_amx"]
+__all__ = ["amx_available", "amx_int8_rows", "amx_linear_rows", "amx_status", "load_tile_kernel", "pack_int8_amx",
+           "pack_weight_amx", "tile_linear_rows", "tile_self_check", "unpack_int8_amx", "unpack_weight_amx"]
 
 PANEL = 16  # outputs per panel (kPanel in gemm_amx.cpp)
 STEP = 32  # k per tile step (kStep)
@@ -41,39 +40,45 @@ _state: dict[str, object] = {}
 
 
 def _disabled_reason() -> str:
-    env = os.environ.get("DFLASH2_AMX", "").strip().lower()
-    if env in ("0", "off", "false", "no", "disable", "disabled"):
-        return f"disabled by DFLASH2_AMX={os.environ['DFLASH2_AMX']}"
-    flags = _bf16._cpu_flags()
-    missing = [f for f in ("amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi") if f not in flags]
-    if missing:
-        return f"CPU lacks {'/'.join(missing)}"
+    return _bf16.switched_off("DFLASH2_AMX") or _bf16.missing_cpu_flags(("amx_tile", "amx_bf16", "avx512_bf16",
+                                                                          "avx512vbmi"))
+
+
+def tile_self_check(op, shapes: tuple[tuple[int, int, int], ...], label: str) -> str:
+    """Compare a kernel on the tile layout (``op(x, packed, bias, m, n)``, bf16 x) with F.linear on (m, n, k) shapes;
+    "" when it matches, else one line."""
+    g = torch.Generator().manual_seed(0)
+    for m, n, k in shapes:
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        b = torch.randn(n, generator=g)
+        bad = _bf16.self_check_mismatch(_call(op, x, pack_weight_amx(w), b, n), F.linear(x.float(), w.float(), b),
+                                        k, label)
+        if bad:
+            return bad
     return ""
+
+
+def load_tile_kernel(name: str, source: Path, cflags: list[str], op_name: str, self_check,
+                     label: str) -> tuple[bool, str, object]:
+    """Build and load a kernel on the tile layout into a build directory named by a hash of its source and flags."""
+    tag = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
+    ok, status, op = _bf16.jit_load(f"dflash2_{name}_{tag}", source, cflags, _bf16._build_dir() / f"{name}-{tag}",
+                                    op_name, self_check, label=label)
+    return ok, status.replace("AVX2/FMA kernel", "kernel"), op
 
 
 def _self_check(op) -> str:
     if not torch.ops.dflash2_amx.amx_init():
         return "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
-    g = torch.Generator().manual_seed(0)
-    for m, n, k in ((3, 24, 40), (1, 7, 19), (30, 70, 300)):
-        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        b = torch.randn(n, generator=g)
-        bad = _bf16.self_check_mismatch(_call(op, x, pack_weight_amx(w), b, n), F.linear(x.float(), w.float(), b),
-                                        k, "AMX ")
-        if bad:
-            return bad
-    return ""
+    return tile_self_check(op, ((3, 24, 40), (1, 7, 19), (30, 70, 300)), "AMX ")
 
 
 def _load() -> tuple[bool, str, object]:
     reason = _disabled_reason()
     if reason:
         return False, reason, None
-    tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
-    ok, status, op = _bf16.jit_load(f"dflash2_amx_{tag}", _SOURCE, _CFLAGS, _bf16._build_dir() / f"amx-{tag}",
-                                    "dflash2_amx.amx_linear", _self_check, label="AMX ")
-    return ok, status.replace("AVX2/FMA kernel", "kernel"), op
+    return load_tile_kernel("amx", _SOURCE, _CFLAGS, "dflash2_amx.amx_linear", _self_check, "AMX ")
 
 
 def _ensure_loaded() -> None:
@@ -168,7 +173,11 @@ def _split_fp32(x: torch.Tensor, matmul) -> torch.Tensor:
 
 def amx_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x [M, K] (bf16 as it is; fp32 as hi + lo bf16 parts) -> fp32 [M, n] on the AMX kernel."""
-    op = _state["op"]
+    return tile_linear_rows(_state["op"], x, packed, bias, n)
+
+
+def tile_linear_rows(op, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x [M, K] (bf16 as it is; fp32 as hi + lo bf16 parts) -> fp32 [M, n] by a kernel on the tile layout."""
     if x.dtype == torch.bfloat16:
         return _call(op, x, packed, bias, n)
     y = _split_fp32(x, lambda rows: _call(op, rows, packed, None, n))

@@ -14,13 +14,10 @@ order whatever the number of rows, so the kernel is row-count invariant (tested)
 
 from __future__ import annotations
 
-import hashlib
-import os
 import threading
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from dflash2.kernels import amx as _amx
 from dflash2.kernels import packed_linear as _bf16
@@ -35,34 +32,19 @@ _state: dict[str, object] = {}
 
 
 def _disabled_reason() -> str:
-    env = os.environ.get("DFLASH2_DPBF16", "").strip().lower()
-    if env in ("0", "off", "false", "no", "disable", "disabled"):
-        return f"disabled by DFLASH2_DPBF16={os.environ['DFLASH2_DPBF16']}"
-    missing = [f for f in ("avx512f", "avx512_bf16") if f not in _bf16._cpu_flags()]
-    return f"CPU lacks {'/'.join(missing)}" if missing else ""
+    return _bf16.switched_off("DFLASH2_DPBF16") or _bf16.missing_cpu_flags(("avx512f", "avx512_bf16"))
 
 
 def _self_check(op) -> str:
-    g = torch.Generator().manual_seed(0)
-    for m, n, k in ((3, 24, 40), (1, 7, 19), (13, 70, 3000)):  # 3000: more than one k chunk
-        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        b = torch.randn(n, generator=g)
-        got = _amx._call(op, x, _amx.pack_weight_amx(w), b, n)
-        bad = _bf16.self_check_mismatch(got, F.linear(x.float(), w.float(), b), k, "AVX512-BF16 ")
-        if bad:
-            return bad
-    return ""
+    return _amx.tile_self_check(op, ((3, 24, 40), (1, 7, 19), (13, 70, 3000)), "AVX512-BF16 ")  # 3000: 2 k chunks
 
 
 def _load() -> tuple[bool, str, object]:
     reason = _disabled_reason()
     if reason:
         return False, reason, None
-    tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
-    ok, status, op = _bf16.jit_load(f"dflash2_dpbf16_{tag}", _SOURCE, _CFLAGS, _bf16._build_dir() / f"dpbf16-{tag}",
-                                    "dflash2_dpbf16.dpbf16_linear", _self_check, label="AVX512-BF16 ")
-    return ok, status.replace("AVX2/FMA kernel", "kernel"), op
+    return _amx.load_tile_kernel("dpbf16", _SOURCE, _CFLAGS, "dflash2_dpbf16.dpbf16_linear", _self_check,
+                                 "AVX512-BF16 ")
 
 
 def _ensure_loaded() -> None:
@@ -84,8 +66,4 @@ def dpbf16_status() -> str:
 
 def dpbf16_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x [M, K] (bf16 as it is; fp32 as hi + lo bf16 parts) -> fp32 [M, n]; ``packed`` from ``pack_weight_amx``."""
-    op = _state["op"]
-    if x.dtype == torch.bfloat16:
-        return _amx._call(op, x, packed, bias, n)
-    y = _amx._split_fp32(x, lambda rows: _amx._call(op, rows, packed, None, n))
-    return y if bias is None else y + bias
+    return _amx.tile_linear_rows(_state["op"], x, packed, bias, n)

@@ -141,11 +141,27 @@ def self_check_mismatch(got: torch.Tensor, ref: torch.Tensor, k: int, what: str)
     return f"{what}self-check failed for M={m} N={n} K={k} (max abs err {err:.3g})"
 
 
+def switched_off(variable: str) -> str:
+    """``disabled by VAR=value`` when environment variable ``variable`` turns a kernel off (0, off, false, no,
+    disable, disabled), else ""."""
+    value = os.environ.get(variable, "")
+    if value.strip().lower() in ("0", "off", "false", "no", "disable", "disabled"):
+        return f"disabled by {variable}={value}"
+    return ""
+
+
+def missing_cpu_flags(flags: tuple[str, ...]) -> str:
+    """``CPU lacks a/b`` for those of ``flags`` that /proc/cpuinfo does not list, else ""."""
+    have = _cpu_flags()
+    missing = [flag for flag in flags if flag not in have]
+    return f"CPU lacks {'/'.join(missing)}" if missing else ""
+
+
 def kernels_disabled_reason() -> str:
     """Why no JIT kernel may be built here ("" when one may): DFLASH2_KERNELS=off, no AVX2/FMA, no ninja."""
-    env = os.environ.get("DFLASH2_KERNELS", "").strip().lower()
-    if env in ("0", "off", "false", "no", "disable", "disabled"):
-        return f"disabled by DFLASH2_KERNELS={os.environ['DFLASH2_KERNELS']}"
+    off = switched_off("DFLASH2_KERNELS")
+    if off:
+        return off
     ok, why = _cpu_has_avx2_fma()
     if not ok:
         return why
