@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Per-token cost of the target per weight format: one plain decoding step (1 row) and the verification of
-8 and 16 drafts (9 and 17 rows, all logits) at the same cache position, plus plain decoding tokens/s, with
-the formats interleaved in every round (same process, same prompt, same threads).
+8 and 16 drafts (9 and 17 rows, all logits; --rows sets them) at the same cache position, plus plain decoding
+tokens/s, with the formats interleaved in every round (same process, same prompt, same threads).
 
     python scripts/bench_quant.py                                   # 1.5B target, bf16 / int8 / int4
     python scripts/bench_quant.py --model smollm2 --rounds 3 --decode-tokens 32
     python scripts/bench_quant.py --bandwidth 21                    # GB/s for the roofline column
     python scripts/bench_quant.py --threads 1 --cpu-time --agreement 2   # busy machine: CPU seconds, 1 thread
     python scripts/bench_quant.py --rounds 0 --pass-rate 10 --out runs/quant-pass   # accuracy only
+    python scripts/bench_quant.py --formats bf16 --rows 1,3,7,13 --cached 200        # verification cost by rows
 
 --cpu-time times with the process's CPU time instead of the wall clock (use with --threads 1): on a machine
 shared with other jobs it measures what the work costs, not how long the scheduler kept it waiting.
@@ -44,8 +45,6 @@ from dflash2.models.loading import load_transformer
 from dflash2.models.store import resolve_model
 from dflash2.models.tokenizer import Tokenizer
 
-PROMPT_TOKENS = 64
-ROWS = (1, 9, 17)  # plain step, verify 8 drafts, verify 16 drafts
 clock = time.perf_counter  # or time.process_time (--cpu-time)
 
 
@@ -159,9 +158,18 @@ def main() -> None:
     ap.add_argument("--pass-tokens", type=int, default=384, help="max new tokens per --pass-rate response")
     ap.add_argument("--out", type=Path, default=None, help="--pass-rate rows (default: runs/quant-pass-<time>)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--rows", default="1,9,17",
+                    help="rows of the timed passes, ratios against the first (default: a plain step, 8 and 16 drafts)")
+    ap.add_argument("--cached", type=int, default=64, help="positions cached before each timed pass")
     args = ap.parse_args()
-    if args.rounds < 0 or args.pass_rate < 0 or args.pass_tokens <= 0:
-        ap.error("--rounds and --pass-rate must be >= 0, --pass-tokens > 0")
+    if args.rounds < 0 or args.pass_rate < 0 or args.pass_tokens <= 0 or args.cached <= 0:
+        ap.error("--rounds and --pass-rate must be >= 0, --pass-tokens and --cached > 0")
+    try:
+        args.rows = tuple(int(r) for r in args.rows.split(","))
+    except ValueError:
+        ap.error(f"--rows must be comma-separated integers, got {args.rows!r}")
+    if min(args.rows) <= 0:
+        ap.error("--rows must be positive")
     if args.cpu_time:
         global clock
         clock = time.process_time
@@ -174,18 +182,18 @@ def main() -> None:
         t0 = time.perf_counter()
         models[fmt] = load_transformer(model_dir, "bf16", weights=fmt)
         print(f"loaded {fmt} in {time.perf_counter() - t0:.1f} s", flush=True)
-    prompt = torch.randint(0, 1000, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, 1000, (args.cached,), generator=torch.Generator().manual_seed(0))
     caches = {}
     with torch.inference_mode():
         for fmt, model in models.items():
-            caches[fmt] = model.new_cache(PROMPT_TOKENS + max(ROWS) + 1)
+            caches[fmt] = model.new_cache(args.cached + max(args.rows) + 1)
             model(prompt[None], cache=caches[fmt], logits="none")
-    times = {(fmt, rows): [] for fmt in formats for rows in ROWS}
+    times = {(fmt, rows): [] for fmt in formats for rows in args.rows}
     rates = {fmt: [] for fmt in formats}
     for round_index in range(args.rounds):
         for fmt in formats:  # interleaved: every format in every round
-            for rows in ROWS:
-                times[(fmt, rows)].append(forward_ms(models[fmt], caches[fmt], PROMPT_TOKENS, rows))
+            for rows in args.rows:
+                times[(fmt, rows)].append(forward_ms(models[fmt], caches[fmt], args.cached, rows))
             rates[fmt].append(greedy(models[fmt], prompt, args.decode_tokens)[1])
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
     shared = agreement(models, model_dir, args.agreement, args.agreement_tokens) if args.agreement else {}
@@ -206,19 +214,22 @@ def report(formats, models, times, rates, shared, args) -> None:
 def timing_table(formats, models, times, rates, shared, args) -> None:
     print(f"\nthreads={torch.get_num_threads()} model={args.model} rounds={args.rounds} clock={clock.__name__} "
           "(medians; formats interleaved)")
-    header = (f"{'weights':>7} | {'GB/step':>7} | {'1 row ms':>8} | {'9 rows ms':>9} | {'17 rows ms':>10} | "
-              f"{'9/1':>5} | {'17/1':>5} | {'plain tok/s':>11} | {'roofline tok/s':>14} | {'of roofline':>11}")
+    base, more = args.rows[0], args.rows[1:]
+    header = " | ".join([f"{'weights':>7}", f"{'GB/step':>7}", *(f"{r} rows ms" for r in args.rows),
+                         *(f"{r}/{base}" for r in more), "plain tok/s", "roofline tok/s", "of roofline"])
     print(header + "\n" + "-" * len(header))
     results = []
     for fmt in formats:
         gb = weight_bytes(models[fmt]) / 1e9
-        ms = {rows: statistics.median(times[(fmt, rows)]) for rows in ROWS}
+        ms = {rows: statistics.median(times[(fmt, rows)]) for rows in args.rows}
         rate = statistics.median(rates[fmt])
         roof = args.bandwidth / gb
-        print(f"{fmt:>7} | {gb:7.2f} | {ms[1]:8.1f} | {ms[9]:9.1f} | {ms[17]:10.1f} | {ms[9] / ms[1]:5.2f} | "
-              f"{ms[17] / ms[1]:5.2f} | {rate:11.2f} | {roof:14.1f} | {rate / roof:10.0%}")
+        cells = [f"{fmt:>7}", f"{gb:7.2f}", *(f"{ms[r]:{len(str(r)) + 8}.1f}" for r in args.rows),
+                 *(f"{ms[r] / ms[base]:{len(f'{r}/{base}')}.2f}" for r in more), f"{rate:11.2f}", f"{roof:14.1f}",
+                 f"{rate / roof:11.0%}"]
+        print(" | ".join(cells))
         results.append({"weights": fmt, "gb_per_step": gb, "ms": ms, "plain_tokens_per_s": rate,
-                        "roofline_tokens_per_s": roof, "all_ms": {r: times[(fmt, r)] for r in ROWS},
+                        "roofline_tokens_per_s": roof, "all_ms": {r: times[(fmt, r)] for r in args.rows},
                         "all_rates": rates[fmt], "agreement_shared_tokens": shared.get(fmt)})
     if args.json:
         with open(args.json, "w") as f:
