@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dflash2.kernels import packed_linear as _bf16
+from dflash2.kernels import jit
 
 __all__ = ["amx_available", "amx_int8_rows", "amx_linear_rows", "amx_status", "load_tile_kernel", "pack_int8_amx",
            "pack_weight_amx", "tile_linear_rows", "tile_self_check", "unpack_int8_amx", "unpack_weight_amx"]
@@ -40,8 +40,8 @@ _state: dict[str, object] = {}
 
 
 def _disabled_reason() -> str:
-    return _bf16.switched_off("DFLASH2_AMX") or _bf16.missing_cpu_flags(("amx_tile", "amx_bf16", "avx512_bf16",
-                                                                          "avx512vbmi"))
+    return jit.switched_off("DFLASH2_AMX") or jit.missing_cpu_flags(("amx_tile", "amx_bf16", "avx512_bf16",
+                                                                      "avx512vbmi"))
 
 
 def tile_self_check(op, shapes: tuple[tuple[int, int, int], ...], label: str) -> str:
@@ -52,8 +52,8 @@ def tile_self_check(op, shapes: tuple[tuple[int, int, int], ...], label: str) ->
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         b = torch.randn(n, generator=g)
-        bad = _bf16.self_check_mismatch(_call(op, x, pack_weight_amx(w), b, n), F.linear(x.float(), w.float(), b),
-                                        k, label)
+        bad = jit.self_check_mismatch(_call(op, x, pack_weight_amx(w), b, n), F.linear(x.float(), w.float(), b),
+                                      k, label)
         if bad:
             return bad
     return ""
@@ -63,8 +63,8 @@ def load_tile_kernel(name: str, source: Path, cflags: list[str], op_name: str, s
                      label: str) -> tuple[bool, str, object]:
     """Build and load a kernel on the tile layout into a build directory named by a hash of its source and flags."""
     tag = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
-    ok, status, op = _bf16.jit_load(f"dflash2_{name}_{tag}", source, cflags, _bf16._build_dir() / f"{name}-{tag}",
-                                    op_name, self_check, label=label)
+    ok, status, op = jit.jit_load(f"dflash2_{name}_{tag}", source, cflags, jit.build_dir() / f"{name}-{tag}",
+                                  op_name, self_check, label=label)
     return ok, status.replace("AVX2/FMA kernel", "kernel"), op
 
 
@@ -83,7 +83,7 @@ def _load() -> tuple[bool, str, object]:
 
 def _ensure_loaded() -> None:
     # No warning when it is not available: most CPUs have no AMX, and PackedLinear then uses the AVX2 kernel.
-    _bf16.ensure_loaded(_state, _lock, _load, "AMX kernel", warn=False)
+    jit.ensure_loaded(_state, _lock, _load, "AMX kernel", warn=False)
 
 
 def amx_available() -> bool:

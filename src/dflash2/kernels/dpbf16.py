@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dflash2.kernels import amx as _amx
-from dflash2.kernels import packed_linear as _bf16
+from dflash2.kernels import jit
 
 __all__ = ["dpbf16_available", "dpbf16_linear_rows", "dpbf16_status"]
 
@@ -32,7 +32,7 @@ _state: dict[str, object] = {}
 
 
 def _disabled_reason() -> str:
-    return _bf16.switched_off("DFLASH2_DPBF16") or _bf16.missing_cpu_flags(("avx512f", "avx512_bf16"))
+    return jit.switched_off("DFLASH2_DPBF16") or jit.missing_cpu_flags(("avx512f", "avx512_bf16"))
 
 
 def _self_check(op) -> str:
@@ -49,7 +49,7 @@ def _load() -> tuple[bool, str, object]:
 
 def _ensure_loaded() -> None:
     # No warning when it is not available: PackedLinear then uses the AVX2 kernel, as on most CPUs.
-    _bf16.ensure_loaded(_state, _lock, _load, "AVX512-BF16 kernel", warn=False)
+    jit.ensure_loaded(_state, _lock, _load, "AVX512-BF16 kernel", warn=False)
 
 
 def dpbf16_available() -> bool:

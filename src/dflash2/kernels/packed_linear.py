@@ -15,18 +15,15 @@ same semantics is used instead; that choice is made once and announced by one wa
 
 from __future__ import annotations
 
-import logging
-import os
-import platform
-import shutil
-import sys
 import threading
-import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash2.kernels import amx, dpbf16
+from dflash2.kernels.jit import build_dir, cpu_flags, ensure_loaded, jit_load, self_check_mismatch
 
 __all__ = [
     "PackedLinear",
@@ -37,16 +34,12 @@ __all__ = [
     "unpack_weight",
 ]
 
-log = logging.getLogger(__name__)
-
 PANEL = 16  # output features per packed panel (must match kPanel in gemm_avx2.cpp)
 _EXT_NAME = "dflash2_kernels"
 _SOURCE = Path(__file__).with_name("gemm_avx2.cpp")
 # -fopenmp: at::parallel_for is a header template that expands to `#pragma omp parallel` (torch's
-# CPU builds use OpenMP); without the flag it silently runs on one thread.  The resulting
-# libgomp.so.1 dependency resolves to the copy torch has already loaded.
+# CPU builds use OpenMP); without the flag it silently runs on one thread (jit.LDFLAGS links it).
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
 
 # Backend names of a PackedLinear.
 KERNEL = "avx2"
@@ -60,63 +53,8 @@ _state: dict[str, object] = {}  # "available": bool, "status": str, "op": callab
 
 
 # ----------------------------------------------------------------------------------------------
-# Building / loading the kernel (once per process)
+# Building / loading the kernel (once per process; the helpers are in kernels/jit.py)
 # ----------------------------------------------------------------------------------------------
-
-
-def _build_dir() -> Path:
-    home = Path(os.environ.get("DFLASH2_HOME") or "~/.cache/dflash2").expanduser()
-    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-    tag = "".join(c if c.isalnum() or c in "._-" else "_" for c in tag)
-    return home / "kernels" / tag
-
-
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty when there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cpu_has_avx2_fma() -> tuple[bool, str]:
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64", "i686", "x86"):
-        return False, f"CPU architecture {platform.machine()!r} is not x86"
-    flags = _cpu_flags()
-    if flags:
-        missing = [f for f in ("avx2", "fma") if f not in flags]
-        if missing:
-            return False, f"CPU lacks {'/'.join(missing).upper()}"
-        return True, ""
-    # No /proc/cpuinfo (not Linux): ask torch what its own dispatch found.
-    cap = str(getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()).upper()
-    if cap.startswith("AVX2") or cap.startswith("AVX512"):
-        return True, ""
-    return False, f"CPU capability {cap or 'unknown'} has no AVX2/FMA"
-
-
-def _ensure_ninja() -> bool:
-    """torch's JIT build runs ``ninja`` from PATH; the PyPI ``ninja`` package ships one that is on
-    PATH only inside an activated venv, so add its directory when needed."""
-    if shutil.which("ninja"):
-        return True
-    candidates = [Path(sys.executable).parent]
-    try:
-        import ninja  # type: ignore[import-not-found]
-
-        candidates.insert(0, Path(ninja.BIN_DIR))
-    except Exception:  # noqa: BLE001 - the package is optional here
-        pass
-    for d in candidates:
-        if (d / "ninja").exists() or (d / "ninja.exe").exists():
-            os.environ["PATH"] = str(d) + os.pathsep + os.environ.get("PATH", "")
-            return shutil.which("ninja") is not None
-    return False
 
 
 def _self_check(op) -> str:
@@ -132,98 +70,10 @@ def _self_check(op) -> str:
     return ""
 
 
-def self_check_mismatch(got: torch.Tensor, ref: torch.Tensor, k: int, what: str) -> str:
-    """"" when a kernel's [M, N] output over K = k inputs matches the reference to fp32 accuracy, else one line."""
-    m, n = got.shape
-    if torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * (k**0.5)):
-        return ""
-    err = (got - ref).abs().max().item()
-    return f"{what}self-check failed for M={m} N={n} K={k} (max abs err {err:.3g})"
-
-
-def switched_off(variable: str) -> str:
-    """``disabled by VAR=value`` when environment variable ``variable`` turns a kernel off (0, off, false, no,
-    disable, disabled), else ""."""
-    value = os.environ.get(variable, "")
-    if value.strip().lower() in ("0", "off", "false", "no", "disable", "disabled"):
-        return f"disabled by {variable}={value}"
-    return ""
-
-
-def missing_cpu_flags(flags: tuple[str, ...]) -> str:
-    """``CPU lacks a/b`` for those of ``flags`` that /proc/cpuinfo does not list, else ""."""
-    have = _cpu_flags()
-    missing = [flag for flag in flags if flag not in have]
-    return f"CPU lacks {'/'.join(missing)}" if missing else ""
-
-
-def kernels_disabled_reason() -> str:
-    """Why no JIT kernel may be built here ("" when one may): DFLASH2_KERNELS=off, no AVX2/FMA, no ninja."""
-    off = switched_off("DFLASH2_KERNELS")
-    if off:
-        return off
-    ok, why = _cpu_has_avx2_fma()
-    if not ok:
-        return why
-    if not _ensure_ninja():
-        return "ninja not found (pip install ninja)"
-    return ""
-
-
-def jit_load(name: str, source: Path, cflags: list[str], build_dir: Path, op_name: str, self_check,
-             label: str = "") -> tuple[bool, str, object]:
-    """Build (or reuse) and load one kernel extension, fetch ``torch.ops.<op_name>`` and self-check it.
-
-    Returns (ok, one-line status, op or None); never raises for a build or load failure.
-    """
-    reason = kernels_disabled_reason()
-    if reason:
-        return False, reason, None
-    try:
-        from torch.utils import cpp_extension
-
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=name,
-            sources=[str(source)],
-            extra_cflags=cflags,
-            extra_ldflags=_LDFLAGS,
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
-        namespace, op = op_name.split(".")
-        op = getattr(getattr(torch.ops, namespace), op).default
-    except Exception as e:  # noqa: BLE001 - any build/load failure means: use the fallback
-        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        return False, f"{label}kernel build failed in {build_dir}: {first}", None
-    with torch.inference_mode():
-        bad = self_check(op)
-    if bad:
-        return False, bad, None
-    return True, f"{label}AVX2/FMA kernel loaded from {build_dir}", op
-
-
-def ensure_loaded(state: dict[str, object], lock: threading.Lock, load, what: str, warn: bool = True) -> None:
-    """Run ``load()`` once per process into ``state`` (available, status, op); warn once if it failed (``warn``)."""
-    if "available" in state:
-        return
-    with lock:
-        if "available" in state:
-            return
-        ok, status, op = load()
-        state.update(available=ok, status=status, op=op)
-        if ok:
-            log.info("dflash2 kernels: %s", status)
-        elif warn:
-            warnings.warn(f"dflash2: {what} unavailable ({status}); using the slower PyTorch fallback",
-                          RuntimeWarning, stacklevel=4)
-
-
 def _load() -> tuple[bool, str, object]:
-    ok, status, op = jit_load(_EXT_NAME, _SOURCE, _CFLAGS, _build_dir(), "dflash2_kernels.packed_linear",
+    ok, status, op = jit_load(_EXT_NAME, _SOURCE, _CFLAGS, build_dir(), "dflash2_kernels.packed_linear",
                               _self_check)
-    if ok and "avx512f" in _cpu_flags():
+    if ok and "avx512f" in cpu_flags():
         status += " (AVX-512 micro-kernel for 4+ rows)"
     return ok, status, op
 
@@ -385,7 +235,7 @@ class PackedLinear(CpuLinear):
         n, k = weight.shape
         with torch.no_grad():
             if backend in TILE_LAYOUT:
-                w = _amx().pack_weight_amx(weight)
+                w = amx.pack_weight_amx(weight)
             elif backend == KERNEL:
                 w = pack_weight(weight)
             else:
@@ -400,16 +250,16 @@ class PackedLinear(CpuLinear):
     def unpacked_weight(self) -> torch.Tensor:
         """The bf16 [out_features, in_features] weight (a new tensor)."""
         if self.backend in TILE_LAYOUT:
-            return _amx().unpack_weight_amx(self.weight_data, self.out_features, self.in_features)
+            return amx.unpack_weight_amx(self.weight_data, self.out_features, self.in_features)
         if self.backend == KERNEL:
             return unpack_weight(self.weight_data, self.out_features)
         return self.weight_data.clone()
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == AMX:
-            return _amx().amx_linear_rows(x, self.weight_data, self.bias_data, self.out_features)
+            return amx.amx_linear_rows(x, self.weight_data, self.bias_data, self.out_features)
         if self.backend == DPBF16:
-            return _dpbf16().dpbf16_linear_rows(x, self.weight_data, self.bias_data, self.out_features)
+            return dpbf16.dpbf16_linear_rows(x, self.weight_data, self.bias_data, self.out_features)
         return self._op(x, self.weight_data, self.bias_data, self.out_features)
 
     def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -422,26 +272,14 @@ class PackedLinear(CpuLinear):
         )
 
 
-def _amx():
-    from dflash2.kernels import amx
-
-    return amx
-
-
-def _dpbf16():
-    from dflash2.kernels import dpbf16
-
-    return dpbf16
-
-
 def dpbf16_usable() -> bool:
     """The AVX512-BF16 backend may be used: the packed kernels are enabled here and that kernel loaded."""
-    return kernels_available() and _dpbf16().dpbf16_available()
+    return kernels_available() and dpbf16.dpbf16_available()
 
 
 def amx_usable() -> bool:
     """The AMX backend may be used: the packed kernels are enabled here and the AMX kernel loaded."""
-    return kernels_available() and _amx().amx_available()
+    return kernels_available() and amx.amx_available()
 
 
 def default_backend() -> str:
@@ -458,9 +296,9 @@ def _check_backend(backend: str) -> None:
     if backend == KERNEL and not kernels_available():
         raise RuntimeError(f"dflash2 kernel backend requested but unavailable: {kernel_status()}")
     if backend == AMX and not amx_usable():
-        raise RuntimeError(f"dflash2 AMX backend requested but unavailable: {_amx().amx_status()}")
+        raise RuntimeError(f"dflash2 AMX backend requested but unavailable: {amx.amx_status()}")
     if backend == DPBF16 and not dpbf16_usable():
-        raise RuntimeError(f"dflash2 AVX512-BF16 backend requested but unavailable: {_dpbf16().dpbf16_status()}")
+        raise RuntimeError(f"dflash2 AVX512-BF16 backend requested but unavailable: {dpbf16.dpbf16_status()}")
 
 
 # The kernel streams all rows of x past each 16-output weight panel, so x is re-read once per panel; past a few

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash2.kernels import amx, jit
 from dflash2.kernels import packed_linear as _bf16
 
 __all__ = ["QUANT_FORMATS", "QuantLinear", "quant_kernel_status", "quant_kernels_available", "quantize_int4",
@@ -153,7 +154,7 @@ def _self_check(op) -> str:
             q, s = _QUANTIZE[weights](w)
             packed = _PACK[weights](q, s)
             got = getattr(torch.ops.dflash2_qkernels, f"{weights}_linear").default(x, *packed, b, n)
-            bad = _bf16.self_check_mismatch(got, _FALLBACK[weights](x, q, s, b), k, f"{weights} ")
+            bad = jit.self_check_mismatch(got, _FALLBACK[weights](x, q, s, b), k, f"{weights} ")
             if bad:
                 return bad
     return ""
@@ -161,12 +162,12 @@ def _self_check(op) -> str:
 
 def _load() -> tuple[bool, str, object]:
     tag = _source_tag()
-    return _bf16.jit_load(f"dflash2_qkernels_{tag}", _SOURCE, _CFLAGS, _bf16._build_dir() / f"q8-{tag}",
-                          "dflash2_qkernels.int8_linear", _self_check, label="int8/int4 ")
+    return jit.jit_load(f"dflash2_qkernels_{tag}", _SOURCE, _CFLAGS, jit.build_dir() / f"q8-{tag}",
+                        "dflash2_qkernels.int8_linear", _self_check, label="int8/int4 ")
 
 
 def _ensure_loaded() -> None:
-    _bf16.ensure_loaded(_state, _lock, _load, "int8/int4 CPU linear kernel")
+    jit.ensure_loaded(_state, _lock, _load, "int8/int4 CPU linear kernel")
 
 
 def quant_kernels_available() -> bool:
@@ -240,7 +241,7 @@ class QuantLinear(_bf16.CpuLinear):
         if self.backend == TORCH:
             return self.weight_data.clone(), self.scale_data.clone()
         if self.backend == AMX:
-            return _amx().unpack_int8_amx(self.weight_data, self.out_features, self.in_features), self.scale_data.clone()
+            return amx.unpack_int8_amx(self.weight_data, self.out_features, self.in_features), self.scale_data.clone()
         if self.weights == "int8":
             return unpack_int8(self.weight_data, self.out_features), self.scale_data.clone()
         return unpack_int4(self.weight_data, self.scale_data, self.out_features)
@@ -252,7 +253,7 @@ class QuantLinear(_bf16.CpuLinear):
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == AMX:
-            return _amx().amx_int8_rows(x, self.weight_data, self.scale_data, self.bias_data, self.out_features)
+            return amx.amx_int8_rows(x, self.weight_data, self.scale_data, self.bias_data, self.out_features)
         return self._op(x, self.weight_data, self.scale_data, self.bias_data, self.out_features)
 
     def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -262,8 +263,6 @@ class QuantLinear(_bf16.CpuLinear):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias_data is not None}, weights={self.weights}, backend={self.backend}")
 
-
-_amx = _bf16._amx
 
 
 def default_quant_backend(weights: str) -> str:
@@ -282,14 +281,14 @@ def _check_backend(weights: str, backend: str) -> None:
         if weights != "int8":
             raise ValueError(f"the AMX backend takes int8 weights, not {weights}")
         if not _bf16.amx_usable():
-            raise RuntimeError(f"dflash2 AMX backend requested but unavailable: {_amx().amx_status()}")
+            raise RuntimeError(f"dflash2 AMX backend requested but unavailable: {amx.amx_status()}")
 
 
 def pack_for_backend(weights: str, backend: str, q: torch.Tensor, scale: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Q int8 [N, K], scale) in the layout ``backend`` multiplies by."""
     if backend == AMX:
-        return _amx().pack_int8_amx(q), scale
+        return amx.pack_int8_amx(q), scale
     if backend == KERNEL:
         return _PACK[weights](q, scale)
     return q, scale

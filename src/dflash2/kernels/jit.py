@@ -1,0 +1,182 @@
+"""Building and loading the JIT C++ kernels, below every backend that uses them.
+
+Each kernel module (``packed_linear``, ``amx``, ``dpbf16``, ``quant_linear``, ...) builds its extension with
+:func:`jit_load` (``torch.utils.cpp_extension.load``: needs ninja and a C++ compiler) into a directory under
+:func:`build_dir` (``$DFLASH2_HOME/kernels/<torch+python tag>``, default ``~/.cache/dflash2``), checks it against a
+reference with its own self-check, and loads it once per process with :func:`ensure_loaded`.  The CPU-flag and
+environment checks (:func:`switched_off`, :func:`missing_cpu_flags`, :func:`kernels_disabled_reason`) live here too.
+Nothing here imports a kernel module, so the backends import this module and never each other in a loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "build_dir",
+    "cpu_flags",
+    "ensure_loaded",
+    "jit_load",
+    "kernels_disabled_reason",
+    "missing_cpu_flags",
+    "self_check_mismatch",
+    "switched_off",
+]
+
+log = logging.getLogger(__name__)
+
+# The libgomp.so.1 dependency of -fopenmp resolves to the copy torch has already loaded.
+LDFLAGS = ["-fopenmp"]
+
+
+def build_dir() -> Path:
+    """Where kernels are built for this torch and Python: ``$DFLASH2_HOME/kernels/<tag>`` (default ~/.cache/dflash2)."""
+    home = Path(os.environ.get("DFLASH2_HOME") or "~/.cache/dflash2").expanduser()
+    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    tag = "".join(c if c.isalnum() or c in "._-" else "_" for c in tag)
+    return home / "kernels" / tag
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty when there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cpu_has_avx2_fma() -> tuple[bool, str]:
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64", "i686", "x86"):
+        return False, f"CPU architecture {platform.machine()!r} is not x86"
+    flags = cpu_flags()
+    if flags:
+        missing = [f for f in ("avx2", "fma") if f not in flags]
+        if missing:
+            return False, f"CPU lacks {'/'.join(missing).upper()}"
+        return True, ""
+    # No /proc/cpuinfo (not Linux): ask torch what its own dispatch found.
+    cap = str(getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()).upper()
+    if cap.startswith("AVX2") or cap.startswith("AVX512"):
+        return True, ""
+    return False, f"CPU capability {cap or 'unknown'} has no AVX2/FMA"
+
+
+def _ensure_ninja() -> bool:
+    """torch's JIT build runs ``ninja`` from PATH; the PyPI ``ninja`` package ships one that is on
+    PATH only inside an activated venv, so add its directory when needed."""
+    if shutil.which("ninja"):
+        return True
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja  # type: ignore[import-not-found]
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except Exception:  # noqa: BLE001 - the package is optional here
+        pass
+    for d in candidates:
+        if (d / "ninja").exists() or (d / "ninja.exe").exists():
+            os.environ["PATH"] = str(d) + os.pathsep + os.environ.get("PATH", "")
+            return shutil.which("ninja") is not None
+    return False
+
+
+def self_check_mismatch(got: torch.Tensor, ref: torch.Tensor, k: int, what: str) -> str:
+    """"" when a kernel's [M, N] output over K = k inputs matches the reference to fp32 accuracy, else one line."""
+    m, n = got.shape
+    if torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * (k**0.5)):
+        return ""
+    err = (got - ref).abs().max().item()
+    return f"{what}self-check failed for M={m} N={n} K={k} (max abs err {err:.3g})"
+
+
+def switched_off(variable: str) -> str:
+    """``disabled by VAR=value`` when environment variable ``variable`` turns a kernel off (0, off, false, no,
+    disable, disabled), else ""."""
+    value = os.environ.get(variable, "")
+    if value.strip().lower() in ("0", "off", "false", "no", "disable", "disabled"):
+        return f"disabled by {variable}={value}"
+    return ""
+
+
+def missing_cpu_flags(flags: tuple[str, ...]) -> str:
+    """``CPU lacks a/b`` for those of ``flags`` that /proc/cpuinfo does not list, else ""."""
+    have = cpu_flags()
+    missing = [flag for flag in flags if flag not in have]
+    return f"CPU lacks {'/'.join(missing)}" if missing else ""
+
+
+def kernels_disabled_reason() -> str:
+    """Why no JIT kernel may be built here ("" when one may): DFLASH2_KERNELS=off, no AVX2/FMA, no ninja."""
+    off = switched_off("DFLASH2_KERNELS")
+    if off:
+        return off
+    ok, why = _cpu_has_avx2_fma()
+    if not ok:
+        return why
+    if not _ensure_ninja():
+        return "ninja not found (pip install ninja)"
+    return ""
+
+
+def jit_load(name: str, source: Path, cflags: list[str], directory: Path, op_name: str, self_check,
+             label: str = "") -> tuple[bool, str, object]:
+    """Build (or reuse) and load one kernel extension, fetch ``torch.ops.<op_name>`` and self-check it.
+
+    Returns (ok, one-line status, op or None); never raises for a build or load failure.
+    """
+    reason = kernels_disabled_reason()
+    if reason:
+        return False, reason, None
+    try:
+        from torch.utils import cpp_extension
+
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=name,
+            sources=[str(source)],
+            extra_cflags=cflags,
+            extra_ldflags=LDFLAGS,
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+        namespace, op = op_name.split(".")
+        op = getattr(getattr(torch.ops, namespace), op).default
+    except Exception as e:  # noqa: BLE001 - any build/load failure means: use the fallback
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        return False, f"{label}kernel build failed in {directory}: {first}", None
+    with torch.inference_mode():
+        bad = self_check(op)
+    if bad:
+        return False, bad, None
+    return True, f"{label}AVX2/FMA kernel loaded from {build_dir}", op
+
+
+def ensure_loaded(state: dict[str, object], lock: threading.Lock, load, what: str, warn: bool = True) -> None:
+    """Run ``load()`` once per process into ``state`` (available, status, op); warn once if it failed (``warn``)."""
+    if "available" in state:
+        return
+    with lock:
+        if "available" in state:
+            return
+        ok, status, op = load()
+        state.update(available=ok, status=status, op=op)
+        if ok:
+            log.info("dflash2 kernels: %s", status)
+        elif warn:
+            warnings.warn(f"dflash2: {what} unavailable ({status}); using the slower PyTorch fallback",
+                          RuntimeWarning, stacklevel=4)
