@@ -1,4 +1,4 @@
-"""Evaluation prompts (read from the shared data folder, never bundled, never trained on)."""
+"""Evaluation prompts, read from the repository's ``data/eval`` (never trained on; sources in data/README.md)."""
 
 from __future__ import annotations
 
@@ -21,19 +21,17 @@ class BenchPrompt:
     text: str  # the user turn, already formatted with the suite's protocol
 
 
+REPO_DATA = Path(__file__).resolve().parents[3] / "data"  # <checkout>/data (src/dflash2/bench/datasets.py)
+
+
 def data_root(explicit: str | Path | None = None) -> Path:
-    """``explicit``, else ``$DFLASH2_DATA``, else ``shared/data`` beside the working directory or the checkout."""
-    if explicit is not None:
-        if not (Path(explicit) / "eval").is_dir():
-            raise FileNotFoundError(f"{explicit} has no eval/ folder")
-        return Path(explicit)
-    env = os.environ.get("DFLASH2_DATA")
-    candidates = [Path(env)] if env else []
-    candidates += [Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[3].parent / "shared" / "data"]
-    for path in candidates:
-        if (path / "eval").is_dir():
-            return path
-    raise FileNotFoundError("evaluation data not found; set DFLASH2_DATA to the folder holding eval/")
+    """``explicit``, else ``$DFLASH2_DATA``, else the checkout's ``data/``: the folder holding ``eval/``."""
+    root = Path(explicit or os.environ.get("DFLASH2_DATA") or REPO_DATA)
+    if not (root / "eval").is_dir():
+        raise FileNotFoundError(
+            f"evaluation data not found: {root} has no eval/ folder (the eval sets ship in the repository's data/; "
+            "outside a source checkout pass --data or set DFLASH2_DATA to a folder holding eval/)")
+    return root
 
 
 def load_suite(suite: str, limit: int | None = None, data: str | Path | None = None) -> list[BenchPrompt]:

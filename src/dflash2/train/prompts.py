@@ -1,6 +1,6 @@
 """Deterministic prompt sources for drafter training data (the target writes the responses).
 
-- ``gsm8k``: the questions of GSM8K train (MIT; ../shared/data/train).
+- ``gsm8k``: the questions of GSM8K train (MIT; the repository's data/train, see data/README.md).
 - ``stdlib``: code prompts built from the docstrings of documented functions of the Python standard library.
 - ``chat``: general assistant tasks (writing, role-play, reasoning, extraction, STEM, humanities) over everyday
   topics, written for this project: the conversational prose of MT-bench-like requests, which the other two
@@ -33,8 +33,8 @@ STDLIB_MODULES = (
     "uuid", "warnings", "wave", "zipfile",
 )
 
-# In a source checkout the shared data sit next to the repository (<repo>/../shared); elsewhere pass a path.
-DEFAULT_GSM8K_PATH = Path(__file__).resolve().parents[4] / "shared" / "data" / "train" / "gsm8k_train.jsonl"
+# Shipped in the checkout's data/train (src/dflash2/train/prompts.py -> <checkout>); elsewhere pass a path.
+DEFAULT_GSM8K_PATH = Path(__file__).resolve().parents[3] / "data" / "train" / "gsm8k_train.jsonl"
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class Prompt:
 
 def gsm8k_prompts(path: str | Path = DEFAULT_GSM8K_PATH) -> Iterator[str]:
     """The ``question`` field of each line of a GSM8K jsonl file, in file order."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"GSM8K train questions not found at {path} (the repository ships them in "
+                                "data/train/; outside a source checkout pass --gsm8k PATH)")
     with open(path, encoding="utf-8") as handle:
         for line in handle:
             if line.strip():
