@@ -20,7 +20,8 @@ def add_train_parser(commands) -> None:
     data.add_argument("--shard-size", type=int, default=64)
     data.add_argument("--sources", default="gsm8k,stdlib",
                       help="prompt sources, comma-separated: gsm8k, stdlib, chat (see dflash2.train.prompts)")
-    data.add_argument("--gsm8k", default=None, help="GSM8K train jsonl (default: the repository's data/train/gsm8k_train.jsonl)")
+    data.add_argument("--gsm8k", default=None,
+                      help="GSM8K train jsonl (default: the repository's data/train/gsm8k_train.jsonl)")
     data.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     data.add_argument("--threads", type=int, default=None)
     data.add_argument("--batch-size", type=int, default=16,
