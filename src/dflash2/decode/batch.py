@@ -10,11 +10,13 @@ worst case, so a running request never runs out of blocks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -31,8 +33,15 @@ Sink = Callable[[Event], None]  # called from the loop thread; must not block
 DrafterFactory = Callable[[], Drafter]  # a fresh drafter for one request (a stateless one may be shared)
 
 
+log = logging.getLogger("dflash2.batch")
+
+
 class QueueFullError(RuntimeError):
     """Too many requests wait for admission (the server answers 429)."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The loop thread is not running (never started, stopped, or died): nothing will be generated."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,7 @@ class BatchEngine:
         self._next_id = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._dead: BaseException | None = None  # why the loop thread ended, if it died
         self._finished: dict[str, int] = {}
         self._rejected = 0
         self._totals = DecodeStats()
@@ -150,6 +160,8 @@ class BatchEngine:
         """Queue a request. Raises ValueError (bad request, too long for the context or the whole KV pool) or
         QueueFullError (too many waiting)."""
         self._check(request)
+        if self._dead is not None or self._stop.is_set():
+            raise EngineStoppedError("the engine is not running; restart the server")
         with self._lock:
             if len(self._incoming) + len(self._waiting) >= self.config.max_queue:
                 self._rejected += 1
@@ -211,22 +223,42 @@ class BatchEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs (False before ``start``, after ``stop`` or if the loop died)."""
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self.step():
-                self._wake.wait(0.05)
-                self._wake.clear()
+        try:
+            while not self._stop.is_set():
+                try:
+                    busy = self.step()
+                except Exception as error:  # a bug outside every per-request guard: fail what runs, go on
+                    log.exception("batch step failed; failing the requests it held")
+                    for seq in list(self._running):
+                        self._retire(seq, "error", error)
+                    busy = True
+                if not busy:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as error:  # the loop cannot go on: refuse new requests, fail the ones held
+            self._dead = error
+            log.critical("the batch engine loop stopped: %r", error)
+            with self._lock:
+                self._waiting.extend(self._incoming)
+                self._incoming.clear()
+            for seq in self._waiting + self._running:
+                self._retire(seq, "error", EngineStoppedError("the engine stopped"))
+            raise
 
     def step(self) -> bool:
-        """Admit, run one ragged forward over every running request, emit, retire. False when idle."""
+        """Admit, run one ragged forward over every running request, emit, retire. False when idle.
+
+        One request's failure (its drafter, its sampling, its row of the forward) fails that request only."""
         self._schedule()
         if not self._running:
             return False
-        try:
-            self._forward_and_advance(list(self._running))
-        except Exception as error:  # a failed forward fails its requests, never the loop
-            for seq in list(self._running):
-                self._retire(seq, "error", error)
+        self._forward_and_advance(list(self._running))
         return True
 
     def _schedule(self) -> None:
@@ -245,9 +277,10 @@ class BatchEngine:
                 break  # FIFO: the head waits for blocks to be freed
             self._waiting.pop(0)
             seq.sequence = list(seq.request.prompt_ids)
-            if seq.drafter is not None:
-                seq.drafter.reset(seq.max_slots)
             self._running.append(seq)
+            with self._guard(seq, "admission"):
+                if seq.drafter is not None:
+                    seq.drafter.reset(seq.max_slots)
         for seq in [s for s in self._waiting if now - s.submitted > self.config.queue_timeout_s]:
             self._retire(seq, "error", KVBudgetError(f"not admitted within {self.config.queue_timeout_s:.0f} s: "
                                                      "the KV cache stayed full"))
@@ -257,18 +290,56 @@ class BatchEngine:
         fed = [(seq, chunk) for seq, chunk in zip(running, chunks) if chunk != 0]  # rows out of budget wait
         running, chunks = [seq for seq, _ in fed], [chunk for _, chunk in fed]
         lengths = self._draft_lengths(running, chunks)
-        drafts = [self._propose(seq, k) if seq.prefilled else None for seq, k in zip(running, lengths)]
-        rows = [self._row(seq, draft, chunk) for seq, draft, chunk in zip(running, drafts, chunks)]
-        taps = tuple(sorted({layer for seq in running if seq.drafter for layer in seq.drafter.hidden_layers}))
+        planned: list[tuple[_Sequence, Draft | None, RaggedRow]] = []
+        for seq, k, chunk in zip(running, lengths, chunks):
+            with self._guard(seq, "drafting"):
+                draft = self._propose(seq, k) if seq.prefilled else None
+                planned.append((seq, draft, self._row(seq, draft, chunk)))
+        if not planned:
+            return
+        outputs = self._target_forward(planned)
+        for (seq, draft, row), out in zip(planned, outputs):
+            if out is None:
+                continue  # its row failed alone: already retired
+            with self._guard(seq, "verification"):
+                emitted = self._verify(seq, draft, row, *out)
+                if emitted:
+                    self._emit(seq, emitted)
+
+    def _target_forward(self, planned: list[tuple[_Sequence, Draft | None, RaggedRow]]
+                        ) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]] | None]:
+        """One ragged forward over the planned rows -> per row (logits, hidden). If the batched forward fails,
+        each row runs alone, so that only a row that fails by itself fails its request (that row's entry is None).
+        A failed forward moves no table's committed length: the rows can simply be fed again."""
+        rows = [row for _, _, row in planned]
+        taps = tuple(sorted({layer for seq, _, _ in planned if seq.drafter for layer in seq.drafter.hidden_layers}))
         started = time.perf_counter()
-        out = ragged_forward(self.engine.target, self.pool, rows, hidden_layers=taps)
+        try:
+            out = ragged_forward(self.engine.target, self.pool, rows, hidden_layers=taps)
+        except Exception as error:
+            if len(rows) == 1:
+                self._fail(planned[0][0], "the target forward", error)
+                return [None]
+            log.warning("a batched forward of %d rows failed; running its rows one by one", len(rows),
+                        exc_info=True)
+            return [self._target_forward([entry])[0] for entry in planned]
         self.cost.record(sum(len(row.tokens) for row in rows), time.perf_counter() - started)
         with self._lock:
             self._steps += 1
-        for seq, draft, row, row_logits, row_hidden in zip(running, drafts, rows, out.logits, out.hidden):
-            emitted = self._verify(seq, draft, row, row_logits, row_hidden)
-            if emitted:
-                self._emit(seq, emitted)
+        return list(zip(out.logits, out.hidden))
+
+    @contextlib.contextmanager
+    def _guard(self, seq: _Sequence, stage: str) -> Iterator[None]:
+        """Run one request's part of a step: an exception fails (retires) that request and is not raised."""
+        try:
+            yield
+        except Exception as error:
+            self._fail(seq, stage, error)
+
+    def _fail(self, seq: _Sequence, stage: str, error: Exception) -> None:
+        log.error("request %d failed in %s", seq.handle.id, stage, exc_info=error)
+        if seq in self._running or seq in self._waiting:
+            self._retire(seq, "error", error)
 
     def _prefill_chunks(self, running: list[_Sequence]) -> list[int | None]:
         """Prompt tokens each prefilling row feeds this step (None for decode rows), first come first served

@@ -11,16 +11,19 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dflash2.decode.batch import BatchEngine, BatchRequest, Event, QueueFullError
+from dflash2.decode.batch import BatchEngine, BatchRequest, EngineStoppedError, Event, QueueFullError
 from dflash2.decode.engine import GenerationResult, StreamChunk
 from dflash2.kv.paged import KVBudgetError
 from dflash2.serve import metrics
@@ -37,6 +40,10 @@ from dflash2.serve.protocol import (
 from dflash2.verify import SamplingParams
 
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # origins on these hosts (any port) are allowed by default
+KEEPALIVE_S = 15.0  # an SSE comment line after this long without an event keeps proxies from closing the stream
+
+log = logging.getLogger("dflash2.serve")
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,33 @@ class ServerConfig:
     default_num_draft_tokens: int = 8
     default_max_tokens: int = 256  # when a request gives no max_tokens (bounded by the context)
     max_body_bytes: int = 1 << 20
+    max_num_draft_tokens: int = 16  # the most drafts per step a request may ask for
+    # Browser origins allowed to call the API (a request with another ``Origin`` header gets 403): None = the
+    # loopback hosts on any port; ("*",) = any origin. Requests without an Origin (curl, SDKs) are never refused.
+    allowed_origins: tuple[str, ...] | None = None
+
+    def origin_allowed(self, origin: str) -> bool:
+        if self.allowed_origins is None:
+            return (urlsplit(origin).hostname or "") in LOOPBACK_HOSTS
+        return "*" in self.allowed_origins or origin.rstrip("/") in {o.rstrip("/") for o in self.allowed_origins}
+
+
+class _OriginGuard:
+    """ASGI middleware: refuses (403) requests whose ``Origin`` header names a site not allowed. A web page can
+    send a simple POST (text/plain, no preflight) to a local server; this keeps arbitrary sites from driving it."""
+
+    def __init__(self, app, config: ServerConfig) -> None:
+        self.app, self.config = app, config
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            origin = dict(scope["headers"]).get(b"origin")
+            if origin is not None and not self.config.origin_allowed(origin.decode("latin-1")):
+                error = ApiError(403, "requests from this origin are not allowed (see --allowed-origins)",
+                                 type="permission_error", code="origin_not_allowed")
+                await JSONResponse(error.body(), status_code=403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Counting:
@@ -76,13 +110,14 @@ class _Counting:
 def create_app(batch: BatchEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="dflash2", docs_url=None, redoc_url=None, openapi_url=None)
     counters = metrics.HttpCounters()
-    app.add_middleware(_Counting, counters=counters)
+    app.add_middleware(_OriginGuard, config=config)
+    app.add_middleware(_Counting, counters=counters)  # added last: runs first, so it also counts the 403s
     started = int(time.time())
     _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        alive = batch._thread is not None and batch._thread.is_alive()
+        alive = batch.alive
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
@@ -132,8 +167,19 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> JSONResponse:
-        body = ApiError(500, f"internal error: {type(error).__name__}: {error}", type="server_error").body()
-        return JSONResponse(body, status_code=500)
+        error_id = _error_id()
+        log.error("internal error %s on %s %s", error_id, request.method, request.url.path, exc_info=error)
+        return JSONResponse(_internal_error(error_id).body(), status_code=500)
+
+
+def _error_id() -> str:
+    return f"err-{uuid.uuid4().hex[:16]}"
+
+
+def _internal_error(error_id: str) -> ApiError:
+    """A 500 that names only an id; the details go to the server log under it."""
+    return ApiError(500, f"internal server error (id {error_id}; details are in the server log)",
+                    type="server_error", code=error_id)
 
 
 def _authorize(request: Request, config: ServerConfig) -> None:
@@ -145,7 +191,12 @@ def _authorize(request: Request, config: ServerConfig) -> None:
 
 
 async def _read_json(request: Request, limit: int) -> Any:
-    """The body as JSON: 413 past ``limit`` bytes, 400 for invalid UTF-8 or malformed JSON."""
+    """The body as JSON: 415 unless declared as JSON, 413 past ``limit`` bytes, 400 for invalid UTF-8 or
+    malformed JSON."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(415, f"the body must be JSON (Content-Type: application/json), got {media_type or 'none'!r}",
+                       code="unsupported_media_type")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the body is {declared} bytes; the limit is {limit}", code="request_too_large")
@@ -202,6 +253,9 @@ def _batch_request(batch: BatchEngine, config: ServerConfig, body, prompt_ids: l
     k = options.num_draft_tokens
     if drafter == "none" and k:
         raise ApiError(400, "num_draft_tokens > 0 needs a drafter", param="dflash2.num_draft_tokens")
+    if k is not None and k > config.max_num_draft_tokens:
+        raise ApiError(400, f"num_draft_tokens must be <= {config.max_num_draft_tokens} on this server, got {k}",
+                       param="dflash2.num_draft_tokens")
     k = (config.default_num_draft_tokens if k is None else k) if drafter != "none" else 0
     params = SamplingParams(temperature=body.temperature, top_k=options.top_k, top_p=body.top_p, seed=body.seed)
     max_new = limit if limit is not None else min(config.default_max_tokens, context - len(prompt_ids))
@@ -219,10 +273,14 @@ class _Relay:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-def _engine_error(error: Exception) -> ApiError:
+def _engine_error(error: Exception, response_id: str) -> ApiError:
+    """The error event of a request as an HTTP error; internal failures are logged, never shown."""
     if isinstance(error, KVBudgetError):
         return ApiError(503, str(error), type="server_error", code="kv_cache_full")
-    return ApiError(500, f"generation failed: {type(error).__name__}: {error}", type="server_error")
+    if isinstance(error, EngineStoppedError):
+        return ApiError(503, str(error), type="server_error", code="engine_stopped")
+    log.error("request %s failed", response_id, exc_info=error)
+    return _internal_error(response_id)
 
 
 async def _generate(request: Request, batch: BatchEngine, config: ServerConfig, body, prompt_ids: list[int], *,
@@ -233,6 +291,8 @@ async def _generate(request: Request, batch: BatchEngine, config: ServerConfig, 
         handle = batch.submit(batch_request, relay.sink)
     except QueueFullError as error:
         raise ApiError(429, str(error), type="rate_limit_error", code="queue_full") from None
+    except EngineStoppedError as error:
+        raise ApiError(503, str(error), type="server_error", code="engine_stopped") from None
     except ValueError as error:
         raise ApiError(400, str(error)) from None
     ids = ResponseIds.new("chatcmpl" if chat else "cmpl", config.model_name)
@@ -240,7 +300,7 @@ async def _generate(request: Request, batch: BatchEngine, config: ServerConfig, 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _sse(relay, handle, ids, chat, include_usage, batch_request)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    result = await _collect(request, relay, handle)
+    result = await _collect(request, relay, handle, ids.id)
     choice = (chat_choice(result.text, finish_reason(result.finish_reason), delta=False) if chat
               else completion_choice(result.text, finish_reason(result.finish_reason)))
     return JSONResponse({
@@ -258,7 +318,7 @@ def _extension(request: BatchRequest, result: GenerationResult) -> dict:
             "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position]}
 
 
-async def _collect(request: Request, relay: _Relay, handle) -> GenerationResult:
+async def _collect(request: Request, relay: _Relay, handle, response_id: str) -> GenerationResult:
     """Wait for the result; a client that disconnects meanwhile cancels the request."""
     finished = False
     checked = time.monotonic()
@@ -279,7 +339,7 @@ async def _collect(request: Request, relay: _Relay, handle) -> GenerationResult:
                 return event
             if isinstance(event, Exception):
                 finished = True
-                raise _engine_error(event)
+                raise _engine_error(event, response_id)
     finally:
         if not finished:
             handle.cancel()
@@ -300,14 +360,18 @@ async def _sse(relay: _Relay, handle, ids: ResponseIds, chat: bool, include_usag
         if chat:
             yield chunk("", None, first=True)
         while True:
-            event = await relay.queue.get()
+            try:
+                event = await asyncio.wait_for(relay.queue.get(), timeout=KEEPALIVE_S)
+            except TimeoutError:
+                yield ": keepalive\n\n"  # an SSE comment: clients ignore it
+                continue
             if isinstance(event, StreamChunk):
                 if event.text:
                     yield chunk(event.text, None)
                 continue
             finished = True
             if isinstance(event, Exception):
-                yield f"data: {json.dumps(_engine_error(event).body())}\n\n"
+                yield f"data: {json.dumps(_engine_error(event, ids.id).body())}\n\n"
             else:
                 yield chunk(None if chat else "", finish_reason(event.finish_reason))
                 if include_usage:

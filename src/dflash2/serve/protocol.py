@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dflash2.verify.sampling import SEED_RANGE
+
 MAX_STOP_STRINGS = 4
 
 
@@ -47,9 +49,9 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # below 1e-5 (0 included): greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)
     stream: bool = False

@@ -12,18 +12,25 @@ from dataclasses import dataclass
 import torch
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # temperatures below this mean greedy (as in vLLM): logits / 1e-40 overflow
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen. ``temperature == 0`` means greedy (argmax)."""
+    """How the next token is chosen. ``temperature`` below ``GREEDY_BELOW_TEMPERATURE`` (0 included) means
+    greedy (argmax)."""
 
-    temperature: float = 0.0  # 0 -> greedy; > 0 -> sample from softmax(logits / temperature)
+    temperature: float = 0.0  # ~0 -> greedy; > 0 -> sample from softmax(logits / temperature)
     top_k: int = 0  # keep the k most likely tokens; 0 -> off
     top_p: float = 1.0  # keep the smallest set whose mass reaches top_p; 1.0 -> off
     seed: int | None = None  # seeds the explicit torch.Generator used for every random draw
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # also refuses NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -31,7 +38,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """A generator seeded from ``seed`` (or from torch's global RNG when no seed is given)."""
