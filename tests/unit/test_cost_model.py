@@ -26,3 +26,22 @@ def test_sharing_the_hardware_can_make_overlap_lose():
     s = break_even_slowdown(gpu)
     even = StepCosts(draft_s=1.1, verify_s=1.0, hit_rate=0.6, target_slowdown=s, drafter_slowdown=s)
     assert even.overlap_speedup() == pytest.approx(1.0)
+
+
+def test_one_estimator_and_one_cost_model_serve_both_loops():
+    """The adaptive draft length and the batch planner share the acceptance estimator and the forward cost model:
+    the same observations give the same acceptance rate, and measured verification times set the growth."""
+    from dflash2.decode.cost_model import Acceptance, ForwardCost
+    from dflash2.decode.draft_length import AdaptiveConfig, AdaptiveDraftLength
+
+    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=8, prior_accepted=1.0, prior_rejected=1.0))
+    alone = Acceptance()
+    for drafted, accepted in [(4, 4), (4, 1), (2, 0), (6, 6)]:
+        policy.record(drafted, accepted, 0.01, 0.1 + 0.02 * drafted)
+        alone.update(drafted, accepted)
+    assert isinstance(policy.acceptance, Acceptance) and isinstance(policy.forward, ForwardCost)
+    assert policy.beta == alone.alpha
+    for k in (1, 3, 5, 7) * 2:  # verification seconds = 0.08 + 0.02 * (1 + k): growth 0.02 / 0.1
+        policy.record(k, k, 0.01, 0.08 + 0.02 * (1 + k))
+    assert policy.forward.growth() == pytest.approx(0.2)
+    assert policy.step_cost(4) == pytest.approx(policy.draft_ratio * 4 + 1.0 + 0.2 * 4)

@@ -1,6 +1,7 @@
 import pytest
 
-from dflash2.decode.scheduler import Acceptance, CostModel, plan_draft_lengths
+from dflash2.decode.cost_model import Acceptance, ForwardCost
+from dflash2.decode.scheduler import plan_draft_lengths
 
 
 def test_drafts_are_granted_when_tokens_are_nearly_free():
@@ -42,7 +43,7 @@ def test_acceptance_counts_drafts_up_to_the_first_rejection():
 
 
 def test_cost_model_fits_a_line_and_keeps_the_prior_without_spread():
-    model = CostModel(window=29, prior=(9.0, 9.0))
+    model = ForwardCost(window=29, prior=(9.0, 9.0))
     for _ in range(10):
         model.record(4, 1.0)
     assert model.coefficients() == (9.0, 9.0)  # every step had the same size: nothing to fit

@@ -22,7 +22,8 @@ import torch
 
 from dflash2.decode.engine import Engine, GenerationResult, StreamChunk, _cut_at_eos, _TextStream
 from dflash2.decode.ragged import RaggedRow, ragged_forward
-from dflash2.decode.scheduler import Acceptance, CostModel, plan_draft_lengths
+from dflash2.decode.cost_model import Acceptance, ForwardCost
+from dflash2.decode.scheduler import plan_draft_lengths
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.kv.paged import BlockTable, KVBudgetError, PagedKVPool
@@ -153,7 +154,7 @@ class BatchEngine:
         self._rejected = 0
         self._totals = DecodeStats()
         self._steps = 0
-        self.cost = CostModel()
+        self.cost = ForwardCost()
 
     # ---- the caller's side -------------------------------------------------------------------------------------
     def submit(self, request: BatchRequest, sink: Sink) -> RequestHandle:

@@ -1,4 +1,11 @@
-"""A cost model of one speculative step, sync vs overlapped: what overlap can gain, from measured times.
+"""The one cost model of the decode loops, and the one acceptance estimator.
+
+:class:`Acceptance`: a request's running draft acceptance rate (alpha), from decayed counts.
+:class:`ForwardCost`: a target forward over N tokens costs ``c0 + c1 * N`` seconds (c0: reading the weights once,
+c1: compute per token), fitted online from measured forwards. The batch planner (``decode/scheduler.py``) prices
+the drafts of a ragged step with it; the adaptive draft length (``decode/draft_length.py``) prices a verification
+of k drafts as ``1 + growth * k`` plain steps, ``growth = c1 / (c0 + c1)``.
+:class:`StepCosts`: one speculative step, sync vs overlapped: what overlap can gain, from measured times.
 
 Per target pass (one step), with times measured when each side runs alone:
 - sync:    ``T_sync = D + V``: draft the block (D), then verify it (V); each side idles while the other works.
@@ -12,7 +19,63 @@ Tokens per pass (tau) are the same in both pipelines, so the speedup is ``T_sync
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Acceptance:
+    """A running draft acceptance rate: decayed counts of accepted drafts and of drafts tested (up to and
+    including the first rejection of each step), starting from prior pseudo-counts that decay away too."""
+
+    prior_accepted: float = 1.0  # the default prior: alpha = 0.5 from one accepted and one rejected draft
+    prior_rejected: float = 1.0
+    decay: float = 0.9  # weight of the past per verification, so that the rate follows the text
+
+    def __post_init__(self) -> None:
+        self.accepted = self.prior_accepted
+        self.tested = self.prior_accepted + self.prior_rejected
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted <= 0:
+            return
+        tested = num_accepted + (num_accepted < num_drafted)
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.tested = self.decay * self.tested + tested
+
+    @property
+    def alpha(self) -> float:
+        """Estimated probability that a draft is accepted given that the previous one was."""
+        return self.accepted / self.tested
+
+
+class ForwardCost:
+    """Least-squares fit of forward seconds = c0 + c1 * tokens over the last ``window`` forwards."""
+
+    def __init__(self, window: int = 128, prior: tuple[float, float] = (1.0, 1.0 / 32)) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.prior = prior  # (c0, c1) until the forwards seen vary enough in size for a fit
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        self.samples.append((num_tokens, seconds))
+
+    def coefficients(self) -> tuple[float, float]:
+        if len(self.samples) < 8:
+            return self.prior
+        tokens, seconds = np.array(self.samples, dtype=np.float64).T
+        if tokens.std() < 1.0:
+            return self.prior
+        c1, c0 = np.polyfit(tokens, seconds, 1)
+        if c0 <= 0 or c1 <= 0:
+            return self.prior
+        return float(c0), float(c1)
+
+    def growth(self) -> float:
+        """Extra cost of one more token over a one-token forward, relative to it: c1 / (c0 + c1)."""
+        c0, c1 = self.coefficients()
+        return c1 / (c0 + c1)
 
 
 @dataclass(frozen=True)

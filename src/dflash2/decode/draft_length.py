@@ -1,8 +1,10 @@
 """How many tokens to draft next: a fixed k, or chosen per request from observed acceptance and measured costs.
 
 Any draft length is lossless (verification decides what is kept), so the policy only trades speed. The adaptive
-policy estimates the per-token acceptance rate ``beta`` from decayed counts of accepted drafts and rejections,
-and the cost of a step from measured draft and verify times, then picks the k in [0, k_max] that maximises
+policy estimates the per-token acceptance rate ``beta`` with the loops' one estimator (``cost_model.Acceptance``),
+and the cost of a step from measured draft and verify times with their one forward cost model
+(``cost_model.ForwardCost``: a verification of k drafts is ``1 + growth * k`` plain steps), then picks the k in
+[0, k_max] that maximises
 
     expected tokens per step / expected seconds per step,   E(k) = (1 - beta^(k + 1)) / (1 - beta)
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash2.decode.cost_model import StepCosts
+from dflash2.decode.cost_model import Acceptance, ForwardCost, StepCosts
 
 
 class FixedDraftLength:
@@ -41,7 +43,7 @@ class AdaptiveConfig:
     decay: float = 0.9  # weight of the past in the acceptance counts (per step)
     prior_accepted: float = 3.0  # pseudo-counts: start from beta = 0.75
     prior_rejected: float = 1.0
-    verify_growth: float = 0.05  # a verification of k drafts costs (1 + verify_growth * k) plain target steps
+    verify_growth: float = 0.05  # prior: a verification of k drafts costs (1 + verify_growth * k) plain steps
     draft_ratio: float = 0.3  # initial guess of one draft token's cost relative to a plain target step
     probe_interval: int = 16  # steps with speculation off before one probe draft
     probe_length: int = 2
@@ -54,15 +56,17 @@ class AdaptiveDraftLength:
         if config.k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {config.k_max}")
         self.config = config
-        self.accepted = config.prior_accepted  # decayed count of accepted drafts
-        self.rejected = config.prior_rejected  # decayed count of rejections (at most one per step)
+        self.acceptance = Acceptance(config.prior_accepted, config.prior_rejected, config.decay)
+        # verification forwards over 1 + k tokens; the prior (c0 + c1 = 1 plain step, c1 = verify_growth) holds
+        # until the measured draft lengths vary enough for a fit
+        self.forward = ForwardCost(prior=(1.0 - config.verify_growth, config.verify_growth))
         self.draft_ratio = config.draft_ratio  # seconds per draft token / seconds per plain target step
         self.steps_off = 0
 
     @property
     def beta(self) -> float:
         """Estimated probability that a draft is accepted given that the previous one was."""
-        return self.accepted / (self.accepted + self.rejected)
+        return self.acceptance.alpha
 
     def next_length(self, room: int) -> int:
         k = min(self.best_length(), room)
@@ -87,7 +91,7 @@ class AdaptiveDraftLength:
         """Seconds of one step in units of a plain target step (decode/cost_model.py, slowdowns taken as 1)."""
         if k == 0:
             return 1.0
-        costs = StepCosts(draft_s=self.draft_ratio * k, verify_s=1.0 + self.config.verify_growth * k,
+        costs = StepCosts(draft_s=self.draft_ratio * k, verify_s=1.0 + self.forward.growth() * k,
                           hit_rate=self.beta ** (k + 1), num_draft_tokens=k)  # a hit: all k accepted, bonus guessed
         return costs.overlap_step() if self.config.overlap else costs.sync_step()
 
@@ -95,12 +99,12 @@ class AdaptiveDraftLength:
         """One verification: ``num_drafted`` drafts, the first ``num_accepted`` kept; the step's measured times."""
         if num_drafted <= 0:
             return
-        decay = self.config.decay
-        self.accepted = decay * self.accepted + num_accepted
-        self.rejected = decay * self.rejected + (num_accepted < num_drafted)
+        self.acceptance.update(num_drafted, num_accepted)
         if draft_seconds > 0 and verify_seconds > 0:
-            plain_step = verify_seconds / (1.0 + self.config.verify_growth * num_drafted)
+            self.forward.record(1 + num_drafted, verify_seconds)
+            plain_step = verify_seconds / (1.0 + self.forward.growth() * num_drafted)
             measured = draft_seconds / num_drafted / plain_step
+            decay = self.config.decay
             self.draft_ratio = decay * self.draft_ratio + (1.0 - decay) * measured
 
 

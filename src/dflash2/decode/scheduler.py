@@ -1,9 +1,9 @@
 """Draft lengths that pay under load: how many drafts each running request gets in the next ragged forward.
 
-Model: a forward over N tokens costs ``c0 + c1 * N`` seconds (c0: reading the weights once, c1: compute per
-token; both fitted online from measured steps). A row's i-th draft is accepted with probability ``alpha ** i``
-(``alpha``: that request's running acceptance rate), so it is worth ``alpha ** i`` expected tokens. Drafts are
-granted greedily, best first, while one more token raises the expected tokens per second of the step:
+Model: a forward over N tokens costs ``c0 + c1 * N`` seconds (``decode/cost_model.ForwardCost``, fitted online
+from measured steps). A row's i-th draft is accepted with probability ``alpha ** i`` (``alpha``: that request's
+running acceptance rate, ``decode/cost_model.Acceptance``), so it is worth ``alpha ** i`` expected tokens. Drafts
+are granted greedily, best first, while one more token raises the expected tokens per second of the step:
 ``gain > E * c1 / (c0 + c1 * N)`` for the step's current expected tokens E and tokens N. At batch 1 a token is
 nearly free (c1 * N << c0) and drafts pay; with many rows the forward turns compute-bound and weak drafts are
 dropped, down to speculation off. Drafts never change what is generated, only how fast.
@@ -12,52 +12,6 @@ dropped, down to speculation off. Drafts never change what is generated, only ho
 from __future__ import annotations
 
 import heapq
-from collections import deque
-from dataclasses import dataclass
-
-import numpy as np
-
-
-@dataclass
-class Acceptance:
-    """A request's running draft acceptance rate, decayed so that it follows the text (prior 0.5)."""
-
-    accepted: float = 0.0
-    tested: float = 0.0
-    decay: float = 0.9
-
-    def update(self, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted == 0:
-            return
-        tested = num_accepted + (num_accepted < num_drafted)  # drafts up to and including the first rejection
-        self.accepted = self.decay * self.accepted + num_accepted
-        self.tested = self.decay * self.tested + tested
-
-    @property
-    def alpha(self) -> float:
-        return (self.accepted + 1.0) / (self.tested + 2.0)
-
-
-class CostModel:
-    """Least-squares fit of step seconds = c0 + c1 * tokens over the last ``window`` steps."""
-
-    def __init__(self, window: int = 128, prior: tuple[float, float] = (1.0, 1.0 / 32)) -> None:
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self.prior = prior  # (c0, c1) until the steps seen vary enough in size for a fit
-
-    def record(self, num_tokens: int, seconds: float) -> None:
-        self.samples.append((num_tokens, seconds))
-
-    def coefficients(self) -> tuple[float, float]:
-        if len(self.samples) < 8:
-            return self.prior
-        tokens, seconds = np.array(self.samples, dtype=np.float64).T
-        if tokens.std() < 1.0:
-            return self.prior
-        c1, c0 = np.polyfit(tokens, seconds, 1)
-        if c0 <= 0 or c1 <= 0:
-            return self.prior
-        return float(c0), float(c1)
 
 
 def plan_draft_lengths(
