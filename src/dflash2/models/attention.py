@@ -1,7 +1,13 @@
-"""Scaled dot-product attention for short query blocks with grouped-query heads.
+"""Scaled dot-product attention with grouped-query heads.
 
-Decoding (1 query), verification (a draft block) and block drafting all attend a handful of queries to a
-long cache. With grouped-query attention, PyTorch's CPU kernel for ``enable_gqa=True`` is slow for a single
+On CPU, fp32 and bf16 calls go to the row-invariant kernel (:mod:`dflash2.kernels.attention`): a query row's output
+is bitwise the same whatever the number of rows in the call, the mask, the padding or the batch, so verifying a
+block of drafts rounds exactly like decoding it one token at a time (greedy speculative output == plain output, in
+bf16 too; docs/attention.md). ``DFLASH2_ATTENTION=torch`` (or ``DFLASH2_KERNELS=off``, or a missing kernel) selects
+PyTorch's attention below instead; CUDA and other dtypes always use it.
+
+The PyTorch path: decoding (1 query), verification (a draft block) and block drafting all attend a handful of
+queries to a long cache. With grouped-query attention, PyTorch's CPU kernel for ``enable_gqa=True`` is slow for a single
 query: measured on this 2-core AVX2 machine (bf16, 12 query / 2 KV heads, Dh 128), one query over 481 cached
 slots in 16 rows costs 16.4 ms per layer, against 1.2 ms when the query heads that share a KV head are folded
 into the query axis ([B, H, T, Dh] -> [B, H_kv, G * T, Dh]) and attended as plain multi-head attention. At one
@@ -12,8 +18,12 @@ attended alone, as before. Long query blocks (prefill) keep the unfolded call, w
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+
+from dflash2.kernels import attention as _kernel
 
 FOLD_MAX_QUERIES = 64  # fold grouped heads into the query axis up to this many queries per row
 
@@ -25,6 +35,20 @@ def attend(
     attn_mask: torch.Tensor | None = None,  # [B or 1, 1, T or 1, S] bool, True = may attend; None = all (or causal)
     is_causal: bool = False,
 ) -> torch.Tensor:  # [B, H, T, Dh]
+    if use_invariant_kernel() and _kernel.kernel_supports(q, k, attn_mask):
+        return _kernel.invariant_attention(q, k, v, attn_mask, is_causal)
+    return torch_attend(q, k, v, attn_mask, is_causal)
+
+
+def use_invariant_kernel() -> bool:
+    """False when ``DFLASH2_ATTENTION=torch`` asks for PyTorch's attention (read at every call, for comparisons)."""
+    return os.environ.get("DFLASH2_ATTENTION", "").strip().lower() != "torch"
+
+
+def torch_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                 is_causal: bool = False) -> torch.Tensor:
+    """:func:`attend` on PyTorch's SDPA (same arguments), grouped heads folded into the query axis for short blocks
+    (module doc)."""
     batch, heads, tokens, head_dim = q.shape
     kv_heads = k.shape[1]
     if heads == kv_heads:

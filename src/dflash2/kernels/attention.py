@@ -1,0 +1,115 @@
+"""Row-invariant CPU attention (``attention.cpp``): a query row's output is bitwise the same whatever else is in the
+call -- the number of query rows, the mask (causal, tree, padding), the batch companions, the cache layout.
+
+Why: greedy speculative decoding is lossless only if verifying a block of k + 1 rows rounds exactly like decoding
+them one at a time.  The linear kernels already are row-count invariant; PyTorch's CPU attention is not (its
+reduction order over keys depends on the block of queries and keys it tiles), so in bf16 a near-tie flips and
+speculative output drifts from plain output.  This kernel compacts each row's visible keys into a list and runs
+every reduction over that list in one fixed order with fp32 accumulation (details in ``attention.cpp``), so the
+output depends only on the query and its ordered visible keys/values.
+
+Built on first use like the other kernels (:mod:`dflash2.kernels.jit`: ninja and a C++ compiler, AVX2 + FMA, cached
+under ``$DFLASH2_HOME/kernels``), self-checked against ``F.scaled_dot_product_attention``, off with
+``DFLASH2_KERNELS=off``.  :func:`dflash2.models.attention.attend` uses it on CPU unless ``DFLASH2_ATTENTION=torch``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dflash2.kernels import jit
+
+__all__ = ["attention_kernel_available", "attention_kernel_status", "invariant_attention", "kernel_supports"]
+
+_SOURCE = Path(__file__).with_name("attention.cpp")
+# -ffp-contract=off: no multiply-add fused behind the code's back; the FMAs it has are written out.
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
+DTYPES = (torch.float32, torch.bfloat16)
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _self_check(op) -> str:
+    """The kernel against SDPA (fp32, repeated kv heads) with a random mask, a causal block and one row."""
+    g = torch.Generator().manual_seed(0)
+    for batch, heads, kv_heads, tokens, slots, dh in ((2, 6, 2, 5, 37, 16), (1, 4, 4, 1, 9, 8), (1, 2, 1, 7, 7, 24)):
+        q = torch.randn(batch, heads, tokens, dh, generator=g)
+        k = torch.randn(batch, kv_heads, slots, dh, generator=g)
+        v = torch.randn(batch, kv_heads, slots, dh, generator=g)
+        mask = torch.rand(batch, tokens, slots, generator=g) > 0.4
+        mask[..., 0] = True
+        causal = tokens == slots
+        ref_mask = torch.ones(tokens, slots, dtype=torch.bool).tril() if causal else mask[:, None]
+        group = heads // kv_heads
+        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                             attn_mask=ref_mask)
+        got = op(q, k, v, None if causal else mask, causal, 1.0 / math.sqrt(dh))
+        if not torch.allclose(got, ref, rtol=1e-4, atol=1e-5):
+            err = (got - ref).abs().max().item()
+            return f"attention self-check failed for B={batch} H={heads}/{kv_heads} T={tokens} S={slots} " \
+                   f"(max abs err {err:.3g})"
+    return ""
+
+
+def _load() -> tuple[bool, str, object]:
+    tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+    directory = jit.build_dir() / f"attention-{tag}"
+    ok, status, op = jit.jit_load(f"dflash2_attention_{tag}", _SOURCE, _CFLAGS, directory,
+                                  "dflash2_attention.attention_rows", _self_check, label="attention ")
+    return ok, (f"row-invariant attention kernel (AVX2/FMA) loaded from {directory}" if ok else status), op
+
+
+def _ensure_loaded() -> None:
+    jit.ensure_loaded(_state, _lock, _load, "row-invariant attention kernel")
+
+
+def attention_kernel_available() -> bool:
+    """True when the kernel is built, loaded and passed its self-check (the first call builds it)."""
+    _ensure_loaded()
+    return bool(_state["available"])
+
+
+def attention_kernel_status() -> str:
+    """One line: where the kernel was loaded from, or why it is not available."""
+    _ensure_loaded()
+    return str(_state["status"])
+
+
+def kernel_supports(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
+    """The call is one the kernel takes: CPU, fp32 or bf16, head dim a multiple of 8, a bool mask (or none) with one
+    head row; and the kernel is available."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in DTYPES
+        and k.dtype == q.dtype
+        and q.shape[-1] % 8 == 0
+        and (attn_mask is None or (attn_mask.dtype == torch.bool and attn_mask.shape[1] == 1))
+        and attention_kernel_available()
+    )
+
+
+def invariant_attention(
+    q: torch.Tensor,  # [B, H, T, Dh] fp32 or bf16
+    k: torch.Tensor,  # [B, H_kv, S, Dh]
+    v: torch.Tensor,  # [B, H_kv, S, Dh]
+    attn_mask: torch.Tensor | None = None,  # [B or 1, 1, T or 1, S] bool, True = may attend; None = all (or causal)
+    is_causal: bool = False,  # query t also sees no slot past S - T + t
+) -> torch.Tensor:  # [B, H, T, Dh] in q's dtype
+    """Softmax(q k^T / sqrt(Dh)) v with grouped-query heads, each row computed in one fixed order (see module doc).
+
+    A row with no visible slot gives zeros (SDPA gives NaN)."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask[:, 0]  # [B or 1, T or 1, S]
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+    out = _state["op"](q, k, v, mask, is_causal, 1.0 / math.sqrt(q.shape[-1]))  # fp32 [B, H, T, Dh]
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
