@@ -38,7 +38,7 @@ from safetensors import SafetensorError, safe_open
 from dflash2.kernels import quant_linear as ql
 from dflash2.models.config import ModelConfig
 from dflash2.models.decoder import Transformer
-from dflash2.models.loading import (
+from dflash2.models.state_dict import (
     DTYPES,
     build_transformer,
     hf_to_lean_state_dict,
