@@ -11,14 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash2.bench.runner import BASELINE, summarize
-
-METHOD_LABELS = {BASELINE: "dflash2 plain", "ngram": "dflash2 ngram", "model": "dflash2 model (0.5B)",
-                 "dflash": "dflash2 DFlash", "dflash+ngram": "dflash2 DFlash + ngram", "dflash2": "dflash2 DFlash2",
-                 "dflash2+ngram": "dflash2 DFlash2 + ngram", "transformers": "transformers generate",
-                 "transformers-assisted": "transformers assisted (0.5B)",
-                 "transformers-pld": "transformers prompt lookup", "llamacpp": "llama.cpp 4-bit",
-                 "llamacpp-spec": "llama.cpp 4-bit speculative (0.5B)"}
+from dflash2.bench.report_plots import write_plots
+from dflash2.bench.runner import BASELINE, label, summarize
 
 
 @dataclass(frozen=True)
@@ -46,17 +40,6 @@ def _in_run_order(summary: list[dict], info: dict) -> list[dict]:
     categories = {category: index for index, category in enumerate(dict.fromkeys(s["category"] for s in summary))}
     return sorted(summary, key=lambda s: (categories[s["category"]], s["peer"], s["method"] != BASELINE,
                                           rank.get(s["method"], len(rank)), s["method"]))
-
-
-def label(method: str) -> str:
-    """A reader's name for a bench method: ``dflash2:3x3@overlap`` -> ``dflash2 DFlash2 k=3 tree x3, overlap``."""
-    drafter, _, pipeline = method.partition("@")
-    name, _, shape = drafter.partition(":")
-    k, _, width = shape.partition("x")
-    text = METHOD_LABELS.get(name, name)
-    text += f" k={k}" if k else ""
-    text += f" tree x{width}" if width else ""
-    return text + (f", {pipeline}" if pipeline else "")
 
 
 def _fmt(value, pattern: str = "{:.2f}") -> str:
@@ -125,8 +108,6 @@ def roofline_rows(run: Run) -> list[list[str]]:
 
 def write_report(directory: Path, *, html_page: bool = False) -> tuple[Path, str]:
     """Write report.md (+ report.html) and plots; return the Markdown path and the terminal headline table."""
-    from dflash2.bench.report_plots import write_plots
-
     run = load_run(directory)
     plots = write_plots(run, directory / "plots")
     categories = [c for c in dict.fromkeys(s["category"] for s in run.summary) if c != "overall"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash2.bench.runner import label
+
 
 def _pyplot():
     try:
@@ -48,8 +50,6 @@ def _colors(count: int) -> list:
 
 
 def _speedup(run, axes) -> bool:
-    from dflash2.bench.report import label
-
     categories = list(dict.fromkeys(s["category"] for s in run.summary))
     methods = _methods(run)
     by_key = {(s["category"], s["method"]): s["speedup"] for s in run.summary}
@@ -65,8 +65,6 @@ def _speedup(run, axes) -> bool:
 
 
 def _tau(run, axes) -> bool:
-    from dflash2.bench.report import label
-
     methods = [m for m in _methods(run) if any(r["method"] == m and r["tau"] is not None for r in run.rows)]
     data = [[r["tau"] for r in run.rows if r["method"] == m and r["tau"] is not None] for m in methods]
     if not methods:
@@ -80,8 +78,6 @@ def _tau(run, axes) -> bool:
 
 
 def _acceptance(run, axes) -> bool:
-    from dflash2.bench.report import label
-
     drawn, longest = False, 0
     overall = [s for s in run.summary if s["category"] == "overall"]
     for s, color in zip(overall, _colors(len(overall))):
@@ -99,8 +95,6 @@ def _acceptance(run, axes) -> bool:
 
 
 def _roofline(run, axes) -> bool:
-    from dflash2.bench.report import label
-
     info = run.info
     overall = [s for s in run.summary if s["category"] == "overall"]
     bandwidth = info.get("read_bandwidth_GBps")

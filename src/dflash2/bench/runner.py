@@ -72,6 +72,25 @@ def method_pipeline(method: str) -> str:
     return method.partition("@")[2] or "sync"
 
 
+METHOD_LABELS = {BASELINE: "dflash2 plain", "ngram": "dflash2 ngram", "model": "dflash2 model (0.5B)",
+                 "dflash": "dflash2 DFlash", "dflash+ngram": "dflash2 DFlash + ngram", "dflash2": "dflash2 DFlash2",
+                 "dflash2+ngram": "dflash2 DFlash2 + ngram", "transformers": "transformers generate",
+                 "transformers-assisted": "transformers assisted (0.5B)",
+                 "transformers-pld": "transformers prompt lookup", "llamacpp": "llama.cpp 4-bit",
+                 "llamacpp-spec": "llama.cpp 4-bit speculative (0.5B)"}
+
+
+def label(method: str) -> str:
+    """A reader's name for a bench method: ``dflash2:3x3@overlap`` -> ``dflash2 DFlash2 k=3 tree x3, overlap``."""
+    drafter, _, pipeline = method.partition("@")
+    name, _, shape = drafter.partition(":")
+    k, _, width = shape.partition("x")
+    text = METHOD_LABELS.get(name, name)
+    text += f" k={k}" if k else ""
+    text += f" tree x{width}" if width else ""
+    return text + (f", {pipeline}" if pipeline else "")
+
+
 def _warm_up_peers(engine, peers: list) -> None:
     ids = engine.encode_prompt("Say hello.")
     for peer in peers:
