@@ -197,3 +197,32 @@ def test_a_tiny_temperature_is_served_as_greedy(served):
     greedy = client.post("/v1/completions", json=BODY).json()["choices"][0]["text"]
     tiny = client.post("/v1/completions", json=BODY | {"temperature": 1e-40})
     assert tiny.status_code == 200 and tiny.json()["choices"][0]["text"] == greedy
+
+
+def test_a_deadline_ends_a_running_request_with_what_it_has_and_fails_a_queued_one(engine):
+    import time
+
+    batch = BatchEngine(engine, BatchConfig(num_blocks=64, block_size=8, max_batch_size=1))
+    running, queued = [], []
+    batch.submit(BatchRequest(prompts(1)[0], 480, timeout_s=0.05), running.append)  # far from done in 0.05 s
+    batch.submit(BatchRequest(prompts(1, seed=3)[0], 5, timeout_s=0.02), queued.append)
+    started = time.perf_counter()
+    while batch.step():
+        pass
+    assert time.perf_counter() - started < 5
+    from dflash2.decode.batch import DeadlineError
+
+    final = running[-1]
+    assert final.finish_reason == "timeout" and 0 < len(final.token_ids) < 480
+    assert isinstance(queued[-1], DeadlineError)
+    assert batch.snapshot().requests_finished == {"timeout": 2} and batch.pool.reserved == 0
+
+
+def test_a_request_deadline_over_http(served):
+    client = served(request_timeout_s=30.0)
+    body = BODY | {"max_tokens": 480, "prompt": [5, 6, 7] * 3, "dflash2": {"timeout_s": 0.05}}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    reply = response.json()
+    assert reply["choices"][0]["finish_reason"] == "length" and reply["dflash2"]["finish_reason"] == "timeout"
+    assert reply["usage"]["completion_tokens"] < 480

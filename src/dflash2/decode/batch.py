@@ -41,6 +41,10 @@ class QueueFullError(RuntimeError):
     """Too many requests wait for admission (the server answers 429)."""
 
 
+class DeadlineError(RuntimeError):
+    """A request's deadline passed before it was admitted (the server answers 504)."""
+
+
 class EngineStoppedError(RuntimeError):
     """The loop thread is not running (never started, stopped, or died): nothing will be generated."""
 
@@ -69,6 +73,8 @@ class BatchRequest:
     stop: tuple[str, ...] = ()
     drafter: str = "none"  # "none" or the name of a drafter the batch engine holds
     num_draft_tokens: int = 0  # drafts per step (0 = plain decoding)
+    timeout_s: float | None = None  # from submission: a request not admitted by then fails (DeadlineError), a
+    # running one finishes with what it has (finish reason "timeout")
 
 
 class RequestHandle:
@@ -112,12 +118,15 @@ class _Sequence:
     def prefilled(self) -> bool:
         return len(self.sequence) > len(self.request.prompt_ids)
 
+    def past_deadline(self, now: float) -> bool:
+        return self.request.timeout_s is not None and now - self.submitted > self.request.timeout_s
+
 
 @dataclass
 class BatchSnapshot:
     """Counters and gauges for /metrics (read under the engine's lock)."""
 
-    requests_finished: dict[str, int]  # finish reason (eos, stop, length, cancelled, error) -> count
+    requests_finished: dict[str, int]  # finish reason (eos, stop, length, timeout, cancelled, error) -> count
     requests_rejected: int
     prompt_tokens: int
     generated_tokens: int
@@ -188,6 +197,8 @@ class BatchEngine:
                              f"{self.engine.max_context}")
         if request.num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens must be >= 0, got {request.num_draft_tokens}")
+        if request.timeout_s is not None and not request.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {request.timeout_s}")
         if request.num_draft_tokens and request.drafter not in self.drafters:
             held = ", ".join(sorted(self.drafters)) or "none"
             raise ValueError(f"drafter {request.drafter!r} is not loaded (loaded: {held})")
@@ -269,6 +280,10 @@ class BatchEngine:
         now = time.perf_counter()
         for seq in [s for s in self._waiting + self._running if s.handle.cancelled.is_set()]:
             self._retire(seq, "cancelled", None)
+        for seq in [s for s in self._waiting + self._running if s.past_deadline(now)]:
+            late = seq in self._waiting
+            self._retire(seq, "timeout", DeadlineError(f"not started within {seq.request.timeout_s:g} s") if late
+                         else None)
         while self._waiting and len(self._running) < self.config.max_batch_size:
             seq = self._waiting[0]
             try:

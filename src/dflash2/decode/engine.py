@@ -23,7 +23,8 @@ DecodeMethod = Callable[[torch.Tensor, SamplingParams, torch.Generator | None, i
 class GenerationResult:
     text: str
     token_ids: list[int]  # generated ids (the stop EOS excluded)
-    finish_reason: str  # "eos" | "stop" (a stop string) | "length" (max_new_tokens or context limit)
+    finish_reason: str  # "eos" | "stop" (a stop string) | "length" (max_new_tokens or context limit) | "timeout"
+    # (the server's per-request deadline)
     stats: DecodeStats
     prompt_ids: list[int] = field(default_factory=list)
 

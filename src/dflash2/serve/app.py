@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dflash2.decode.batch import BatchEngine, BatchRequest, EngineStoppedError, Event, QueueFullError
+from dflash2.decode.batch import BatchEngine, BatchRequest, DeadlineError, EngineStoppedError, Event, QueueFullError
 from dflash2.decode.engine import GenerationResult, StreamChunk
 from dflash2.kv.paged import KVBudgetError
 from dflash2.serve import metrics
@@ -55,6 +55,7 @@ class ServerConfig:
     default_max_tokens: int = 256  # when a request gives no max_tokens (bounded by the context)
     max_body_bytes: int = 1 << 20
     max_num_draft_tokens: int = 16  # the most drafts per step a request may ask for
+    request_timeout_s: float | None = None  # deadline of every request (None: none); requests may ask for less
     # Browser origins allowed to call the API (a request with another ``Origin`` header gets 403): None = the
     # loopback hosts on any port; ("*",) = any origin. Requests without an Origin (curl, SDKs) are never refused.
     allowed_origins: tuple[str, ...] | None = None
@@ -259,7 +260,9 @@ def _batch_request(batch: BatchEngine, config: ServerConfig, body, prompt_ids: l
     k = (config.default_num_draft_tokens if k is None else k) if drafter != "none" else 0
     params = SamplingParams(temperature=body.temperature, top_k=options.top_k, top_p=body.top_p, seed=body.seed)
     max_new = limit if limit is not None else min(config.default_max_tokens, context - len(prompt_ids))
-    return BatchRequest(prompt_ids, max_new, params, body.stop_strings(), drafter if k else "none", k)
+    timeouts = [t for t in (options.timeout_s, config.request_timeout_s) if t is not None]
+    return BatchRequest(prompt_ids, max_new, params, body.stop_strings(), drafter if k else "none", k,
+                        timeout_s=min(timeouts, default=None))
 
 
 class _Relay:
@@ -279,6 +282,8 @@ def _engine_error(error: Exception, response_id: str) -> ApiError:
         return ApiError(503, str(error), type="server_error", code="kv_cache_full")
     if isinstance(error, EngineStoppedError):
         return ApiError(503, str(error), type="server_error", code="engine_stopped")
+    if isinstance(error, DeadlineError):
+        return ApiError(504, str(error), type="server_error", code="deadline_exceeded")
     log.error("request %s failed", response_id, exc_info=error)
     return _internal_error(response_id)
 
@@ -313,7 +318,8 @@ async def _generate(request: Request, batch: BatchEngine, config: ServerConfig, 
 
 def _extension(request: BatchRequest, result: GenerationResult) -> dict:
     stats = result.stats
-    return {"drafter": request.drafter, "num_draft_tokens": request.num_draft_tokens, "tau": round(stats.tau, 4),
+    return {"drafter": request.drafter, "num_draft_tokens": request.num_draft_tokens,
+            "finish_reason": result.finish_reason, "tau": round(stats.tau, 4),
             "target_forwards": stats.target_forwards,
             "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position]}
 

@@ -36,6 +36,7 @@ class Dflash2Options(BaseModel):
     drafter: str | None = None  # "none", "ngram", "model" (when the server holds a draft model)
     num_draft_tokens: int | None = Field(None, ge=0, le=64)  # 0 = plain decoding for this request
     top_k: int = Field(0, ge=0)
+    timeout_s: float | None = Field(None, gt=0)  # a deadline for this request (at most the server's)
 
 
 class StreamOptions(BaseModel):
@@ -126,8 +127,9 @@ class CompletionRequest(_Common):
 
 
 def finish_reason(engine_reason: str) -> str:
-    """Engine finish reasons (eos, stop, length) in OpenAI terms (stop, length)."""
-    return "length" if engine_reason == "length" else "stop"
+    """Engine finish reasons (eos, stop, length, timeout) in OpenAI terms (stop, length): a deadline cuts the
+    output like a token limit (the ``dflash2`` extension names the reason)."""
+    return "length" if engine_reason in ("length", "timeout") else "stop"
 
 
 @dataclass
