@@ -238,12 +238,7 @@ class DFlashDraftModel(nn.Module):
 
     def set_draft_vocab(self, ids: torch.Tensor) -> None:
         """Use the ids [V'] (distinct, in vocabulary) as the draft vocabulary; V' must equal draft_vocab_size."""
-        ids = ids.to(torch.int64).flatten()
-        if ids.numel() != self.config.draft_vocab_size or ids.unique().numel() != ids.numel():
-            raise ValueError(f"need {self.config.draft_vocab_size} distinct ids, got {ids.numel()}")
-        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-            raise ValueError("draft vocabulary ids outside the target's vocabulary")
-        self.draft_vocab = ids.to(self.device)
+        self.draft_vocab = check_draft_vocab(ids, self.config).to(self.device)
         self._sub_head = None
 
     def pack(self) -> "DFlashDraftModel":
@@ -307,17 +302,44 @@ class DFlashDraftModel(nn.Module):
         from dflash2.models.loading import parse_dtype
 
         directory = Path(directory)
-        config = DFlashConfig.from_hf_dict(json.loads((directory / CONFIG_FILE).read_text()))
+        try:
+            config = DFlashConfig.from_hf_dict(json.loads((directory / CONFIG_FILE).read_text()))
+            with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as handle:
+                hf = {name: handle.get_tensor(name) for name in handle.keys()}
+            if "draft_vocab" in hf or config.draft_vocab_size:
+                check_draft_vocab(hf.get("draft_vocab"), config)
+            state = from_hf_state_dict(hf, config)
+        except (OSError, ValueError, KeyError, RuntimeError) as error:
+            raise ValueError(f"{directory} is not a valid DFlash drafter: {error}") from error
         torch_dtype = parse_dtype(dtype)
-        with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as handle:
-            hf = {name: handle.get_tensor(name) for name in handle.keys()}
         state = {k: v.to(device=device, dtype=torch_dtype if v.is_floating_point() else v.dtype)
-                 for k, v in from_hf_state_dict(hf, config).items()}
+                 for k, v in state.items()}
         with torch.device("meta"):
             model = cls(config)
-        model.load_state_dict(state, assign=True)
+        try:
+            model.load_state_dict(state, assign=True)
+        except RuntimeError as error:  # missing / unexpected weights, wrong shapes
+            raise ValueError(f"{directory}: the weights do not match its config.json: {error}") from None
         model.inv_freq = rope_inverse_frequencies(config.layer_config()).to(device)
         return model.eval()
+
+
+def check_draft_vocab(ids: torch.Tensor | None, config: DFlashConfig) -> torch.Tensor:
+    """The draft vocabulary as int64 [V'], checked: V' == draft_vocab_size, distinct ids inside the target's
+    vocabulary. A repeated id would give its token twice the draft probability and over-accept it at T > 0."""
+    if ids is None:
+        raise ValueError(f"draft_vocab_size is {config.draft_vocab_size} but no draft_vocab tensor is stored")
+    if ids.is_floating_point() or ids.dim() != 1:
+        raise ValueError(f"draft_vocab must be a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}")
+    ids = ids.to(torch.int64)
+    if ids.numel() != config.draft_vocab_size:
+        raise ValueError(f"draft_vocab has {ids.numel()} ids; the config says draft_vocab_size "
+                         f"{config.draft_vocab_size}")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"draft_vocab must hold distinct ids; it repeats {ids.numel() - ids.unique().numel()}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
+        raise ValueError(f"draft_vocab has ids outside the target's vocabulary [0, {config.vocab_size})")
+    return ids
 
 
 def replace_directory(source: Path, destination: Path) -> None:
