@@ -1,4 +1,7 @@
-"""``dflash2`` command line: generate | models | bench | train | serve. A thin layer over the Python API."""
+"""``dflash2`` command line: generate | models | bench | train | serve. A thin layer over the Python API.
+
+The options and helpers the commands share are in :mod:`dflash2.cli_common` (below this module and the bench and
+serve CLIs); ``CliError``, ``add_model_options`` and ``load_engine`` are also importable from here."""
 
 from __future__ import annotations
 
@@ -7,11 +10,11 @@ import json
 import sys
 from typing import Sequence
 
+from dflash2.cli_common import CliError, add_model_options, load_engine
+
+__all__ = ["CliError", "add_model_options", "build_parser", "load_engine", "main"]
+
 DEFAULT_PROMPT_HINT = "Write a Python function that checks whether a number is prime."
-
-
-class CliError(Exception):
-    """An error to report in one line (no traceback)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,46 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_models(commands)
     from dflash2.bench.cli import add_bench_parser
-    from dflash2.train.cli import add_train_parser
-
     from dflash2.serve.cli import add_serve_parser
+    from dflash2.train.cli import add_train_parser
 
     add_bench_parser(commands)
     add_train_parser(commands)
     add_serve_parser(commands)
     return parser
-
-
-def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool = True) -> None:
-    """Options shared by every command that loads a target (and maybe a drafter)."""
-    from dflash2.drafters import DRAFTER_NAMES
-
-    parser.add_argument("--model", "--target", dest="model", default="qwen2.5-coder-1.5b-instruct",
-                        help="model-store name or alias, HF directory, or .gguf path (default: %(default)s)")
-    if drafter_choice:
-        parser.add_argument("--drafter", choices=DRAFTER_NAMES, default="auto",
-                            help="draft method; every one is lossless (default: auto, the one measured fastest for "
-                                 "the target: dflash2+ngram for the default target, else ngram)")
-    parser.add_argument("--draft-model", default=None, help="small model for --drafter model (default: the pairing)")
-    parser.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="drafts per step")
-    parser.add_argument("--num-candidates", type=int, default=1,
-                        help="tree width W: ngram verifies W continuations together as a tree; dflash / dflash2 a "
-                             "tree of k*W nodes, the chain and the likeliest branches through the block's top "
-                             "candidates (default: 1, a chain)")
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    parser.add_argument("--weights", default="bf16", choices=("bf16", "int8", "int4"),
-                        help="linear-layer weights of the target and draft model: bf16 (not quantized), int8 (per "
-                             "channel) or int4 (groups of 32), weight-only, CPU; quantized at the first load and cached in "
-                             "the model store (DFLASH2_QUANT_CACHE=off: never cached) (default: %(default)s)")
-    parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
-    parser.add_argument("--pipeline", default=None,
-                        help="sync (draft, then verify) | overlap (draft the next block while the target verifies); "
-                             "bench takes a comma-separated list (default: the engine's default)")
-    parser.add_argument("--draft-threads", type=int, default=None,
-                        help="overlap: intra-op threads of the drafter's thread (default: 1 on CPU)")
-    parser.add_argument("--adaptive-draft", action="store_true",
-                        help="choose the draft length per step from observed acceptance (0 = speculation off)")
 
 
 def _add_generate(commands) -> None:
@@ -113,28 +83,6 @@ def validate_generation_args(args: argparse.Namespace) -> None:
         raise CliError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
     if args.num_draft_tokens is not None and args.num_draft_tokens <= 0:
         raise CliError(f"--num-draft-tokens must be > 0, got {args.num_draft_tokens}")
-
-
-def load_engine(args: argparse.Namespace):
-    import torch
-
-    import dflash2
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return dflash2.load(
-        args.model,
-        drafter=args.drafter,
-        draft_model=args.draft_model,
-        num_draft_tokens=args.num_draft_tokens,
-        num_candidates=args.num_candidates,
-        dtype=args.dtype,
-        weights=args.weights,
-        device=args.device,
-        pipeline=args.pipeline,
-        adaptive_draft=args.adaptive_draft,
-        draft_threads=args.draft_threads,
-    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -241,7 +189,5 @@ def run_models_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `python -m dflash2.cli`: run the imported module so that its CliError is the one raised
-    from dflash2.cli import main as package_main
-
-    sys.exit(package_main())
+if __name__ == "__main__":  # `python -m dflash2.cli`
+    sys.exit(main())

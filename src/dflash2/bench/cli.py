@@ -7,10 +7,11 @@ import json
 import time
 from pathlib import Path
 
+from dflash2.cli_common import CliError, add_model_options, load_engine
+
 
 def add_bench_parser(commands) -> None:
     from dflash2.bench.datasets import SUITES
-    from dflash2.cli import add_model_options
 
     p = commands.add_parser("bench", help="benchmark drafters against plain decoding on eval suites",
                             description="dflash2 bench [options] runs a benchmark; "
@@ -21,8 +22,9 @@ def add_bench_parser(commands) -> None:
     add_model_options(p, drafter_choice=False)
     p.add_argument("--suite", default="humaneval", help=f"comma-separated: {', '.join(SUITES)}")
     p.add_argument("--drafters", default="ngram,model",
-                   help="comma-separated drafters, each optionally name:k (its draft length) or name:kxW (and a tree of "
-                        "width W: W n-gram continuations, k*W block-drafter nodes); plain decoding always runs")
+                   help="comma-separated drafter specs NAME[:K[xW]]: name:k sets that drafter's draft length (over -k), "
+                        "name:kxW also a tree of width W (W n-gram continuations, k*W block-drafter nodes; over "
+                        "--num-candidates); plain decoding always runs")
     p.add_argument("--limit", type=int, default=None, help="first N prompts (per category for spec_bench)")
     p.add_argument("--category", default=None, help="only these categories, comma-separated (e.g. summarization)")
     p.add_argument("--data", default=None, help="folder holding eval/ (default: ../shared/data or $DFLASH2_DATA)")
@@ -42,15 +44,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return _report_command(args)
     from dflash2.bench.datasets import load_suites
     from dflash2.bench.runner import BASELINE, BenchConfig, format_summary, method_name, run_bench, summarize
-    from dflash2.cli import CliError, load_engine
     from dflash2.decode.overlap import PIPELINES
-    from dflash2.drafters import DRAFTER_NAMES, build_drafter
+    from dflash2.drafters import build_drafter
 
     names = [BASELINE] + [m for m in args.drafters.split(",") if m and m != BASELINE]
-    shapes = {m: _draft_shape(m, args.num_draft_tokens, args.num_candidates) for m in names}  # "dflash:3x2" etc.
-    unknown = [m for m in names if m.partition(":")[0] not in DRAFTER_NAMES]
-    if unknown:
-        raise CliError(f"unknown drafter(s) {', '.join(unknown)}; choose from {', '.join(DRAFTER_NAMES)}")
+    specs = {m: _bench_spec(m, args.num_draft_tokens, args.num_candidates) for m in names}  # "dflash:3x2" etc.
     pipelines = [p for p in (args.pipeline or "sync").split(",") if p]
     if not pipelines or any(p not in PIPELINES for p in pipelines):
         raise CliError(f"--pipeline takes a comma-separated list of {', '.join(PIPELINES)}, got {args.pipeline!r}")
@@ -68,10 +66,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
             raise CliError(f"no prompt in categories {args.category!r} of suites {args.suite!r}")
     args.drafter, args.pipeline = "none", pipelines[0]
     engine = load_engine(args)
-    built = {m: None if m == BASELINE else build_drafter(m.partition(":")[0], engine, draft_model=args.draft_model,
-                                                         num_draft_tokens=shapes[m][0],
-                                                         num_candidates=shapes[m][1], dtype=args.dtype,
-                                                         weights=args.weights)
+    built = {m: None if m == BASELINE else build_drafter(specs[m], engine, draft_model=args.draft_model,
+                                                         dtype=args.dtype, weights=args.weights)
              for m in names}
     drafters = {m: built[m.partition("@")[0]] for m in methods}  # one drafter object serves both pipelines
     peers, run_extra = _peers_and_roofline(args, engine, prompts)
@@ -88,7 +84,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
 def _peers_and_roofline(args: argparse.Namespace, engine, prompts) -> tuple[list, dict]:
     """Peers requested by --peers (loaded now), and the roofline inputs measured on this machine."""
     from dflash2.bench.roofline import gguf_bytes_per_token, measure_read_bandwidth, weight_bytes_per_token
-    from dflash2.cli import CliError
     from dflash2.peers import PeerError, build_peers, parse_peer_names
 
     names = parse_peer_names(args.peers)
@@ -111,7 +106,6 @@ def _peers_and_roofline(args: argparse.Namespace, engine, prompts) -> tuple[list
 def _peer_setup(args: argparse.Namespace, engine, prompts):
     import torch
 
-    from dflash2.cli import CliError
     from dflash2.models.store import DEFAULT_DRAFT, DEFAULT_TARGET, canonical_name, gguf_path, resolve_model
     from dflash2.peers import PeerSetup
 
@@ -133,7 +127,6 @@ def _peer_setup(args: argparse.Namespace, engine, prompts):
 
 def _report_command(args: argparse.Namespace) -> int:
     from dflash2.bench.report import write_report
-    from dflash2.cli import CliError
 
     if args.run_dir is None:
         raise CliError("dflash2 bench report needs the run directory: dflash2 bench report RUN_DIR")
@@ -143,15 +136,21 @@ def _report_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _draft_shape(method: str, default_k: int | None, default_candidates: int) -> tuple[int | None, int]:
-    """(draft length, candidates) of a ``--drafters`` entry: ``name:k`` sets the draft length of that drafter,
-    ``name:kxW`` also its tree width W; else ``-k`` and ``--num-candidates``."""
-    from dflash2.cli import CliError
+def _bench_spec(method: str, default_k: int | None, default_candidates: int | None):
+    """The DrafterSpec of a ``--drafters`` entry ``name[:k[xW]]``: its own k and W, else ``-k`` and
+    ``--num-candidates`` (defaults for every entry, so an entry's own shape wins over them)."""
+    from dflash2.drafters.spec import DrafterSpec
 
-    name, _, shape = method.partition(":")
-    if not shape:
-        return default_k, default_candidates
-    k, times, width = shape.partition("x")
-    if not k.isdigit() or int(k) <= 0 or (times and (not width.isdigit() or int(width) <= 0)):
-        raise CliError(f"draft shape in {method!r} must be k or kxW with positive integers (e.g. dflash:3x2)")
-    return int(k), int(width) if width else default_candidates
+    try:
+        spec = DrafterSpec.parse(method)
+        if not spec.drafts:
+            return spec
+        return DrafterSpec(spec.name, spec.num_draft_tokens or default_k, spec.num_candidates or default_candidates)
+    except ValueError as error:
+        raise CliError(f"--drafters: {error}") from None
+
+
+def _draft_shape(method: str, default_k: int | None, default_candidates: int | None) -> tuple[int | None, int]:
+    """(draft length, candidates) of a ``--drafters`` entry (see :func:`_bench_spec`; W 1 when neither sets it)."""
+    spec = _bench_spec(method, default_k, default_candidates)
+    return spec.num_draft_tokens, spec.width

@@ -495,32 +495,21 @@ def _seeded(params: SamplingParams) -> bool:
     return params.seed is not None and not params.greedy
 
 
-def request_drafters(engine: Engine, max_draft_tokens: int = 8) -> dict[str, DrafterFactory]:
-    """The drafters a batch engine over ``engine`` can give each request: ``ngram`` always (stateless, shared);
-    the engine's own drafter when it is a ``model``, ``dflash`` or ``dflash+ngram`` one (weights shared, one
-    drafter with its own cache per request; a DFlash drafter also serves ``dflash`` when held as a hybrid).
-    A DFlash2 drafter (one with a path selector) is offered as ``dflash2`` / ``dflash2+ngram``: chains only."""
-    from dflash2.drafters.dflash import DFlashDrafter
-    from dflash2.drafters.hybrid import HybridDrafter
-    from dflash2.drafters.model import ModelDrafter
+def request_drafters(engine: Engine, max_draft_tokens: int | None = None) -> dict[str, DrafterFactory]:
+    """The drafters a batch engine over ``engine`` can give each request, by name: ``ngram`` always (stateless,
+    shared; at most ``max_draft_tokens`` drafts, default: its default draft length); the engine's own drafter, and
+    when it is a ``+ngram`` hybrid also its block drafter alone, each copied per request by its ``for_request``
+    (weights shared, its own cache). Only the drafters of this package are offered (DRAFTER_NAMES): each of them
+    says by ``for_request`` what state it keeps. The batch drafts chains."""
     from dflash2.drafters.ngram import NgramDrafter
+    from dflash2.drafters.spec import DRAFTER_NAMES, default_num_draft_tokens
 
-    ngram = NgramDrafter(max_draft_tokens, stop_ids=engine.tokenizer.eos_token_ids)
+    ngram = NgramDrafter(max_draft_tokens or default_num_draft_tokens("ngram"), stop_ids=engine.tokenizer.eos_token_ids)
     factories: dict[str, DrafterFactory] = {"ngram": lambda: ngram}
     held = engine.drafter
-    if isinstance(held, ModelDrafter):
-        factories["model"] = lambda: ModelDrafter(held.model, held.num_draft_tokens, held.target_vocab_size)
-    block = held.block if isinstance(held, HybridDrafter) else held
-    if isinstance(block, DFlashDrafter):
-        def dflash() -> DFlashDrafter:
-            return DFlashDrafter(block.model, block.target, block.num_draft_tokens)
-
-        kind = "dflash" if block.model.selector is None else "dflash2"
-        factories[kind] = dflash
-        if isinstance(held, HybridDrafter):
-            factories[f"{kind}+ngram"] = lambda: HybridDrafter(
-                dflash(), held.num_draft_tokens, min_match=held.min_match, max_match=held.max_match,
-                min_tokens=held.min_tokens, stop_ids=held.stop_ids)
+    for drafter in (held, getattr(held, "block", None)):  # a hybrid also serves its block drafter alone
+        if drafter is not None and drafter.name in DRAFTER_NAMES and drafter.name not in factories:
+            factories[drafter.name] = drafter.for_request
     return factories
 
 

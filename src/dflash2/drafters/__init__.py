@@ -2,69 +2,89 @@
 lookup), ``model`` (an independent small model), ``dflash`` (a block drafter reading the target's hidden states;
 needs a trained drafter directory), ``dflash+ngram`` (a long prompt-lookup match when there is one, the DFlash
 block otherwise), ``dflash2`` and ``dflash2+ngram`` (the same with a DFlash2 drafter: path selector and dynamic
-convolution)."""
+convolution).
+
+A drafter is named by a spec, ``name[:k[xW]]`` (:class:`~dflash2.drafters.spec.DrafterSpec`); default draft lengths
+are in one table there."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.spec import (
+    BLOCK_DRAFTERS,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    DRAFTER_NAMES,
+    MEASURED_DEFAULT_DRAFTERS,
+    DrafterSpec,
+    default_drafter,
+    default_num_draft_tokens,
+)
+
+if TYPE_CHECKING:
+    from dflash2.models.decoder import Transformer
+    from dflash2.models.tokenizer import Tokenizer
 
 TRAINED_DIR = Path(__file__).parent / "trained"  # trained drafters shipped with the package, one per target
 
-DRAFTER_NAMES = ("auto", "none", "ngram", "model", "dflash", "dflash+ngram", "dflash2", "dflash2+ngram")
-BLOCK_DRAFTERS = ("dflash", "dflash+ngram", "dflash2", "dflash2+ngram")  # read the target's hidden states
-DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 8, "model": 4}
-# "auto": the drafter measured fastest for the target with `dflash2 bench` (README, Results); ngram elsewhere.
-MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash2+ngram"}
+
+@dataclass(frozen=True)
+class DraftTarget:
+    """What building a drafter needs from the target (an :class:`~dflash2.decode.engine.Engine` has the same three
+    attributes, so either may be passed to :func:`build_drafter`)."""
+
+    target: Transformer  # the model the drafter drafts for (block drafters read its hidden states, embeddings, head)
+    tokenizer: Tokenizer  # its EOS ids stop n-gram drafts; a draft model must share its fingerprint
+    name: str = ""  # the target's store name, alias or path: picks "auto" and the shipped or paired drafter
 
 
-def default_drafter(target_name: str) -> str:
-    """What ``drafter="auto"`` means for a target (store name, alias or path)."""
-    from dflash2.models.store import canonical_name
+def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: str | None = None,
+                  num_draft_tokens: int | None = None, num_candidates: int | None = None, dtype: str = "bf16",
+                  weights: str = "bf16", pull: bool = True) -> Drafter:
+    """Build the drafter ``spec`` (``name[:k[xW]]``, see :mod:`dflash2.drafters.spec`) for ``target``'s model.
 
-    return MEASURED_DEFAULT_DRAFTERS.get(canonical_name(target_name) or target_name, "ngram")
-
-
-def build_drafter(name: str, engine, *, draft_model: str | None = None, num_draft_tokens: int | None = None,
-                  num_candidates: int = 1, dtype: str = "bf16", weights: str = "bf16", pull: bool = True) -> Drafter:
-    """Build the named drafter for ``engine``'s target. Refuses a draft model whose tokenizer differs."""
-    if name == "auto":
-        name = default_drafter(engine.name)
-    k = num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS.get(name, 4)
+    ``num_draft_tokens`` / ``num_candidates`` set k / W when the spec does not (ValueError when both set them
+    differently). Refuses a draft model whose tokenizer differs.
+    """
+    spec = DrafterSpec.parse(spec).merge(num_draft_tokens, num_candidates).resolved(target.name)
+    if not spec.drafts:
+        raise ValueError("drafter 'none' is plain decoding: there is no drafter to build")
+    name, width = spec.name, spec.width
+    k = spec.num_draft_tokens or default_num_draft_tokens(name)  # None for block drafters: their directory's own
     if name == "ngram":
         from dflash2.drafters.ngram import NgramDrafter
 
-        return NgramDrafter(k, stop_ids=engine.tokenizer.eos_token_ids, num_candidates=num_candidates)
+        return NgramDrafter(k, stop_ids=target.tokenizer.eos_token_ids, num_candidates=width)
     if name == "model":
         from dflash2.drafters.model import ModelDrafter
         from dflash2.models.loading import load_transformer
         from dflash2.models.store import DEFAULT_DRAFT, DEFAULT_TARGET, canonical_name, resolve_model
         from dflash2.models.tokenizer import Tokenizer
 
-        default = DEFAULT_DRAFT if canonical_name(engine.name) == DEFAULT_TARGET else None  # same tokenizer
+        default = DEFAULT_DRAFT if canonical_name(target.name) == DEFAULT_TARGET else None  # same tokenizer
         ref = draft_model or default
         if ref is None:
-            raise ValueError(f"no default draft model for {engine.name!r}; pass draft_model / --draft-model")
+            raise ValueError(f"no default draft model for {target.name!r}; pass draft_model / --draft-model")
         draft_dir = resolve_model(ref, dtype, pull=pull)
-        if Tokenizer(draft_dir).fingerprint() != engine.tokenizer.fingerprint():
+        if Tokenizer(draft_dir).fingerprint() != target.tokenizer.fingerprint():
             raise ValueError(f"draft model {ref!r} has a different tokenizer from the target; it cannot draft for it")
-        model = load_transformer(draft_dir, dtype, engine.target.device, weights=weights)
-        return ModelDrafter(model, k, target_vocab_size=engine.target.config.vocab_size)
-    if name in BLOCK_DRAFTERS:
-        from dflash2.drafters.dflash import load_dflash_drafter
-        from dflash2.drafters.hybrid import HybridDrafter
+        model = load_transformer(draft_dir, dtype, target.target.device, weights=weights)
+        return ModelDrafter(model, k, target_vocab_size=target.target.config.vocab_size)
+    from dflash2.drafters.dflash import load_dflash_drafter
+    from dflash2.drafters.hybrid import HybridDrafter
 
-        kind = name.partition("+")[0]
-        directory = draft_model or shipped_dflash_drafter(engine.name, kind)
-        # num_candidates W > 1: a tree of k * W nodes through the block's top candidates
-        block = load_dflash_drafter(directory, engine.target, num_draft_tokens, num_paths=num_candidates)
-        if not name.endswith("+ngram"):
-            return block
-        # num_draft_tokens sets the block's drafts; a prompt-lookup match may run as long as the n-gram drafter's
-        lookup = max(block.num_draft_tokens, DEFAULT_NUM_DRAFT_TOKENS["ngram"])
-        return HybridDrafter(block, lookup, stop_ids=engine.tokenizer.eos_token_ids)
-    raise ValueError(f"unknown drafter {name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
+    kind = name.partition("+")[0]  # a block drafter (BLOCK_DRAFTERS)
+    directory = draft_model or shipped_dflash_drafter(target.name, kind)
+    # W > 1: a tree of k * W nodes through the block's top candidates
+    block = load_dflash_drafter(directory, target.target, k, num_paths=width)
+    if not name.endswith("+ngram"):
+        return block
+    # k sets the block's drafts; a prompt-lookup match may run as long as the n-gram drafter's
+    lookup = max(block.num_draft_tokens, default_num_draft_tokens("ngram"))
+    return HybridDrafter(block, lookup, stop_ids=target.tokenizer.eos_token_ids)
 
 
 def shipped_dflash_drafter(target_name: str, kind: str = "dflash") -> Path:
@@ -84,5 +104,6 @@ def shipped_dflash_drafter(target_name: str, kind: str = "dflash") -> Path:
     return directory
 
 
-__all__ = ["BLOCK_DRAFTERS", "DRAFTER_NAMES", "Draft", "Drafter", "TRAINED_DIR", "build_drafter", "default_drafter",
-           "shipped_dflash_drafter"]
+__all__ = ["BLOCK_DRAFTERS", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTER_NAMES", "Draft", "DraftTarget", "Drafter",
+           "DrafterSpec", "MEASURED_DEFAULT_DRAFTERS", "TRAINED_DIR", "build_drafter", "default_drafter",
+           "default_num_draft_tokens", "shipped_dflash_drafter"]

@@ -51,6 +51,12 @@ class Drafter(ABC):
     def reset(self, capacity: int) -> None:
         """Start a new sequence; ``capacity`` bounds its length (prompt + generated + one draft block)."""
 
+    def for_request(self) -> Drafter:
+        """A drafter like this one for another request decoded at the same time (the batch engine): the same
+        weights and settings, its own per-sequence state. This one keeps no state, so it is shared; a drafter with
+        state (a KV cache, a context) returns a new object."""
+        return self
+
     @abstractmethod
     def propose(
         self, sequence: list[int], num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None

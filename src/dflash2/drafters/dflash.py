@@ -85,6 +85,10 @@ class DFlashDrafter(Drafter):
         """Nodes of the largest draft: one chain, or a tree of ``num_paths`` times its draft length."""
         return self.num_draft_tokens * self.num_paths
 
+    def for_request(self) -> DFlashDrafter:
+        """The same drafter model and target (weights shared), its own context cache."""
+        return DFlashDrafter(self.model, self.target, self.num_draft_tokens, self.num_paths)
+
     @property
     def context_length(self) -> int:
         """Committed positions whose context K/V are cached (= the next block's start position)."""

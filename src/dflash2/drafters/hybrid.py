@@ -38,6 +38,11 @@ class HybridDrafter(Drafter):
     def max_draft_tokens(self) -> int:
         return max(self.num_draft_tokens, self.block.max_draft_tokens)  # the block drafter may draft a tree
 
+    def for_request(self) -> HybridDrafter:
+        """The same settings over a copy of the block drafter for the new request (its own context cache)."""
+        return HybridDrafter(self.block.for_request(), self.num_draft_tokens, min_match=self.min_match,
+                             max_match=self.max_match, min_tokens=self.min_tokens, stop_ids=self.stop_ids)
+
     def reset(self, capacity: int) -> None:
         self.block.reset(capacity)
 

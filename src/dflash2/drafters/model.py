@@ -22,6 +22,10 @@ class ModelDrafter(Drafter):
         self.cache: StaticKVCache | None = None
         self.cached_tokens: list[int] = []  # the ids whose K/V are in ``cache`` (mirrors cache.length)
 
+    def for_request(self) -> ModelDrafter:
+        """The same draft model (weights shared), its own KV cache."""
+        return ModelDrafter(self.model, self.num_draft_tokens, self.target_vocab_size)
+
     def reset(self, capacity: int) -> None:
         if self.cache is None or self.cache.capacity < capacity:
             self.cache = self.model.new_cache(capacity)

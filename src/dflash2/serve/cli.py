@@ -6,12 +6,12 @@ import argparse
 import os
 import sys
 
+from dflash2.cli_common import CliError, add_model_options, drafter_spec, load_engine
+
 API_KEY_ENV = "DFLASH2_API_KEY"
 
 
 def add_serve_parser(commands) -> None:
-    from dflash2.cli import add_model_options
-
     p = commands.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                             description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.")
     add_model_options(p)
@@ -35,15 +35,15 @@ def add_serve_parser(commands) -> None:
 
 def build_server(args: argparse.Namespace):
     """(app, batch engine) from parsed arguments; the engine loop is not started yet."""
-    from dflash2.cli import CliError, load_engine
     from dflash2.decode.batch import BatchConfig, BatchEngine, request_drafters
     from dflash2.kv.paged import PagedKVPool
     from dflash2.serve.app import ServerConfig, create_app
 
-    if args.num_candidates != 1:
-        raise CliError("serve verifies chains: --num-candidates must be 1")
     if args.num_draft_tokens is not None and args.num_draft_tokens <= 0:
         raise CliError(f"--num-draft-tokens must be > 0, got {args.num_draft_tokens}")
+    spec = drafter_spec(args)
+    if spec.width != 1:
+        raise CliError(f"serve verifies chains: the tree width W must be 1 (--drafter {spec}, --num-candidates)")
     engine = load_engine(args)
     c = engine.target.config
     per_block = PagedKVPool.bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size,
@@ -54,7 +54,7 @@ def build_server(args: argparse.Namespace):
     config = BatchConfig(max_batch_size=args.max_batch_size, num_blocks=num_blocks, block_size=args.block_size,
                          max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                          adaptive_drafts=not args.fixed_draft_length, max_prefill_tokens=args.max_prefill_tokens)
-    batch = BatchEngine(engine, config, request_drafters(engine, args.num_draft_tokens or 8))
+    batch = BatchEngine(engine, config, request_drafters(engine, spec.num_draft_tokens))
     drafter = "none" if engine.drafter is None else engine.drafter.name  # "auto" resolved to the one built
     num_draft_tokens = 0 if engine.drafter is None else engine.drafter.num_draft_tokens
     server = ServerConfig(model_name=args.served_model_name or args.model,
@@ -68,8 +68,6 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
     except ImportError:
-        from dflash2.cli import CliError
-
         raise CliError("serving needs the serve extra: pip install 'dflash2[serve]'") from None
     app, batch = build_server(args)
     batch.start()

@@ -1,0 +1,124 @@
+"""A drafter spec, ``name[:k[xW]]``: which drafter, its draft length k and its tree width W, parsed in one place
+for the command line (``--drafter``, ``bench --drafters``), the Python API (``dflash2.load(drafter=...)``) and the
+server; and the one table of default draft lengths.
+
+    DrafterSpec.parse("dflash2:2x3")  # DrafterSpec(name='dflash2', num_draft_tokens=2, num_candidates=3)
+    DrafterSpec.parse("ngram")        # k and W unset: the defaults below, a chain
+
+Imports nothing from dflash2 at module level, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+DRAFTER_NAMES = ("auto", "none", "ngram", "model", "dflash", "dflash+ngram", "dflash2", "dflash2+ngram")
+BLOCK_DRAFTERS = ("dflash", "dflash+ngram", "dflash2", "dflash2+ngram")  # read the target's hidden states
+
+# Default draft length k per drafter, the one table. None: the length recorded in the drafter directory's
+# config.json as ``default_num_draft_tokens`` (the one measured best for that drafter), else its block_size - 1
+# (drafters/dflash.py, load_dflash_drafter). A ``+ngram`` hybrid drafts the block drafter's k from the block and
+# lets a prompt-lookup match run up to max(that k, the ngram default).
+DEFAULT_NUM_DRAFT_TOKENS: dict[str, int | None] = {
+    "ngram": 8,
+    "model": 4,
+    "dflash": None,
+    "dflash+ngram": None,
+    "dflash2": None,
+    "dflash2+ngram": None,
+}
+
+# "auto": the drafter measured fastest for the target with `dflash2 bench` (README, Results); ngram elsewhere.
+MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash2+ngram"}
+
+
+def default_drafter(target_name: str) -> str:
+    """What ``drafter="auto"`` means for a target (store name, alias or path)."""
+    from dflash2.models.store import canonical_name
+
+    return MEASURED_DEFAULT_DRAFTERS.get(canonical_name(target_name) or target_name, "ngram")
+
+
+def default_num_draft_tokens(name: str) -> int | None:
+    """The default draft length of drafter ``name`` (None: the drafter directory's own, see the table)."""
+    if name not in DEFAULT_NUM_DRAFT_TOKENS:
+        raise ValueError(f"drafter {name!r} has no default draft length; one of {', '.join(DEFAULT_NUM_DRAFT_TOKENS)}")
+    return DEFAULT_NUM_DRAFT_TOKENS[name]
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A drafter and its shape; unset fields take the defaults (k: the table above, W: 1, a chain)."""
+
+    name: str  # one of DRAFTER_NAMES
+    num_draft_tokens: int | None = None  # k: drafts per step (a tree's depth); None = the drafter's default
+    num_candidates: int | None = None  # W: tree width (ngram: W continuations; block drafters: k * W nodes)
+
+    def __post_init__(self) -> None:
+        if self.name not in DRAFTER_NAMES:
+            raise ValueError(f"unknown drafter {self.name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
+        for field, value in (("num_draft_tokens", self.num_draft_tokens), ("num_candidates", self.num_candidates)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if self.name == "none" and (self.num_draft_tokens is not None or self.num_candidates is not None):
+            raise ValueError("drafter 'none' (plain decoding) drafts nothing: it takes no k or W")
+
+    @classmethod
+    def parse(cls, text: "str | DrafterSpec | None") -> "DrafterSpec":
+        """``name``, ``name:k`` or ``name:kxW`` (k, W positive integers) -> a spec; None -> ``none``.
+
+        A spec passes through unchanged. Raises ValueError naming what is wrong.
+        """
+        if isinstance(text, DrafterSpec):
+            return text
+        if text is None:
+            return cls("none")
+        name, colon, shape = text.strip().partition(":")
+        if name not in DRAFTER_NAMES:
+            raise ValueError(f"unknown drafter {name!r} in {text!r}; choose one of {', '.join(DRAFTER_NAMES)}")
+        if not colon:
+            return cls(name)
+        k, times, width = shape.partition("x")
+        if not _positive(k) or (times and not _positive(width)):
+            raise ValueError(f"the draft shape in {text!r} must be k or kxW with positive integers "
+                             f"(e.g. {name}:3 or {name}:3x2)")
+        return cls(name, int(k), int(width) if times else None)
+
+    def merge(self, num_draft_tokens: int | None = None, num_candidates: int | None = None) -> "DrafterSpec":
+        """This spec with k and W also given separately (``-k``, ``--num-candidates``, keyword arguments): a value
+        the spec leaves unset is taken; one it sets must be the same (else ValueError: which one wins is not
+        guessed). ``none`` ignores them (plain decoding drafts nothing)."""
+        if not self.drafts:
+            return self
+        for what, mine, given in (("k", self.num_draft_tokens, num_draft_tokens),
+                                  ("W", self.num_candidates, num_candidates)):
+            if mine is not None and given is not None and mine != given:
+                flag = "num_draft_tokens (-k)" if what == "k" else "num_candidates (--num-candidates)"
+                raise ValueError(f"drafter {str(self)!r} sets {what}={mine} but {flag} is {given}; give it once")
+        return replace(self, num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
+                       num_candidates=self.num_candidates if num_candidates is None else num_candidates)
+
+    def resolved(self, target_name: str) -> "DrafterSpec":
+        """``auto`` replaced by the drafter it means for ``target_name`` (other names unchanged)."""
+        return replace(self, name=default_drafter(target_name)) if self.name == "auto" else self
+
+    @property
+    def drafts(self) -> bool:
+        """False for ``none`` (plain decoding)."""
+        return self.name != "none"
+
+    @property
+    def width(self) -> int:
+        """W, 1 (a chain) when unset."""
+        return self.num_candidates or 1
+
+    def __str__(self) -> str:
+        """``name[:k[xW]]`` as parsed (a W set without k reads ``name (W=3)``)."""
+        text = self.name if self.num_draft_tokens is None else f"{self.name}:{self.num_draft_tokens}"
+        if self.num_candidates is not None:
+            text += f"x{self.num_candidates}" if self.num_draft_tokens is not None else f" (W={self.num_candidates})"
+        return text
+
+
+def _positive(text: str) -> bool:
+    return text.isascii() and text.isdigit() and int(text) > 0  # no sign, spaces or empty string

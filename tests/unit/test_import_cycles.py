@@ -1,0 +1,121 @@
+"""No import cycles inside src/dflash2: the import graph, built from the AST of every module (imports at module
+level and inside functions alike, since a lazy import that closes a loop is still a loop), has no cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "dflash2"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The dflash2 modules ``path`` imports, anywhere in the file. ``from pkg import name`` counts as importing
+    ``pkg.name`` when that is a module, else ``pkg``; a package's own ``__init__`` is not an edge of its children."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                child = f"{base}.{alias.name}"
+                found.add(child if child in modules else base)
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+    return {module_name(p): imported_modules(p, modules) for p in paths}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component with more than one module (or a module importing itself)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_one_loop(graph, component) for component in components]
+
+
+def _one_loop(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """A shortest path start -> ... -> start inside one strongly connected component, for the message."""
+    start, members = component[0], set(component)
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & members):
+                if w == start:
+                    loop = [v]
+                    while loop[-1] != start:
+                        loop.append(previous[loop[-1]])
+                    return [start, *reversed(loop[:-1]), start] if v != start else [start, start]
+                if w not in previous:
+                    previous[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return component
+
+
+def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
+    pkg = tmp_path / "dflash2"
+    (pkg / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "a.py", "sub/__init__.py", "sub/b.py"):
+        (pkg / f).write_text("")
+    (pkg / "a.py").write_text("def f():\n    from dflash2.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("from .. import a\n")
+    paths = sorted(pkg.rglob("*.py"))
+    modules = {".".join(p.relative_to(tmp_path).with_suffix("").parts).removesuffix(".__init__") for p in paths}
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, pkg
+    try:
+        graph = {module_name(p): imported_modules(p, modules) for p in paths}
+    finally:
+        PACKAGE = saved
+    assert graph["dflash2.a"] == {"dflash2.sub.b"}
+    assert graph["dflash2.sub.b"] == {"dflash2.a"}
+    assert find_cycles(graph) == [["dflash2.a", "dflash2.sub.b", "dflash2.a"]]
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles in src/dflash2:\n" + "\n".join(" -> ".join(c) for c in cycles)
