@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from dflash2.bench.datasets import BenchPrompt
 from dflash2.bench.peer_rows import own_plain_columns, peer_row
+from dflash2.drafters.spec import DrafterSpec
 from dflash2.models.loading import weight_format
 
 BASELINE = "none"
@@ -83,11 +84,15 @@ METHOD_LABELS = {BASELINE: "dflash2 plain", "ngram": "dflash2 ngram", "model": "
 def label(method: str) -> str:
     """A reader's name for a bench method: ``dflash2:3x3@overlap`` -> ``dflash2 DFlash2 k=3 tree x3, overlap``."""
     drafter, _, pipeline = method.partition("@")
-    name, _, shape = drafter.partition(":")
-    k, _, width = shape.partition("x")
+    try:
+        spec = DrafterSpec.parse(drafter)
+    except ValueError:  # a peer (transformers, llama.cpp, ...): a name only
+        spec = None
+    name = drafter if spec is None else spec.name
     text = METHOD_LABELS.get(name, name)
-    text += f" k={k}" if k else ""
-    text += f" tree x{width}" if width else ""
+    if spec is not None:
+        text += f" k={spec.num_draft_tokens}" if spec.num_draft_tokens else ""
+        text += f" tree x{spec.num_candidates}" if spec.num_candidates else ""
     return text + (f", {pipeline}" if pipeline else "")
 
 
