@@ -1,4 +1,5 @@
-"""``dflash2 train data | hidden | dflash | dflash2``: regenerate responses with the target, then train a DFlash drafter."""
+"""``dflash2 train data | hidden | dflash | dflash2 | labels | pard``: regenerate responses with the target, then train a
+DFlash drafter; or store the target's distributions over text and train a PARD drafter on them."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ def add_train_parser(commands) -> None:
     dflash2.add_argument("--selector-top-k", type=int, default=16, help="candidates per position")
     dflash2.add_argument("--conv-group", type=int, default=16, help="dynamic convolution channel group (0 = off)")
     dflash2.set_defaults(handler=run_train_dflash)
+    _add_labels_parser(sub)
+    _add_pard_parser(sub)
 
 
 def _add_dflash_arguments(dflash) -> None:
@@ -184,4 +187,110 @@ def run_train_dflash(args: argparse.Namespace) -> int:
         resume=not args.no_resume, threads=args.threads,
     )
     print(train_dflash(config))
+    return 0
+
+
+# ---- `dflash2 train labels` (soft labels from teacher-forced target passes) ----------------------------------
+
+
+def _add_labels_parser(sub) -> None:
+    labels = sub.add_parser("labels", help="store the target's next-token distributions (top-k) over existing text: "
+                                           "teacher-forced passes, resumable shards")
+    labels.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the target (default: %(default)s)")
+    labels.add_argument("--out", required=True, help="label shard directory (a re-run resumes)")
+    labels.add_argument("--sources", required=True,
+                        help="comma-separated, interleaved round-robin: regen:<token shard dir>, gsm8k:<train jsonl>, "
+                             "stdlib or stdlib:<dir> (see dflash2.train.labels)")
+    labels.add_argument("--top-k", type=int, default=16, help="ids and probabilities stored per position")
+    labels.add_argument("--max-tokens", type=int, default=1024, help="longer sequences are cut")
+    labels.add_argument("--chunk-tokens", type=int, default=384, help="code chunk size of the stdlib source")
+    labels.add_argument("--max-items", type=int, default=None, help="stop after this many sequences in total")
+    labels.add_argument("--shard-tokens", type=int, default=16384, help="tokens per shard (a kill loses at most these)")
+    labels.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    labels.add_argument("--threads", type=int, default=None)
+    labels.set_defaults(handler=run_train_labels)
+
+
+def run_train_labels(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflash2.models.loading import load_transformer
+    from dflash2.models.store import canonical_name, resolve_model
+    from dflash2.models.tokenizer import Tokenizer
+    from dflash2.train.labels import LabelConfig, generate_labels
+
+    _stop_gracefully_on_signals()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model, args.dtype)
+    # the packed bf16 kernel (default on a CPU): on this AVX2 machine torch's own bf16 matmul is ~4x slower at
+    # hundreds of rows (no bf16 hardware), and an fp32 copy of the target would double its memory
+    target = load_transformer(model_dir, args.dtype)
+    config = LabelConfig(args.out, tuple(s for s in args.sources.split(",") if s),
+                         target_model=canonical_name(args.model) or args.model, top_k=args.top_k,
+                         max_tokens=args.max_tokens, chunk_tokens=args.chunk_tokens, max_items=args.max_items,
+                         shard_tokens=args.shard_tokens)
+    print(generate_labels(config, target, Tokenizer(model_dir)))
+    return 0
+
+
+# ---- `dflash2 train pard` (a parallel drafter on a pretrained small model, distilled from the labels) ---------
+
+
+def _add_pard_parser(sub) -> None:
+    pard = sub.add_parser("pard", help="train a PARD drafter (LoRA + mask embedding on a small pretrained model of "
+                                       "the target's family) on `dflash2 train labels` shards (resumable)")
+    pard.add_argument("--base", default="qwen2.5-coder-0.5b-instruct", help="the drafter's base (default: %(default)s)")
+    pard.add_argument("--labels", default="", help="soft-label shard directories (`dflash2 train labels`), comma-separated")
+    pard.add_argument("--hard-labels", default="",
+                      help="token shard directories (`dflash2 train data`, the target's greedy responses): the next "
+                           "token is the label")
+    pard.add_argument("--soft-share", type=float, default=0.5, help="share of sequences drawn from --labels")
+    pard.add_argument("--out", required=True, help="run directory: checkpoints/, drafter/, logs")
+    pard.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="the target the labels came from")
+    pard.add_argument("--num-draft-tokens", type=int, default=8, help="k: drafts per forward (k - 1 mask positions)")
+    pard.add_argument("--lora-rank", type=int, default=16)
+    pard.add_argument("--lora-alpha", type=float, default=32.0)
+    pard.add_argument("--keep-ratio", type=float, default=0.7, help="conditional drop: keep each next mask row")
+    pard.add_argument("--decay", type=float, default=0.9, help="row j weighs decay^j x the target's reach probability")
+    pard.add_argument("--no-reach-weight", action="store_true", help="weights decay^j alone")
+    pard.add_argument("--ce-weight", type=float, default=0.1, help="cross-entropy on the real token, besides distillation")
+    pard.add_argument("--anchors", type=int, default=32, help="blocks per sequence per step")
+    pard.add_argument("--max-seq-len", type=int, default=768)
+    pard.add_argument("--sequences-per-step", type=int, default=4)
+    pard.add_argument("--steps", type=int, default=2000)
+    pard.add_argument("--lr", type=float, default=2e-4)
+    pard.add_argument("--mask-lr", type=float, default=2e-3)
+    pard.add_argument("--warmup", type=int, default=20)
+    pard.add_argument("--heldout-every", type=int, default=40)
+    pard.add_argument("--heldout", type=int, default=24)
+    pard.add_argument("--eval-every", type=int, default=50)
+    pard.add_argument("--eval-anchors", type=int, default=8)
+    pard.add_argument("--checkpoint-every", type=int, default=10)
+    pard.add_argument("--stop-at-step", type=int, default=None, help="end this session here; a re-run resumes")
+    pard.add_argument("--no-resume", action="store_true")
+    pard.add_argument("--seed", type=int, default=0)
+    pard.add_argument("--threads", type=int, default=None)
+    pard.set_defaults(handler=run_train_pard)
+
+
+def run_train_pard(args: argparse.Namespace) -> int:
+    from dflash2.models.store import canonical_name, resolve_model
+    from dflash2.train.pard_trainer import PardTrainConfig, train_pard
+
+    _stop_gracefully_on_signals()
+    config = PardTrainConfig(
+        base_dir=str(resolve_model(args.base, "bf16")), label_dirs=args.labels, hard_label_dirs=args.hard_labels,
+        soft_share=args.soft_share, out_dir=args.out,
+        base_model=canonical_name(args.base) or args.base, target_model=canonical_name(args.target) or args.target,
+        num_draft_tokens=args.num_draft_tokens, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        keep_ratio=args.keep_ratio, decay=args.decay, reach_weight=not args.no_reach_weight,
+        ce_weight=args.ce_weight, max_sequence_length=args.max_seq_len, heldout_every=args.heldout_every,
+        heldout_sequences=args.heldout, seed=args.seed, anchors_per_sequence=args.anchors,
+        sequences_per_step=args.sequences_per_step, num_steps=args.steps, learning_rate=args.lr,
+        mask_learning_rate=args.mask_lr, warmup_steps=args.warmup, eval_every=args.eval_every,
+        eval_anchors=args.eval_anchors, checkpoint_every=args.checkpoint_every, stop_at_step=args.stop_at_step,
+        resume=not args.no_resume, threads=args.threads,
+    )
+    print(train_pard(config))
     return 0

@@ -355,5 +355,36 @@ class LabelShards:
                             source=int(shard["sources"][local]), topk_ids=shard["topk_ids"][rows].long(),
                             topk_probs=shard["topk_probs"][rows].float(), rest=shard["rest"][rows].float())
 
+    def source_spec(self, index: int) -> str:
+        """The source (as configured, e.g. ``gsm8k:<path>``) that sequence ``index`` came from."""
+        number = bisect.bisect_right(self.starts, index) - 1
+        directory = self.data_dirs.index(self.entries[number][0])
+        shard = self._shard(number)
+        return self.sources[directory][int(shard["sources"][index - self.starts[number]])]
+
     def __iter__(self) -> Iterator[LabelledText]:
         return (self[i] for i in range(len(self)))
+
+
+class HardLabels:
+    """Token shards (``dflash2 train data``: the target's own greedy responses) read as labelled sequences whose
+    label is the next token itself, with probability 1 (K = 1, rest 0): free labels for the response positions,
+    exact where the text is the target's greedy choice. Same interface as :class:`LabelShards`."""
+
+    def __init__(self, data_dirs: str | Path | Sequence[str | Path]) -> None:
+        from dflash2.train.data import ShardSet
+
+        self.shards = ShardSet(data_dirs, load_hidden=False)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, index: int) -> LabelledText:
+        sequence = self.shards[index]
+        start = max(sequence.prompt_length - 1, 0)
+        next_ids = sequence.ids[start + 1 :]  # [R]
+        return LabelledText(ids=sequence.ids, label_start=start, source=0, topk_ids=next_ids[:, None],
+                            topk_probs=torch.ones(len(next_ids), 1), rest=torch.zeros(len(next_ids)))
+
+    def split_heldout(self, count: int) -> tuple[list[int], list[int]]:
+        return self.shards.split_heldout(count)

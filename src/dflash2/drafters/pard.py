@@ -1,0 +1,249 @@
+"""PARD: a small pretrained model of the target's family drafts k tokens in ONE forward (arXiv 2504.18583).
+
+Input of a draft pass: the tokens accepted since the drafter's last pass (the pending token last), then k - 1
+mask tokens. The pending token's output is draft 1 (an ordinary next-token prediction); mask position j's output
+is draft j + 1. The drafter keeps its own KV cache of the committed sequence (rolled back to the longest prefix
+it shares with the committed sequence, as the ``model`` drafter); the mask positions' keys/values are written
+past the committed slots and forgotten after the pass (the cache length is set back), so the next pass
+overwrites them.
+
+The mask token: the id ``vocab_size - 1`` of the Qwen2.5 vocabulary (151935, an embedding row the tokenizer
+never produces: the tokenizer has 151665 ids), whose embedding is a LEARNED vector (``mask_embedding``, stored
+with the adapter; before training: the mean of the base embeddings). The mask id is never drafted (its logit is
+set to -inf).
+
+Drafts at T > 0 are sampled independently per position from ``q_draft[j] = warp(logits_j)``; position j's
+distribution does not depend on the drafts before it (they are not an input), so it is its conditional
+distribution and the chain verification stays exact (lossless). At T = 0 the drafts are the argmaxes.
+
+What training changes (``dflash2 train pard``) is small and shipped alone: LoRA adapters on the projections of
+every layer and the mask embedding (``adapter.safetensors`` + ``pard_config.json``); the base network comes from
+the model store. Loading merges the adapters into the weights (no extra cost per draft pass).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.model import ModelDrafter
+from dflash2.kv.static import StaticKVCache
+from dflash2.models.decoder import Transformer
+from dflash2.verify.sampling import SamplingParams, logits_to_probs, sample
+
+PARD_CONFIG = "pard_config.json"
+ADAPTER_FILE = "adapter.safetensors"
+LORA_TARGETS = ("wqkv", "wo", "w_gate_up", "w_down")  # the decoder's (fused) projections
+
+
+@dataclass(frozen=True)
+class PardConfig:
+    """A trained PARD adapter: what it adapts and how (``pard_config.json``)."""
+
+    base_model: str  # the store name (or directory) of the drafter's base network
+    mask_token_id: int  # the id at the mask positions (its embedding row is replaced by ``mask_embedding``)
+    num_draft_tokens: int = 8  # trained draft length k (k - 1 mask positions)
+    lora_rank: int = 16  # 0 = no adapters (only the mask embedding)
+    lora_alpha: float = 32.0  # the adapter's update is (alpha / rank) * B @ A
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    target_model: str = ""  # the target it was distilled from (informative: PARD drafts for the family)
+    extra: dict = field(default_factory=dict)  # training record (steps, data, held-out acceptance)
+
+    def save(self, directory: str | Path) -> None:
+        data = asdict(self)
+        data["lora_targets"] = list(self.lora_targets)
+        (Path(directory) / PARD_CONFIG).write_text(json.dumps(data, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "PardConfig":
+        data = json.loads((Path(directory) / PARD_CONFIG).read_text())
+        data["lora_targets"] = tuple(data["lora_targets"])
+        return cls(**data)
+
+
+def default_mask_token_id(vocab_size: int) -> int:
+    """The last embedding row (unused by the Qwen2.5 tokenizer, whose 151665 ids end before it)."""
+    return vocab_size - 1
+
+
+# ---- LoRA ------------------------------------------------------------------------------------------------
+
+
+class LoRALinear(nn.Module):
+    """``base(x) + (alpha / rank) * x @ A^T @ B^T`` with the base frozen; B starts at zero (no change at first)."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.base = base
+        self.scale = alpha / rank
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, dtype=dtype, device=base.weight.device))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype, device=base.weight.device))
+        nn.init.kaiming_uniform_(self.lora_a, a=5 ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        update = (x.to(self.lora_a.dtype) @ self.lora_a.T) @ self.lora_b.T
+        return self.base(x) + (self.scale * update).to(x.dtype)
+
+    def delta(self) -> torch.Tensor:
+        """[out, in] float32: the weight update the adapter stands for."""
+        return self.scale * (self.lora_b.float() @ self.lora_a.float())
+
+    def merged(self) -> nn.Linear:
+        """A plain linear layer with the update added to the base weight (in the base's dtype)."""
+        weight = self.base.weight
+        linear = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None,
+                           device=weight.device, dtype=weight.dtype)
+        linear.weight.data = (weight.float() + self.delta()).to(weight.dtype)
+        if self.base.bias is not None:
+            linear.bias.data = self.base.bias.data.clone()
+        return linear.requires_grad_(False)
+
+
+def add_lora(model: Transformer, rank: int, alpha: float, targets: tuple[str, ...] = LORA_TARGETS) -> list[nn.Parameter]:
+    """Wrap the ``targets`` projections of every layer in :class:`LoRALinear`; returns the new parameters."""
+    if rank <= 0:
+        return []
+    params: list[nn.Parameter] = []
+    for layer in model.layers:
+        for owner, name in _projections(layer, targets):
+            wrapped = LoRALinear(getattr(owner, name), rank, alpha)
+            setattr(owner, name, wrapped)
+            params += [wrapped.lora_a, wrapped.lora_b]
+    return params
+
+
+def merge_lora(model: Transformer) -> None:
+    """Replace every :class:`LoRALinear` by its merged plain linear layer (inference)."""
+    for layer in model.layers:
+        for owner, name in _projections(layer, LORA_TARGETS):
+            module = getattr(owner, name)
+            if isinstance(module, LoRALinear):
+                setattr(owner, name, module.merged())
+
+
+def _projections(layer, targets):
+    for owner, name in ((layer.attn, "wqkv"), (layer.attn, "wo"), (layer.ffn, "w_gate_up"), (layer.ffn, "w_down")):
+        if name in targets:
+            yield owner, name
+
+
+def adapter_state(model: Transformer, mask_embedding: torch.Tensor, dtype: torch.dtype = torch.float32
+                  ) -> dict[str, torch.Tensor]:
+    """What training changed: ``layers.{i}.{proj}.lora_a/lora_b`` and ``mask_embedding`` [D]."""
+    state = {"mask_embedding": mask_embedding.detach().to(dtype).contiguous()}
+    for index, layer in enumerate(model.layers):
+        for owner, name in _projections(layer, LORA_TARGETS):
+            module = getattr(owner, name)
+            if isinstance(module, LoRALinear):
+                state[f"layers.{index}.{name}.lora_a"] = module.lora_a.detach().to(dtype).contiguous()
+                state[f"layers.{index}.{name}.lora_b"] = module.lora_b.detach().to(dtype).contiguous()
+    return state
+
+
+def load_adapter_state(model: Transformer, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``adapter_state`` tensors into the LoRA modules of ``model`` (added with the same config)."""
+    for index, layer in enumerate(model.layers):
+        for owner, name in _projections(layer, LORA_TARGETS):
+            module = getattr(owner, name)
+            if isinstance(module, LoRALinear):
+                module.lora_a.data.copy_(state[f"layers.{index}.{name}.lora_a"])
+                module.lora_b.data.copy_(state[f"layers.{index}.{name}.lora_b"])
+
+
+def initial_mask_embedding(model: Transformer, used_ids: int | None = None) -> torch.Tensor:
+    """[D] float32: the mean embedding of the first ``used_ids`` ids (default: all)."""
+    rows = model.embed.weight[: used_ids or model.config.vocab_size]
+    return rows.float().mean(dim=0)
+
+
+def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype: str = "bf16",
+                    device: str = "cpu", *, packed: bool | None = None, mask_token_id: int | None = None
+                    ) -> tuple[Transformer, PardConfig]:
+    """The base network with a trained adapter merged in (or untrained: ``adapter_dir`` None, the mask embedding
+    is then the mean embedding). Packed for the CPU kernel when ``packed`` (None: as ``load_transformer``)."""
+    from safetensors.torch import load_file
+
+    from dflash2.models.loading import load_transformer, pack_linear_layers, parse_dtype, should_pack
+
+    model = load_transformer(base_dir, dtype, device, packed=False)
+    if adapter_dir is None:
+        config = PardConfig(base_model=str(base_dir), lora_rank=0,
+                            mask_token_id=mask_token_id if mask_token_id is not None
+                            else default_mask_token_id(model.config.vocab_size))
+        mask_embedding = initial_mask_embedding(model, used_ids=config.mask_token_id)
+    else:
+        config = PardConfig.load(adapter_dir)
+        state = load_file(str(Path(adapter_dir) / ADAPTER_FILE))
+        if config.lora_rank > 0:
+            add_lora(model, config.lora_rank, config.lora_alpha, config.lora_targets)
+            load_adapter_state(model, state)
+            merge_lora(model)
+        mask_embedding = state["mask_embedding"]
+    model.embed.weight.data[config.mask_token_id] = mask_embedding.to(model.dtype)
+    if packed if packed is not None else should_pack(device, parse_dtype(dtype)):
+        pack_linear_layers(model)
+    return model.eval().requires_grad_(False), config
+
+
+# ---- the drafter -----------------------------------------------------------------------------------------
+
+
+class PardDrafter(Drafter):
+    """k drafts per forward of a small model: accepted tokens + k - 1 mask tokens (see the module docstring)."""
+
+    name = "pard"
+
+    def __init__(self, model: Transformer, mask_token_id: int, num_draft_tokens: int = 8,
+                 target_vocab_size: int | None = None) -> None:
+        super().__init__(num_draft_tokens)
+        self.model = model
+        self.mask_token_id = mask_token_id
+        self.target_vocab_size = target_vocab_size or model.config.vocab_size
+        self.cache: StaticKVCache | None = None
+        self.cached_tokens: list[int] = []  # the ids whose K/V are in ``cache`` (mirrors cache.length)
+
+    def reset(self, capacity: int) -> None:
+        capacity += self.num_draft_tokens + 1  # room for the mask positions past the committed sequence
+        if self.cache is None or self.cache.capacity < capacity:
+            self.cache = self.model.new_cache(capacity)
+        self.cache.reset()
+        self.cached_tokens = []
+
+    @torch.inference_mode()
+    def draft_logits(self, sequence: list[int], num_draft_tokens: int) -> torch.Tensor:
+        """[k, V_target] float32 logits of drafts 1..k after ``sequence``, from one forward; the cache keeps the
+        committed ids only."""
+        assert self.cache is not None, "reset() must be called before propose()"
+        self._sync(sequence)
+        pending = sequence[len(self.cached_tokens) :]  # ids the draft cache has not seen yet (>= 1)
+        start = self.cache.length
+        ids = torch.tensor([pending + [self.mask_token_id] * (num_draft_tokens - 1)], device=self.model.device)
+        last = self.model.config.num_layers - 1
+        out = self.model(ids, cache=self.cache, hidden_layers=(last,), logits="none")
+        hidden = out.hidden_states[0][0, len(pending) - 1 :]  # [k, D]: the pending token's output, then the masks'
+        self.cache.rollback(start + len(pending))  # forget the mask positions
+        self.cached_tokens.extend(pending)
+        logits = self.model.lm_head(self.model.norm(hidden)).float()  # [k, V_draft]
+        logits[:, self.mask_token_id] = float("-inf")
+        return self._to_target_vocab(logits)
+
+    @torch.inference_mode()
+    def propose(self, sequence, num_draft_tokens, params: SamplingParams, generator) -> Draft:
+        logits = self.draft_logits(sequence, num_draft_tokens)  # [k, V]
+        if params.greedy:
+            return Draft(tokens=logits.argmax(dim=-1).to(torch.int64).cpu(), q_draft=None)
+        q_draft = logits_to_probs(logits, params)  # [k, V]: each position's own distribution
+        return Draft(tokens=sample(q_draft, generator).to(torch.int64).cpu(), q_draft=q_draft)
+
+    _sync = ModelDrafter._sync  # roll the draft cache back to the prefix it shares with the committed sequence
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Pad (with -inf) or trim the drafter's logits [k, V_draft] to the target's vocabulary size."""
+        extra = self.target_vocab_size - logits.shape[-1]
+        return F.pad(logits, (0, extra), value=float("-inf")) if extra > 0 else logits[:, : self.target_vocab_size]

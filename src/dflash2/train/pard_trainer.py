@@ -1,0 +1,327 @@
+"""Train a PARD drafter: LoRA adapters + a learned mask embedding on a pretrained small model, distilled from the
+target's stored distributions (:mod:`dflash2.train.labels`; objective: :mod:`dflash2.train.pard_objective`).
+
+The label directories may still be growing (a labelling run appends shards while training runs): each step
+draws its sequences at random among those present, and a resumed run sees the new ones. Held out: every
+``heldout_every``-th sequence (up to ``heldout_sequences`` of them), never trained on. AdamW on the adapter
+and the mask embedding only, linear warmup then cosine; checkpoints (adapter, optimizer, step) let a stopped run
+resume; ``drafter/`` holds the shippable result (``pard_config.json`` + ``adapter.safetensors``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflash2.drafters.pard import (ADAPTER_FILE, LORA_TARGETS, PardConfig, adapter_state, add_lora,
+                                   default_mask_token_id, initial_mask_embedding, load_adapter_state)
+from dflash2.models.decoder import Transformer
+from dflash2.train.dflash_trainer import CHECKPOINTS, STATE_JSON, cosine_with_warmup, latest_checkpoint
+from dflash2.train.labels import HardLabels, LabelShards, LabelledText
+from dflash2.train.pard_objective import build_pard_batch, heldout_acceptance, pard_loss, sample_blocks
+
+FINAL_DRAFTER = "drafter"
+STATE_TENSORS = "training_state.safetensors"
+
+
+@dataclass(frozen=True)
+class PardTrainConfig:
+    """One PARD training run. Fields after ``seed`` may change between a run and its resumption."""
+
+    base_dir: str  # HF-style directory of the drafter's base network (the store's 0.5B)
+    label_dirs: str  # soft-label shard directories (dflash2 train labels), comma-separated; "" = none
+    out_dir: str  # checkpoints/, drafter/, train_log.jsonl, eval.jsonl
+    hard_label_dirs: str = ""  # token shard directories (dflash2 train data) whose next token is the label
+    base_model: str = ""  # the base's store name, recorded in pard_config.json
+    target_model: str = ""  # the target the labels came from
+    num_draft_tokens: int = 8  # k: drafts per forward (k - 1 mask positions)
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    mask_token_id: int | None = None  # default: the last embedding row
+    keep_ratio: float = 0.7  # conditional drop: probability that a block keeps its next mask row
+    decay: float = 0.9  # row j weighs decay^j (times the probability the target reaches it)
+    reach_weight: bool = True  # multiply by the target's probability of the real tokens before the row
+    ce_weight: float = 0.1  # weight of the cross-entropy on the real next token (besides the distillation)
+    max_sequence_length: int = 768  # longer sequences are truncated
+    soft_share: float = 0.5  # share of training sequences drawn from the soft labels (when both kinds are given)
+    heldout_every: int = 40  # soft labels: sequence i is held out when i % heldout_every == 0 ...
+    heldout_sequences: int = 24  # ... for the first this many such i; hard labels: the last this many
+    seed: int = 0
+    anchors_per_sequence: int = 32  # blocks per sequence per step
+    sequences_per_step: int = 4  # gradient accumulation
+    num_steps: int = 2000  # optimizer steps of the whole run (sets the cosine schedule)
+    learning_rate: float = 2e-4
+    mask_learning_rate: float = 2e-3  # the mask embedding starts far from anything trained: a faster rate
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    eval_every: int = 50  # held-out acceptance every this many steps (and at step 0 and the end)
+    eval_anchors: int = 8  # blocks per held-out sequence
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    stop_at_step: int | None = None  # end this run after this step; a re-run resumes
+    resume: bool = True
+    save_dtype: str = "bf16"  # dtype of the shipped adapter (checkpoints keep fp32)
+    threads: int | None = None
+    progress: bool = True
+
+    def recipe(self) -> dict:
+        fields = asdict(self)
+        return {key: fields[key] for key in list(fields)[: list(fields).index("seed") + 1]
+                if key not in ("base_dir", "label_dirs", "hard_label_dirs", "out_dir")}
+
+
+class TrainingData:
+    """The soft-label and hard-label sets, their held-out splits, and the draw of a training sequence."""
+
+    def __init__(self, config: PardTrainConfig) -> None:
+        self.soft = LabelShards(config.label_dirs) if config.label_dirs else None
+        self.hard = HardLabels(config.hard_label_dirs) if config.hard_label_dirs else None
+        if self.soft is None and self.hard is None:
+            raise ValueError("no training data: give label_dirs and/or hard_label_dirs")
+        self.soft_share = config.soft_share if self.soft and self.hard else (1.0 if self.soft else 0.0)
+        self.soft_train: list[int] = []
+        self.heldout: dict[str, list[LabelledText]] = {}
+        if self.soft is not None:
+            # every heldout_every-th sequence of a source other than regenerated shards (those are held out below,
+            # through the hard-label split, whose held-out sequences the label stream reaches last)
+            held = [i for i in range(0, len(self.soft), config.heldout_every)
+                    if not self.soft.source_spec(i).startswith("regen:")][: config.heldout_sequences]
+            self.soft_train = [i for i in range(len(self.soft)) if i not in set(held)]
+            self.heldout["labels"] = [_truncate(self.soft[i], config.max_sequence_length) for i in held]
+        self.hard_train: list[int] = []
+        if self.hard is not None:
+            self.hard_train, held = self.hard.split_heldout(config.heldout_sequences)
+            self.heldout["regenerated"] = [_truncate(self.hard[i], config.max_sequence_length) for i in held]
+
+    def describe(self) -> str:
+        parts = []
+        if self.soft is not None:
+            parts.append(f"soft labels {len(self.soft_train)} + {len(self.heldout['labels'])} held out")
+        if self.hard is not None:
+            parts.append(f"hard labels {len(self.hard_train)} + {len(self.heldout['regenerated'])} held out")
+        return "; ".join(parts)
+
+    def draw(self, generator: torch.Generator) -> LabelledText:
+        soft = bool(torch.rand((1,), generator=generator) < self.soft_share) and bool(self.soft_train)
+        pool, source = (self.soft_train, self.soft) if soft or not self.hard_train else (self.hard_train, self.hard)
+        return source[pool[int(torch.randint(len(pool), (1,), generator=generator))]]
+
+
+def _truncate(text: LabelledText, max_length: int) -> LabelledText:
+    if len(text.ids) <= max_length:
+        return text
+    rows = max(0, max_length - 1 - text.label_start)
+    return LabelledText(text.ids[:max_length], text.label_start, text.source, text.topk_ids[:rows],
+                        text.topk_probs[:rows], text.rest[:rows])
+
+
+def build_model(config: PardTrainConfig) -> tuple[Transformer, int, list[torch.nn.Parameter], torch.nn.Parameter]:
+    """The fp32 base with LoRA adapters; (model, mask id, adapter params, mask embedding parameter)."""
+    from dflash2.models.loading import load_transformer
+
+    model = load_transformer(config.base_dir, "fp32", packed=False)
+    mask_id = config.mask_token_id if config.mask_token_id is not None else \
+        default_mask_token_id(model.config.vocab_size)
+    params = add_lora(model, config.lora_rank, config.lora_alpha, LORA_TARGETS)
+    mask_embedding = torch.nn.Parameter(initial_mask_embedding(model, used_ids=mask_id))
+    model.embed = MaskedEmbedding(model.embed, mask_id, mask_embedding)
+    return model, mask_id, params, mask_embedding
+
+
+class MaskedEmbedding(torch.nn.Module):
+    """The frozen embedding table with the row of ``mask_id`` replaced by a trainable vector."""
+
+    def __init__(self, base: torch.nn.Embedding, mask_id: int, mask_embedding: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.base = base
+        self.mask_id = mask_id
+        self.mask_embedding = mask_embedding  # [D]
+
+    @property
+    def weight(self) -> torch.Tensor:  # the decoder reads its device and dtype from here
+        return self.base.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, D]
+        out = self.base(ids)
+        return torch.where((ids == self.mask_id)[..., None], self.mask_embedding.to(out.dtype), out)
+
+
+def train_pard(config: PardTrainConfig) -> Path:
+    """Run (or resume) training; returns the directory of the adapter written at the end."""
+    from tqdm import tqdm
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    out_dir = Path(config.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = TrainingData(config)
+    model, mask_id, lora_params, mask_embedding = build_model(config)
+    groups = [{"params": lora_params, "lr": config.learning_rate},
+              {"params": [mask_embedding], "lr": config.mask_learning_rate}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], betas=(0.9, 0.95),
+                                  weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cosine_with_warmup(
+        step, config.warmup_steps, config.num_steps, 0.1))
+    step = 0
+    latest = latest_checkpoint(out_dir) if config.resume else None
+    if latest is not None:
+        step = _load_checkpoint(latest, config, model, mask_embedding, optimizer, scheduler)
+    heldout = data.heldout
+    print(f"data: {data.describe()}" + (f"; resuming at step {step}" if step else ""), flush=True)
+    end = min(config.num_steps, config.stop_at_step or config.num_steps)
+    if step == 0:
+        _report_eval(model, heldout, config, mask_id, 0, out_dir)
+    bar = tqdm(total=config.num_steps, initial=step, desc="training pard", unit="step", disable=not config.progress,
+               dynamic_ncols=True)
+    model.train()
+    try:
+        while step < end:
+            started = time.perf_counter()
+            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+            optimizer.zero_grad(set_to_none=True)
+            total_loss, total_rows, total_tokens = 0.0, 0, 0
+            for _ in range(config.sequences_per_step):
+                text = _truncate(data.draw(generator), config.max_sequence_length)
+                anchors, depths = sample_blocks(text.label_start, text.topk_ids.shape[0], config.anchors_per_sequence,
+                                                config.num_draft_tokens - 1, config.keep_ratio, generator)
+                if len(anchors) == 0:
+                    continue
+                batch = build_pard_batch(text.label_start, text.ids, anchors, depths, mask_id)
+                loss, rows = pard_loss(model, text, batch, decay=config.decay, ce_weight=config.ce_weight,
+                                       reach=config.reach_weight)
+                (loss / config.sequences_per_step).backward()
+                total_loss += float(loss.detach()) / config.sequences_per_step
+                total_rows += rows
+                total_tokens += batch.context_length + len(batch.input_ids)
+            params = lora_params + [mask_embedding]
+            if config.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            seconds = time.perf_counter() - started
+            bar.update(1)
+            bar.set_postfix(loss=f"{total_loss:.3f}", rows=total_rows, tok_s=f"{total_tokens / seconds:.0f}")
+            _append_jsonl(out_dir / "train_log.jsonl", {"step": step, "loss": round(total_loss, 5), "lr": lr,
+                                                        "rows": total_rows, "tokens": total_tokens,
+                                                        "seconds": round(seconds, 2)})
+            if step % config.checkpoint_every == 0 or step == end:
+                save_checkpoint(out_dir, model, mask_embedding, optimizer, scheduler, step, config)
+            if config.eval_every and step % config.eval_every == 0 and step != end:
+                _report_eval(model, heldout, config, mask_id, step, out_dir, bar)
+    except KeyboardInterrupt:
+        bar.write(f"interrupted at step {step}: checkpoint and adapter saved; a re-run resumes")
+    finally:
+        bar.close()
+    save_checkpoint(out_dir, model, mask_embedding, optimizer, scheduler, step, config)
+    result = _report_eval(model, heldout, config, mask_id, step, out_dir)
+    return save_adapter(out_dir / FINAL_DRAFTER, model, mask_embedding, config, mask_id,
+                        {"steps": step, "labels": config.label_dirs, "hard_labels": config.hard_label_dirs,
+                         "heldout": result})
+
+
+def save_adapter(directory: Path, model: Transformer, mask_embedding: torch.Tensor, config: PardTrainConfig,
+                 mask_id: int, record: dict | None = None, dtype: str | None = None) -> Path:
+    """``directory/{pard_config.json, adapter.safetensors}`` (what ships)."""
+    from dflash2.models.loading import parse_dtype
+
+    directory.mkdir(parents=True, exist_ok=True)
+    state = adapter_state(model, mask_embedding, parse_dtype(dtype or config.save_dtype))
+    save_file(state, str(directory / ADAPTER_FILE))
+    PardConfig(base_model=config.base_model or config.base_dir, mask_token_id=mask_id,
+               num_draft_tokens=config.num_draft_tokens, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha,
+               lora_targets=LORA_TARGETS, target_model=config.target_model, extra=record or {}).save(directory)
+    return directory
+
+
+def _report_eval(model, heldout: dict[str, list[LabelledText]], config: PardTrainConfig, mask_id: int, step: int,
+                 out_dir: Path, bar=None) -> dict:
+    """Held-out tau and acceptance by position per held-out set, printed and appended to eval.jsonl."""
+    results = {}
+    for name, texts in heldout.items():
+        tau, by_position, blocks = heldout_acceptance(model, texts, config.num_draft_tokens, mask_id,
+                                                      config.eval_anchors)
+        line = (f"step {step}: held-out {name} tau {tau:.3f} over {blocks} blocks; acceptance by position "
+                + " ".join(f"{p:.2f}" for p in by_position))
+        if bar is None:
+            print(line, flush=True)
+        else:
+            bar.write(line)
+        results[name] = {"tau": round(tau, 4), "blocks": blocks,
+                         "acceptance_by_position": [round(p, 4) for p in by_position]}
+    _append_jsonl(out_dir / "eval.jsonl", {"step": step, **results})
+    return results
+
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------
+
+
+def save_checkpoint(out_dir: Path, model, mask_embedding, optimizer, scheduler, step: int,
+                    config: PardTrainConfig) -> Path:
+    """``checkpoints/step_N`` (atomic: temp dir + rename); older ones pruned."""
+    root = Path(out_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    destination = root / f"step_{step:07d}"
+    if destination.exists():
+        return destination
+    tmp = Path(tempfile.mkdtemp(prefix=".step.tmp-", dir=root))
+    try:
+        tensors = {f"adapter.{k}": v for k, v in adapter_state(model, mask_embedding, torch.float32).items()}
+        optimizer_state = optimizer.state_dict()
+        scalars: dict[str, dict] = {}
+        for index, state in optimizer_state["state"].items():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    tensors[f"optimizer.{index}.{key}"] = value.detach().cpu().contiguous()
+                else:
+                    scalars.setdefault(str(index), {})[key] = value
+        save_file(tensors, str(tmp / STATE_TENSORS))
+        state = {"step": step, "recipe": config.recipe(), "optimizer_param_groups": optimizer_state["param_groups"],
+                 "optimizer_scalars": scalars, "scheduler": scheduler.state_dict()}
+        (tmp / STATE_JSON).write_text(json.dumps(state, indent=1) + "\n")
+        tmp.rename(destination)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    checkpoints = sorted(p for p in root.glob("step_*") if re.fullmatch(r"step_\d+", p.name))
+    for old in checkpoints[: max(0, len(checkpoints) - max(1, config.keep_checkpoints))]:
+        shutil.rmtree(old, ignore_errors=True)
+    return destination
+
+
+def _load_checkpoint(path: Path, config: PardTrainConfig, model, mask_embedding, optimizer, scheduler) -> int:
+    state = json.loads((path / STATE_JSON).read_text())
+    if state["recipe"] != json.loads(json.dumps(config.recipe())):
+        raise ValueError(f"{path} was written by a different training recipe; use another out_dir or --no-resume")
+    with safe_open(str(path / STATE_TENSORS), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    adapter = {name.removeprefix("adapter."): t for name, t in tensors.items() if name.startswith("adapter.")}
+    load_adapter_state(model, adapter)
+    mask_embedding.data.copy_(adapter["mask_embedding"])
+    per_param: dict[int, dict] = {int(i): dict(v) for i, v in state["optimizer_scalars"].items()}
+    for name, tensor in tensors.items():
+        if name.startswith("optimizer."):
+            _, index, key = name.split(".", 2)
+            per_param.setdefault(int(index), {})[key] = tensor
+    optimizer.load_state_dict({"state": per_param, "param_groups": state["optimizer_param_groups"]})
+    scheduler.load_state_dict(state["scheduler"])
+    return int(state["step"])
+
+
+__all__ = ["PardTrainConfig", "latest_checkpoint", "save_adapter", "save_checkpoint", "train_pard"]

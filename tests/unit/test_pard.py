@@ -1,0 +1,203 @@
+"""PARD: one forward drafts k tokens; cache rollback; q_draft; greedy identity and T > 0 reproducibility through the
+speculative loop; the training blocks equal the draft pass; LoRA merge; adapter round trip; resumable training."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from dflash2.decode.plain import plain_decode
+from dflash2.decode.stats import DecodeStats
+from dflash2.drafters.pard import (PardDrafter, adapter_state, add_lora, load_pard_model, merge_lora)
+from dflash2.models.loading import load_transformer
+from dflash2.train.data import TrainingSequence, write_token_shards
+from dflash2.train.labels import HardLabels, LabelConfig, LabelShards, generate_labels
+from dflash2.train.pard_objective import block_hidden, build_pard_batch, row_weights, sample_blocks
+from dflash2.train.pard_trainer import PardTrainConfig, latest_checkpoint, train_pard
+from dflash2.verify.sampling import GREEDY, SamplingParams
+from tests.pipelines import PIPELINES, speculative_steps
+
+MASK = 255
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dirs):
+    return {key: load_transformer(path, "fp32") for key, path in tiny_model_dirs.items()}
+
+
+def prompt() -> torch.Tensor:
+    return torch.randint(0, 250, (13,), generator=torch.Generator().manual_seed(5))
+
+
+def run(steps, limit=NEW_TOKENS) -> list[int]:
+    return list(itertools.islice(itertools.chain.from_iterable(steps), limit))
+
+
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0]
+
+
+def test_one_forward_drafts_k_and_the_cache_keeps_committed_ids_only(models):
+    model = models["qwen2_other"]
+    drafter = PardDrafter(model, MASK, num_draft_tokens=4)
+    drafter.reset(64)
+    sequence = prompt().tolist()
+    logits = drafter.draft_logits(sequence, 4)  # [4, V]
+    assert logits.shape == (4, model.config.vocab_size)
+    assert drafter.cache.length == len(sequence) and drafter.cached_tokens == sequence
+    expected = full_logits(model, sequence + [MASK] * 3)[len(sequence) - 1 :]
+    expected[:, MASK] = float("-inf")
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    # a step later: two drafts accepted plus a recovered token, the rest rejected (roll back and feed the new ids)
+    sequence += [7, 8, 9]
+    logits = drafter.draft_logits(sequence, 3)
+    assert drafter.cache.length == len(sequence)
+    expected = full_logits(model, sequence + [MASK] * 2)[len(sequence) - 1 :]
+    expected[:, MASK] = float("-inf")
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    # the committed sequence diverges from what the cache holds (another request): rolled back to the shared prefix
+    other = sequence[:5] + [1, 2, 3]
+    logits = drafter.draft_logits(other, 2)
+    expected = full_logits(model, other + [MASK])[len(other) - 1 :]
+    expected[:, MASK] = float("-inf")
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert drafter.cached_tokens == other
+
+
+def test_q_draft_is_each_positions_distribution(models):
+    drafter = PardDrafter(models["qwen2_other"], MASK, num_draft_tokens=5)
+    drafter.reset(64)
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    draft = drafter.propose(prompt().tolist(), 5, params, torch.Generator().manual_seed(0))
+    assert draft.q_draft.shape == (5, models["qwen2_other"].config.vocab_size)
+    torch.testing.assert_close(draft.q_draft.sum(-1), torch.ones(5))
+    assert bool((draft.q_draft.gather(1, draft.tokens[:, None]) > 0).all())  # every draft is in its support
+    assert bool((draft.q_draft[:, MASK] == 0).all())  # the mask id is never drafted
+    greedy = drafter.propose(prompt().tolist(), 5, GREEDY, None)
+    assert greedy.q_draft is None and len(greedy.tokens) == 5
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("drafter_key", ["qwen2", "qwen2_other"])
+def test_greedy_identity(models, k, drafter_key, pipeline):
+    target, ids = models["qwen2"], prompt()
+    capacity = len(ids) + NEW_TOKENS + k + 1
+    plain = run(plain_decode(target, ids, GREEDY, None, capacity, DecodeStats()))
+    stats = DecodeStats()
+    drafter = PardDrafter(models[drafter_key], MASK, k)
+    spec = run(speculative_steps(pipeline, target, drafter, ids, GREEDY, None, capacity, stats))
+    assert spec == plain
+    if drafter_key == "qwen2":  # the target itself drafts: draft 1 is its own greedy token, always accepted
+        assert stats.accepted_by_position[0] == stats.drafted_by_position[0]
+
+
+def test_sampling_is_reproducible_with_a_seed(models):
+    target, ids = models["qwen2"], prompt()
+    params = SamplingParams(temperature=0.9, seed=123)
+    outputs = []
+    for _ in range(2):
+        drafter = PardDrafter(models["qwen2_other"], MASK, 4)
+        steps = speculative_steps("sync", target, drafter, ids, params, params.make_generator(), len(ids) + 50,
+                                  DecodeStats())
+        outputs.append(run(steps))
+    assert outputs[0] == outputs[1] and len(outputs[0]) == NEW_TOKENS
+
+
+def test_training_blocks_equal_the_draft_pass(models):
+    """A block of the training batch computes what a draft pass at its anchor computes."""
+    model = models["qwen2_other"]
+    ids = torch.randint(0, 250, (30,), generator=torch.Generator().manual_seed(1))
+    anchors, depths = torch.tensor([6, 11, 20]), torch.tensor([3, 0, 2])
+    batch = build_pard_batch(4, ids, anchors, depths, MASK)
+    assert batch.input_ids.tolist() == [ids[6], MASK, MASK, MASK, ids[11], ids[20], MASK, MASK]
+    assert batch.positions.tolist() == [6, 7, 8, 9, 11, 20, 21, 22]
+    assert batch.label_rows.tolist() == [2, 3, 4, 5, 7, 16, 17, 18]
+    with torch.no_grad():
+        hidden = block_hidden(model, ids, batch)
+        logits = model.lm_head(model.norm(hidden))
+    for anchor, depth, first in ((6, 3, 0), (11, 0, 4), (20, 2, 5)):
+        drafter = PardDrafter(model, MASK, depth + 1)
+        drafter.reset(64)
+        expected = drafter.draft_logits(ids[: anchor + 1].tolist(), depth + 1)
+        got = logits[first : first + depth + 1].clone()
+        got[:, MASK] = float("-inf")
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_conditional_drop_keeps_nested_rows_inside_the_labels():
+    gen = torch.Generator().manual_seed(0)
+    anchors, depths = sample_blocks(label_start=5, num_rows=40, num_anchors=500, max_depth=7, keep_ratio=0.5,
+                                    generator=gen)
+    assert len(anchors) == 40 and bool((anchors >= 5).all())
+    assert bool((anchors + depths <= 5 + 40 - 1).all()) and int(depths.max()) <= 7
+
+
+def test_row_weights_decay_and_reach():
+    from dflash2.train.labels import LabelledText
+
+    ids = torch.arange(10)
+    text = LabelledText(ids, 2, 0, topk_ids=torch.stack([ids[3:], ids[3:] + 1], 1),
+                        topk_probs=torch.tensor([[0.5, 0.5]] * 7), rest=torch.zeros(7))
+    batch = build_pard_batch(2, ids, torch.tensor([3]), torch.tensor([2]), MASK)
+    torch.testing.assert_close(row_weights(text, batch, 0.5), torch.tensor([1.0, 0.25, 0.0625]))
+
+
+def test_lora_merge_and_adapter_round_trip(tiny_model_dirs, tmp_path):
+    from safetensors.torch import save_file
+
+    from dflash2.drafters.pard import ADAPTER_FILE, PardConfig
+
+    model = load_transformer(tiny_model_dirs["qwen2_other"], "fp32", packed=False)
+    add_lora(model, rank=4, alpha=8.0)
+    for name, param in model.named_parameters():
+        if "lora_b" in name:
+            param.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    ids = torch.tensor([list(range(20, 40))])
+    with torch.no_grad():
+        before = model(ids).logits
+        mask_embedding = torch.randn(model.config.hidden_size)
+        save_file(adapter_state(model, mask_embedding), str(tmp_path / ADAPTER_FILE))
+        PardConfig(base_model="tiny", mask_token_id=MASK, num_draft_tokens=4, lora_rank=4, lora_alpha=8.0
+                   ).save(tmp_path)
+        merge_lora(model)
+        torch.testing.assert_close(model(ids).logits, before, atol=1e-4, rtol=1e-4)
+        loaded, config = load_pard_model(tmp_path, tiny_model_dirs["qwen2_other"], "fp32")
+        torch.testing.assert_close(loaded(ids).logits, before, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(loaded.embed.weight[MASK], mask_embedding)
+    assert config.mask_token_id == MASK and config.lora_rank == 4
+
+
+def test_training_learns_and_resumes(tiny_model_dirs, tmp_path):
+    target = load_transformer(tiny_model_dirs["qwen2"], "fp32")
+    gen = torch.Generator().manual_seed(2)
+    sequences = []
+    for i in range(24):  # the target's own greedy continuations: hard labels are its choices
+        ids = torch.randint(0, 250, (6,), generator=gen).tolist()
+        for _ in range(24):
+            ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
+        sequences.append(TrainingSequence(torch.tensor(ids), prompt_length=6))
+    regen = write_token_shards(tmp_path / "regen", sequences, shard_size=8)
+    labels = tmp_path / "labels"
+    generate_labels(LabelConfig(str(labels), (f"regen:{regen}",), top_k=4, progress=False), target, None)
+    assert len(LabelShards(labels)) == len(HardLabels(regen)) == 24
+    common = dict(base_dir=tiny_model_dirs["qwen2_other"], label_dirs=str(labels), hard_label_dirs=str(regen),
+                  out_dir=str(tmp_path / "run"), num_draft_tokens=4, lora_rank=4, mask_token_id=MASK,
+                  heldout_every=6, heldout_sequences=4, anchors_per_sequence=8, sequences_per_step=2, num_steps=30,
+                  learning_rate=1e-2, mask_learning_rate=5e-2, warmup_steps=2, eval_every=0, checkpoint_every=5,
+                  progress=False)
+    train_pard(PardTrainConfig(stop_at_step=10, **common))
+    assert latest_checkpoint(tmp_path / "run").name == "step_0000010"
+    drafter_dir = train_pard(PardTrainConfig(**common))
+    assert latest_checkpoint(tmp_path / "run").name == "step_0000030"
+    import json
+
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 10, 30]
+    first, last = evals[0]["regenerated"], evals[-1]["regenerated"]
+    assert last["tau"] > first["tau"]  # it learned the target's continuations
+    model, config = load_pard_model(drafter_dir, tiny_model_dirs["qwen2_other"], "fp32")
+    assert config.num_draft_tokens == 4 and config.extra["steps"] == 30
