@@ -78,8 +78,10 @@ def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly above each token
     keep_sorted = mass_before < top_p  # the most likely token is always kept
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    probs = probs * keep
-    return probs / probs.sum(dim=-1, keepdim=True)
+    # The nucleus mass by a scan (serial within a row): ``probs.sum(-1)`` would split one wide row across threads
+    # and round differently for one row than for several, breaking bitwise row-count invariance.
+    mass = (sorted_probs * keep_sorted).cumsum(dim=-1)[..., -1:]
+    return probs * keep / mass
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
