@@ -1,3 +1,6 @@
+import os
+import resource
+import time
 from decimal import Decimal
 
 import pytest
@@ -5,6 +8,7 @@ import pytest
 from dflash2.bench.accuracy import (
     GSM8KItem,
     HumanEvalTask,
+    ProgramLimits,
     extract_code,
     final_answer,
     first_divergence,
@@ -85,6 +89,81 @@ def test_a_correct_solution_passes_and_a_wrong_one_fails():
 def test_an_infinite_loop_times_out_as_a_failure():
     result = run_program("while True:\n    pass\n", timeout=1.0)
     assert not result.passed and result.reason == "timeout" and result.seconds < 5.0
+
+
+def solved_and(extra: str) -> str:
+    """A response with a correct add_all, then ``extra`` in the same code block."""
+    return "```python\ndef add_all(xs):\n    return sum(xs)\n\n" + extra + "```\n"
+
+
+def test_a_memory_bomb_is_stopped_by_the_address_space_limit():
+    bomb = solved_and("hoard = []\nwhile True:\n    hoard.append(bytearray(64 << 20))\n")
+    result = score(TASK, bomb, timeout=20.0, limits=ProgramLimits(memory_bytes=256 << 20))
+    assert not result.passed and "MemoryError" in result.detail and "timeout" not in result.detail
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie (not yet reaped by init) is not running
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_bounded_fork_bomb_starts_no_process_and_fails(tmp_path):
+    """At most 64 forks (bounded, in case the guard broke): the scorer refuses the first; nothing outlives it."""
+    pids = tmp_path / "pids.txt"
+    bomb = solved_and(
+        "import os, time\n"
+        "for _ in range(64):\n"
+        "    if os.fork() == 0:\n"
+        f"        open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "        time.sleep(60)\n"
+        "        os._exit(0)\n"
+    )
+    result = score(TASK, bomb, timeout=10.0)
+    assert not result.passed and "PermissionError" in result.detail, result.detail
+    started = [int(pid) for pid in pids.read_text().split()] if pids.exists() else []
+    assert started == []
+    subprocess_bomb = solved_and("import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'pass'], check=True)\n")
+    assert not score(TASK, subprocess_bomb, timeout=10.0).passed
+
+
+def test_whatever_a_program_leaves_running_is_killed_with_its_group(tmp_path):
+    """Even if a process got past the guard, it dies with the group when the program ends (here a thread of the
+    program keeps running and the group kill ends it)."""
+    marker = tmp_path / "late.txt"
+    program = ("import threading, time\n"
+               f"threading.Thread(target=lambda: (time.sleep(1.5), open({str(marker)!r}, 'w').write('x')),"
+               " daemon=False).start()\n"
+               "import os\nos._exit(0)\n")
+    assert run_program(program, timeout=10.0).passed
+    time.sleep(2.0)
+    assert not marker.exists()
+
+
+def test_the_limits_reach_the_program(tmp_path):
+    marker = tmp_path / "limits.txt"
+    names = ["RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_CORE", "RLIMIT_NPROC"]
+    program = ("import resource\n"
+               f"open({str(marker)!r}, 'w').write(repr([resource.getrlimit(getattr(resource, n))[0] for n in {names}]))\n")
+    limits = ProgramLimits(memory_bytes=512 << 20, cpu_seconds=3, file_bytes=1 << 20)
+    assert run_program(program, limits=limits).passed
+    memory, cpu, file_size, core, processes = eval(marker.read_text())
+    assert (memory, cpu, file_size, core) == (512 << 20, 3, 1 << 20, 0)
+    assert processes != resource.RLIM_INFINITY and processes < 100_000  # the user's tasks + 16
+
+
+def test_a_busy_loop_is_stopped_by_the_cpu_limit_before_the_wall_timeout():
+    result = run_program("while True:\n    pass\n", timeout=30.0, limits=ProgramLimits(cpu_seconds=1))
+    assert not result.passed and result.reason in ("exit -24", "exit -9") and result.seconds < 10.0
+
+
+def test_a_large_file_write_is_stopped(tmp_path):
+    program = "open('big.bin', 'wb').write(bytes(8 << 20))\n"
+    result = run_program(program, limits=ProgramLimits(file_bytes=1 << 20))
+    assert not result.passed
 
 
 def test_programs_run_isolated_in_a_temp_directory(tmp_path):

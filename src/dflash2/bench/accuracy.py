@@ -1,6 +1,14 @@
 """Pass rates on the scored eval suites: the final number of a GSM8K response, a HumanEval response's program
 run against the task's tests in a separate, isolated interpreter (model code never runs in this process).
 
+Model-written code runs with limits (:class:`ProgramLimits`): address space (RLIMIT_AS), CPU seconds (RLIMIT_CPU),
+size of files written (RLIMIT_FSIZE), no core dumps, a wall-clock timeout after which its whole process group is
+killed, and no new processes: the interpreter's process-creating calls are disabled before the program runs, and
+RLIMIT_NPROC caps the user's processes (the kernel does not apply that cap to root). A program that breaks a limit
+fails; the group is killed whenever the program ends, so nothing it started outlives the run. This guards the
+machine against accidents (a memory bomb, a fork bomb, an endless loop), not against hostile code: run untrusted
+code in a real sandbox.
+
 The scorers are pure apart from :func:`run_program`'s subprocess; ``scripts/bench_quant.py --pass-rate`` uses them
 to compare weight formats.
 """
@@ -9,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -23,6 +32,21 @@ from dflash2.bench.datasets import reference_rows
 
 SCORED_SUITES = ("humaneval", "gsm8k")
 RUN_TIMEOUT_S = 10.0
+_NO_NEW_PROCESSES = (  # run by ``python -I -c`` before the program: process-creating calls raise
+    "import os, runpy, sys\n"
+    "def _refused(*args, **kwargs):\n"
+    "    raise PermissionError('the scorer does not let programs start processes')\n"
+    "for _name in ('fork', 'forkpty', 'vfork', 'posix_spawn', 'posix_spawnp', 'system', 'popen', 'spawnl', 'spawnle',"
+    " 'spawnlp', 'spawnlpe', 'spawnv', 'spawnve', 'spawnvp', 'spawnvpe', 'execl', 'execle', 'execlp', 'execlpe',"
+    " 'execv', 'execve', 'execvp', 'execvpe'):\n"
+    "    if hasattr(os, _name):\n"
+    "        setattr(os, _name, _refused)\n"
+    "import _posixsubprocess\n"
+    "_posixsubprocess.fork_exec = _refused\n"
+    "sys.argv = sys.argv[1:]\n"
+    "del _name, _refused\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
 # A minus (not one between operands: "10-5" is 5), an optional $, then 1,234,567 or 1234567, then an optional
 # decimal part ("18." stays 18).
 _NUMBER = re.compile(r"(?:(?<![\w)])-)?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
@@ -52,9 +76,22 @@ class Score:
 
 
 @dataclass(frozen=True)
+class ProgramLimits:
+    """What a model-written program may use (see the module docstring)."""
+
+    memory_bytes: int = 1 << 30  # address space (RLIMIT_AS)
+    cpu_seconds: int | None = None  # CPU time (RLIMIT_CPU); None: the wall timeout rounded up, plus one
+    file_bytes: int = 64 << 20  # largest file it may write (RLIMIT_FSIZE)
+    extra_processes: int = 16  # RLIMIT_NPROC = the user's tasks now + this (not enforced for root)
+
+
+DEFAULT_LIMITS = ProgramLimits()
+
+
+@dataclass(frozen=True)
 class RunResult:
     passed: bool
-    reason: str  # "passed" | "exit N" | "timeout"
+    reason: str  # "passed" | "exit N" (N < 0: killed by signal -N, e.g. -24 past its CPU time) | "timeout"
     seconds: float
     stderr_tail: str
 
@@ -151,35 +188,87 @@ def humaneval_program(task: HumanEvalTask, response: str) -> str:
     return f"{head}\n\n\n{task.test}\n\ncheck({task.entry_point})\n"
 
 
-def run_program(program: str, timeout: float = RUN_TIMEOUT_S) -> RunResult:
-    """Run ``program`` with ``python -I`` in a fresh temp directory; passed = exit status 0 within ``timeout``.
-    The child gets its own session so that a timeout kills everything it started."""
+def run_program(program: str, timeout: float = RUN_TIMEOUT_S, limits: ProgramLimits = DEFAULT_LIMITS) -> RunResult:
+    """Run ``program`` with ``python -I`` in a fresh temp directory under ``limits``; passed = exit status 0 within
+    ``timeout``. The child gets its own session, killed as a whole when the program ends or times out."""
     start = time.perf_counter()
+    cpu_seconds = limits.cpu_seconds or int(timeout) + 2
+    apply_limits = _limit_setter(limits, cpu_seconds)
     with tempfile.TemporaryDirectory(prefix="dflash2-humaneval-") as folder:
         path = Path(folder) / "program.py"
         path.write_text(program, encoding="utf-8")
-        process = subprocess.Popen([sys.executable, "-I", str(path)], cwd=folder, stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        process = subprocess.Popen([sys.executable, "-I", "-c", _NO_NEW_PROCESSES, str(path)], cwd=folder,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   start_new_session=True, preexec_fn=apply_limits)
         try:
             _, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             _kill_group(process)
             return RunResult(False, "timeout", time.perf_counter() - start, "")
+        _kill_group(process)  # whatever it started and left behind
     tail = stderr.decode("utf-8", "replace")[-500:]
     reason = "passed" if process.returncode == 0 else f"exit {process.returncode}"
     return RunResult(process.returncode == 0, reason, time.perf_counter() - start, tail)
 
 
+def _limit_setter(limits: ProgramLimits, cpu_seconds: int):
+    """The child's preexec_fn: set the resource limits (everything computed here, in the parent)."""
+    settings = [(resource.RLIMIT_AS, limits.memory_bytes), (resource.RLIMIT_CPU, cpu_seconds),
+                (resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_CORE, 0)]
+    tasks = _user_tasks()
+    if tasks is not None:
+        settings.append((resource.RLIMIT_NPROC, tasks + limits.extra_processes))
+    settings = [(which, _within_hard_limit(which, value)) for which, value in settings]
+
+    def apply() -> None:
+        for which, (soft, hard) in settings:
+            resource.setrlimit(which, (soft, hard))
+
+    return apply
+
+
+def _within_hard_limit(which: int, value: int) -> tuple[int, int]:
+    """(soft, hard) limits of ``value``, never above the current hard limit (only root may raise it)."""
+    _, hard = resource.getrlimit(which)
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    if which == resource.RLIMIT_CPU:  # past the soft limit SIGXCPU; one second later SIGKILL
+        return value, value + 1 if hard == resource.RLIM_INFINITY else min(value + 1, hard)
+    return value, value
+
+
+def _user_tasks() -> int | None:
+    """Processes and threads of this user now (RLIMIT_NPROC counts them all), or None where /proc is missing."""
+    uid = os.getuid()
+    count = 0
+    try:
+        entries = os.scandir("/proc")
+    except OSError:
+        return None
+    with entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/status", "rb") as status:
+                    fields = dict(line.split(b":", 1) for line in status if b":" in line)
+            except OSError:
+                continue  # it ended meanwhile
+            if int(fields.get(b"Uid", b"-1 ").split()[0]) == uid:
+                count += int(fields.get(b"Threads", b"1").strip() or 1)
+    return count
+
+
 def _kill_group(process: subprocess.Popen) -> None:
     try:
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
     process.communicate()
 
 
-def score_humaneval(task: HumanEvalTask, response: str, timeout: float = RUN_TIMEOUT_S) -> Score:
-    result = run_program(humaneval_program(task, response), timeout)
+def score_humaneval(task: HumanEvalTask, response: str, timeout: float = RUN_TIMEOUT_S,
+                    limits: ProgramLimits = DEFAULT_LIMITS) -> Score:
+    result = run_program(humaneval_program(task, response), timeout, limits)
     error = result.stderr_tail.strip().splitlines()[-1:]  # e.g. "AssertionError", "NameError: ..."
     return Score(result.passed, " | ".join([result.reason, *error]))
 
@@ -198,9 +287,10 @@ def load_references(suite: str, data: str | Path | None = None) -> dict[str, Ref
     return {str(i): GSM8KItem(str(i), reference_answer(row["answer"])) for i, row in enumerate(rows)}
 
 
-def score(reference: Reference, response: str, timeout: float = RUN_TIMEOUT_S) -> Score:
+def score(reference: Reference, response: str, timeout: float = RUN_TIMEOUT_S,
+          limits: ProgramLimits = DEFAULT_LIMITS) -> Score:
     if isinstance(reference, HumanEvalTask):
-        return score_humaneval(reference, response, timeout)
+        return score_humaneval(reference, response, timeout, limits)
     return score_gsm8k(reference, response)
 
 
