@@ -9,15 +9,16 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "dflash2"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path, modules: set[str]) -> set[str]:
-    """The dflash2 modules ``path`` imports, anywhere in the file. ``from pkg import name`` counts as importing
-    ``pkg.name`` when that is a module, else ``pkg``; a package's own ``__init__`` is not an edge of its children."""
-    name = module_name(path)
+def imported_modules(path: Path, modules: set[str], package_dir: Path = PACKAGE) -> set[str]:
+    """The modules of ``modules`` that ``path`` imports, anywhere in the file. ``from pkg import name`` counts as
+    importing ``pkg.name`` when that is a module, else ``pkg``; a package's own ``__init__`` is not an edge of its
+    children (importing a child runs it, but it is not what the child reads)."""
+    name = module_name(path, package_dir)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
@@ -34,10 +35,11 @@ def imported_modules(path: Path, modules: set[str]) -> set[str]:
     return {m for m in found if m in modules and m != name}
 
 
-def import_graph() -> dict[str, set[str]]:
-    paths = sorted(PACKAGE.rglob("*.py"))
-    modules = {module_name(p) for p in paths}
-    return {module_name(p): imported_modules(p, modules) for p in paths}
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """{module: the package's modules it imports} for every .py file under ``package``."""
+    paths = sorted(package.rglob("*.py"))
+    modules = {module_name(p, package) for p in paths}
+    return {module_name(p, package): imported_modules(p, modules, package) for p in paths}
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -88,7 +90,7 @@ def _one_loop(graph: dict[str, set[str]], component: list[str]) -> list[str]:
                     loop = [v]
                     while loop[-1] != start:
                         loop.append(previous[loop[-1]])
-                    return [start, *reversed(loop[:-1]), start] if v != start else [start, start]
+                    return [start, *reversed(loop[:-1]), start]  # loop: v, previous[v], ..., start
                 if w not in previous:
                     previous[w] = v
                     nxt.append(w)
@@ -103,14 +105,7 @@ def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
         (pkg / f).write_text("")
     (pkg / "a.py").write_text("def f():\n    from dflash2.sub import b\n")
     (pkg / "sub" / "b.py").write_text("from .. import a\n")
-    paths = sorted(pkg.rglob("*.py"))
-    modules = {".".join(p.relative_to(tmp_path).with_suffix("").parts).removesuffix(".__init__") for p in paths}
-    global PACKAGE
-    saved, PACKAGE = PACKAGE, pkg
-    try:
-        graph = {module_name(p): imported_modules(p, modules) for p in paths}
-    finally:
-        PACKAGE = saved
+    graph = import_graph(pkg)
     assert graph["dflash2.a"] == {"dflash2.sub.b"}
     assert graph["dflash2.sub.b"] == {"dflash2.a"}
     assert find_cycles(graph) == [["dflash2.a", "dflash2.sub.b", "dflash2.a"]]
