@@ -15,8 +15,9 @@
 //   * work items are whole (b, kv head, t) rows; threads only choose which items they run.
 // Two rows with the same query and the same visible key sequence therefore give bitwise the same output: a query
 // attended alone (decoding), in a verification block, in a tree (its ancestors), in a padded ragged batch or in a
-// chunked prefill.  fp32 accumulation throughout; bf16 or fp32 inputs (q, k and v of one dtype); fp32 output.
-// AVX2 + FMA only (no AVX-512), so every x86-64 machine that runs the packed linear kernel runs this one the same.
+// chunked prefill.  fp32 accumulation throughout; fp32, bf16 or fp16 inputs (q, k and v of one dtype); fp32 output.
+// AVX2 + FMA (+ F16C, which every AVX2 CPU has) only, no AVX-512: every x86-64 machine that runs the packed linear
+// kernel runs this one with the same bits.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -42,8 +43,12 @@ inline __m256 load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline float load1(const float* p) { return *p; }
 inline float load1(const c10::BFloat16* p) { return static_cast<float>(*p); }
+inline float load1(const c10::Half* p) { return static_cast<float>(*p); }
 
 // One fixed folding tree for 8 lanes: (l0+l4, l1+l5, l2+l6, l3+l7) -> (.. + ..) -> one.
 inline float fold8(__m256 v) {
@@ -248,7 +253,8 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attention_rows: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
               "attention_rows: q, k, v must share one dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "attention_rows: fp32 or bf16");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "attention_rows: fp32, bf16 or fp16");
   const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), dh = q.size(3);
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(3) == dh && v.size(3) == dh, "attention_rows: shapes");
   TORCH_CHECK(k.size(1) == v.size(1) && k.size(2) == v.size(2) && H % k.size(1) == 0, "attention_rows: heads");
@@ -270,8 +276,10 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
   if (q.numel() == 0) return out;
   if (q.scalar_type() == at::kFloat) {
     attention_impl<float>(q, k, v, mp, ms, causal, static_cast<float>(scale), out);
-  } else {
+  } else if (q.scalar_type() == at::kBFloat16) {
     attention_impl<c10::BFloat16>(q, k, v, mp, ms, causal, static_cast<float>(scale), out);
+  } else {
+    attention_impl<c10::Half>(q, k, v, mp, ms, causal, static_cast<float>(scale), out);
   }
   return out;
 }

@@ -29,8 +29,8 @@ __all__ = ["attention_kernel_available", "attention_kernel_status", "invariant_a
 
 _SOURCE = Path(__file__).with_name("attention.cpp")
 # -ffp-contract=off: no multiply-add fused behind the code's back; the FMAs it has are written out.
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
-DTYPES = (torch.float32, torch.bfloat16)
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -83,7 +83,7 @@ def attention_kernel_status() -> str:
 
 
 def kernel_supports(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
-    """The call is one the kernel takes: CPU, fp32 or bf16, head dim a multiple of 8, a bool mask (or none) with one
+    """The call is one the kernel takes: CPU, fp32 / bf16 / fp16, head dim a multiple of 8, a bool mask (or none) with one
     head row; and the kernel is available."""
     return (
         q.device.type == "cpu"
@@ -96,7 +96,7 @@ def kernel_supports(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | 
 
 
 def invariant_attention(
-    q: torch.Tensor,  # [B, H, T, Dh] fp32 or bf16
+    q: torch.Tensor,  # [B, H, T, Dh] fp32, bf16 or fp16
     k: torch.Tensor,  # [B, H_kv, S, Dh]
     v: torch.Tensor,  # [B, H_kv, S, Dh]
     attn_mask: torch.Tensor | None = None,  # [B or 1, 1, T or 1, S] bool, True = may attend; None = all (or causal)

@@ -1,10 +1,10 @@
 """Scaled dot-product attention with grouped-query heads.
 
-On CPU, fp32 and bf16 calls go to the row-invariant kernel (:mod:`dflash2.kernels.attention`): a query row's output
-is bitwise the same whatever the number of rows in the call, the mask, the padding or the batch, so verifying a
-block of drafts rounds exactly like decoding it one token at a time (greedy speculative output == plain output, in
-bf16 too; docs/attention.md). ``DFLASH2_ATTENTION=torch`` (or ``DFLASH2_KERNELS=off``, or a missing kernel) selects
-PyTorch's attention below instead; CUDA and other dtypes always use it.
+On CPU, fp32, bf16 and fp16 calls go to the row-invariant kernel (:mod:`dflash2.kernels.attention`): a query
+row's output is bitwise the same whatever the number of rows in the call, the mask, the padding or the batch, so
+verifying a block of drafts rounds exactly like decoding it one token at a time (greedy speculative output == plain
+output, in bf16 too; docs/attention.md). ``DFLASH2_ATTENTION=torch`` (or ``DFLASH2_KERNELS=off``, or a missing
+kernel) selects PyTorch's attention below instead; CUDA and other dtypes always use it.
 
 The PyTorch path: decoding (1 query), verification (a draft block) and block drafting all attend a handful of
 queries to a long cache. With grouped-query attention, PyTorch's CPU kernel for ``enable_gqa=True`` is slow for a single
