@@ -83,8 +83,8 @@ def attention_kernel_status() -> str:
 
 
 def kernel_supports(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
-    """The call is one the kernel takes: CPU, fp32 / bf16 / fp16, head dim a multiple of 8, a bool mask (or none) with one
-    head row; and the kernel is available."""
+    """The call is one the kernel takes: CPU, fp32 / bf16 / fp16, head dim a multiple of 8, a bool mask (or none)
+    with one head row; and the kernel is available."""
     return (
         q.device.type == "cpu"
         and q.dtype in DTYPES
