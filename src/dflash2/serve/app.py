@@ -39,7 +39,7 @@ from dflash2.serve.protocol import (
 )
 from dflash2.verify import SamplingParams
 
-ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics", "/openapi.json")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # origins on these hosts (any port) are allowed by default
 KEEPALIVE_S = 15.0  # an SSE comment line after this long without an event keeps proxies from closing the stream
 
@@ -109,7 +109,8 @@ class _Counting:
 
 
 def create_app(batch: BatchEngine, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="dflash2", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="dflash2", docs_url=None, redoc_url=None)
+    app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     counters = metrics.HttpCounters()
     app.add_middleware(_OriginGuard, config=config)
     app.add_middleware(_Counting, counters=counters)  # added last: runs first, so it also counts the 403s
@@ -131,14 +132,14 @@ def create_app(batch: BatchEngine, config: ServerConfig) -> FastAPI:
         card = {"id": config.model_name, "object": "model", "created": started, "owned_by": "dflash2"}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         _authorize(request, config)
         body = _parse(ChatCompletionRequest, await _read_json(request, config.max_body_bytes))
         prompt_ids = _encode(batch, lambda engine: engine.encode_prompt(body.chat()))
         return await _generate(request, batch, config, body, prompt_ids, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request):
         _authorize(request, config)
         body = _parse(CompletionRequest, await _read_json(request, config.max_body_bytes))
@@ -155,6 +156,26 @@ def create_app(batch: BatchEngine, config: ServerConfig) -> FastAPI:
         return await _generate(request, batch, config, body, prompt_ids, chat=False)
 
     return app
+
+
+def _json_body(model) -> dict:
+    """The OpenAPI request body of a handler that parses ``model`` itself (so FastAPI cannot see it)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _openapi_schema(app: FastAPI) -> dict:
+    """FastAPI's schema plus the request bodies' models (served at /openapi.json; fuzzed in the tests)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+        from pydantic.json_schema import models_json_schema
+
+        schema = get_openapi(title=app.title, version="1", routes=app.routes)
+        _, bodies = models_json_schema([(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+                                       ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(bodies["$defs"])
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _add_error_handlers(app: FastAPI) -> None:
