@@ -73,6 +73,8 @@ def _add_models(commands) -> None:
     pull.set_defaults(handler=run_models_pull)
     verify = sub.add_parser("verify", help="re-check hashes and converted files")
     verify.add_argument("names", nargs="*", help="models to verify (default: every pulled model)")
+    verify.add_argument("--repair", action="store_true",
+                        help="rebuild what is damaged (assemble the GGUF again, convert again) instead of failing")
     verify.set_defaults(handler=run_models_verify)
 
 
@@ -184,6 +186,10 @@ def run_models_verify(args: argparse.Namespace) -> int:
     if not names:
         raise CliError("no model is pulled; run `dflash2 models pull`")
     for name in names:
+        if args.repair:
+            rebuilt = store.repair(name)
+            print(f"{name}: ok" + (f" (rebuilt {', '.join(rebuilt)})" if rebuilt else ""))
+            continue
         store.verify(name)
         print(f"{name}: ok")
     return 0

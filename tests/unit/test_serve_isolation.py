@@ -226,3 +226,17 @@ def test_a_request_deadline_over_http(served):
     reply = response.json()
     assert reply["choices"][0]["finish_reason"] == "length" and reply["dflash2"]["finish_reason"] == "timeout"
     assert reply["usage"]["completion_tokens"] < 480
+
+
+def test_the_serve_flags_reach_the_server_config(tiny_model_dirs):
+    from dflash2.cli import build_parser
+    from dflash2.serve.cli import build_server
+
+    args = build_parser().parse_args(["serve", "--model", tiny_model_dirs["qwen2"], "--dtype", "fp32", "--drafter",
+                                      "none", "--allowed-origins", "https://a.example, https://b.example",
+                                      "--request-timeout", "30", "--max-num-draft-tokens", "4"])
+    app, batch = build_server(args)
+    client = TestClient(app)
+    ok = {"origin": "https://b.example"}
+    assert client.get("/health", headers=ok).status_code == 503  # loop not started: and the origin was allowed
+    assert client.get("/health", headers={"origin": "http://localhost:1"}).status_code == 403

@@ -136,3 +136,15 @@ def test_two_processes_pulling_at_once_assemble_once(fake_model, home, tmp_path,
     gguf = home / "gguf" / f"{FAKE_NAME}.gguf"
     assert [lines[-1] for lines in printed] == [str(gguf)] * 2
     assert hashlib.sha256(gguf.read_bytes()).hexdigest() == tiny_gguf[1] and not _leftovers(home)
+
+
+def test_models_verify_repair_from_the_command_line(fake_model, home, capsys):
+    from dflash2.cli import main
+
+    directory = store.resolve_model(FAKE_NAME, "fp32")
+    (directory / "config.json").write_text("{}")  # damaged, same name
+    assert main(["models", "verify", FAKE_NAME]) != 0
+    assert "config.json" in capsys.readouterr().err
+    assert main(["models", "verify", "--repair", FAKE_NAME]) == 0
+    assert f"rebuilt {directory}" in capsys.readouterr().out
+    assert main(["models", "verify", FAKE_NAME]) == 0

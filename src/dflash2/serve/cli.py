@@ -30,6 +30,15 @@ def add_serve_parser(commands) -> None:
                    help="always draft the requested length (default: the scheduler lowers it under load)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default: 1 MiB)")
+    p.add_argument("--max-num-draft-tokens", type=int, default=16,
+                   help="the most drafts per step a request may ask for (default: %(default)s)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take from arrival: a running one ends with what it has (finish reason "
+                        "'length', dflash2.finish_reason 'timeout'), a queued one gets 504 (default: none; requests "
+                        "may ask for less with dflash2.timeout_s)")
+    p.add_argument("--allowed-origins", default=None,
+                   help="comma-separated browser origins allowed to call the API, or '*' (default: the loopback "
+                        "hosts on any port; requests with another Origin header get 403)")
     p.set_defaults(handler=run_serve)
 
 
@@ -41,6 +50,8 @@ def build_server(args: argparse.Namespace):
 
     if args.num_draft_tokens is not None and args.num_draft_tokens <= 0:
         raise CliError(f"--num-draft-tokens must be > 0, got {args.num_draft_tokens}")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise CliError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     spec = drafter_spec(args)
     if spec.width != 1:
         raise CliError(f"serve verifies chains: the tree width W must be 1 (--drafter {spec}, --num-candidates)")
@@ -60,8 +71,20 @@ def build_server(args: argparse.Namespace):
     server = ServerConfig(model_name=args.served_model_name or args.model,
                           api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                           default_drafter=drafter, default_num_draft_tokens=num_draft_tokens,
-                          default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes)
+                          default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
+                          max_num_draft_tokens=max(args.max_num_draft_tokens, num_draft_tokens),
+                          request_timeout_s=args.request_timeout, allowed_origins=_origins(args.allowed_origins))
     return create_app(batch, server), batch
+
+
+def _origins(flag: str | None) -> tuple[str, ...] | None:
+    """--allowed-origins 'https://a.example,https://b.example' -> a tuple (None: the loopback default)."""
+    if flag is None:
+        return None
+    origins = tuple(o.strip() for o in flag.split(",") if o.strip())
+    if not origins:
+        raise CliError("--allowed-origins is empty; give origins like https://app.example, or '*'")
+    return origins
 
 
 def run_serve(args: argparse.Namespace) -> int:
