@@ -179,11 +179,12 @@ def train_pard(config: PardTrainConfig) -> Path:
     heldout = data.heldout
     print(f"data: {data.describe()}" + (f"; resuming at step {step}" if step else ""), flush=True)
     end = min(config.num_steps, config.stop_at_step or config.num_steps)
-    if step == 0:
+    if latest is None:  # the untrained drafter's acceptance, once
         _report_eval(model, heldout, config, mask_id, 0, out_dir)
     bar = tqdm(total=config.num_steps, initial=step, desc="training pard", unit="step", disable=not config.progress,
                dynamic_ncols=True)
     model.train()
+    interrupted = False
     try:
         while step < end:
             started = time.perf_counter()
@@ -220,12 +221,13 @@ def train_pard(config: PardTrainConfig) -> Path:
                 save_checkpoint(out_dir, model, mask_embedding, optimizer, scheduler, step, config)
             if config.eval_every and step % config.eval_every == 0 and step != end:
                 _report_eval(model, heldout, config, mask_id, step, out_dir, bar)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # stop quickly: checkpoint and adapter, no held-out check (a re-run resumes)
+        interrupted = True
         bar.write(f"interrupted at step {step}: checkpoint and adapter saved; a re-run resumes")
     finally:
         bar.close()
     save_checkpoint(out_dir, model, mask_embedding, optimizer, scheduler, step, config)
-    result = _report_eval(model, heldout, config, mask_id, step, out_dir)
+    result = {} if interrupted else _report_eval(model, heldout, config, mask_id, step, out_dir)
     return save_adapter(out_dir / FINAL_DRAFTER, model, mask_embedding, config, mask_id,
                         {"steps": step, "labels": config.label_dirs, "hard_labels": config.hard_label_dirs,
                          "heldout": result})
