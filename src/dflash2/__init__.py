@@ -7,7 +7,8 @@
 """
 
 from dflash2.api import load
-from dflash2.decode.engine import Engine, GenerationResult, StreamChunk
+from dflash2.decode.engine import Engine
+from dflash2.decode.output import GenerationResult, StreamChunk
 from dflash2.decode.stats import DecodeStats
 from dflash2.verify.sampling import SamplingParams
 

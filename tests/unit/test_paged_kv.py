@@ -54,3 +54,33 @@ def test_a_table_cannot_grow_past_its_reservation():
     table.slots(0, 8)
     with pytest.raises(ValueError, match="reserved"):
         table.slots(0, 9)
+
+
+def test_a_block_table_commits_like_the_static_cache():
+    """rollback and compact (a verified tree's accepted branch becomes a chain) give the paged cache the same
+    keys/values per committed slot as the static cache: one commit rule for every loop."""
+    import torch
+
+    from dflash2.decode.speculative import commit_kept
+    from dflash2.kv import StaticKVCache
+    from dflash2.kv.paged import PagedKVPool
+
+    layers, heads, dim, size = 2, 2, 4, 4
+    pool = PagedKVPool(layers, heads, dim, num_blocks=8, block_size=size, dtype=torch.float32)
+    table = pool.new_table(20)
+    static = StaticKVCache(layers, heads, dim, 20, dtype=torch.float32)
+    values = torch.randn(layers, 14, heads, dim)  # one entry per slot written
+    committed = table.slots(0, 6)  # a committed prefix of 6 slots
+    pool.keys[:, committed], pool.values[:, committed] = values[:, :6], -values[:, :6]
+    table.rollback(6)
+    written = table.slots(6, 14)  # a verification pass writes 8 more (the table's length stays 6)
+    pool.keys[:, written], pool.values[:, written] = values[:, 6:], -values[:, 6:]
+    static.keys[:, 0, :, :14], static.values[:, 0, :, :14] = values.transpose(1, 2), -values.transpose(1, 2)
+    static.length = 6
+    for cache in (table, static):  # a tree over [6, 14): the pending token and nodes 2, 5, 7 are kept
+        commit_kept(cache, 6, [0, 2, 5, 7])
+    assert table.length == static.length == 10
+    kept = table.slots(0, 10)
+    assert torch.equal(pool.keys[:, kept], static.keys[:, 0, :, :10].transpose(1, 2))
+    assert torch.equal(pool.values[:, kept], static.values[:, 0, :, :10].transpose(1, 2))
+    assert len(table.blocks) == 3  # slots 10.. are free again past the last block in use

@@ -20,14 +20,16 @@ from typing import Callable, Iterator
 
 import torch
 
-from dflash2.decode.engine import Engine, GenerationResult, StreamChunk, _cut_at_eos, _TextStream
+from dflash2.decode.engine import Engine
+from dflash2.decode.output import GenerationResult, OutputTracker, StreamChunk
 from dflash2.decode.ragged import RaggedRow, ragged_forward
 from dflash2.decode.cost_model import Acceptance, ForwardCost
 from dflash2.decode.scheduler import plan_draft_lengths
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.kv.paged import BlockTable, KVBudgetError, PagedKVPool
-from dflash2.verify import SamplingParams, choose_token, logits_to_probs, verify_chain, verify_greedy
+from dflash2.decode.speculative import chain_outcome, commit_kept, empty_draft, record_step
+from dflash2.verify import SamplingParams, choose_token
 
 Event = StreamChunk | GenerationResult | Exception  # what a request's sink receives, a result or error last
 Sink = Callable[[Event], None]  # called from the loop thread; must not block
@@ -98,12 +100,11 @@ class _Sequence:
     submitted: float
     drafter: Drafter | None
     generator: torch.Generator | None
-    text: _TextStream
+    output: OutputTracker  # generated ids and text; the finish rule (EOS, stop strings, max_new_tokens)
     stats: DecodeStats
     table: BlockTable | None = None
     max_slots: int = 0  # KV slots the request may fill (within the context; the table may round up to blocks)
     sequence: list[int] = field(default_factory=list)  # prompt + committed ids; the last one is pending
-    generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)
 
@@ -212,7 +213,7 @@ class BatchEngine:
             drafter = self.drafters[request.drafter]()
         generator = None if request.params.greedy else request.params.make_generator(self.engine.target.device)
         return _Sequence(request, handle, sink, time.perf_counter(), drafter, generator,
-                         _TextStream(self.engine.tokenizer, request.stop),
+                         OutputTracker(self.engine.tokenizer, request.max_new_tokens, request.stop),
                          DecodeStats(prompt_tokens=len(request.prompt_ids)))
 
     def snapshot(self) -> BatchSnapshot:
@@ -415,37 +416,27 @@ class BatchEngine:
                 seq.drafter.observe(seq.sequence[: seq.table.length + 1] + emitted, -1 if start == 0 else 0,
                                     _kept_taps(seq.drafter, hidden, len(row.tokens)))
             return emitted
-        draft_ids = (draft.tokens if draft is not None else torch.zeros(0, dtype=torch.int64)).to(logits.device)
-        if params.greedy:
-            verdict = verify_greedy(draft_ids[None], logits[None])
-        else:
-            q = None if draft is None or draft.q_draft is None else draft.q_draft[None].to(logits.device)
-            verdict = verify_chain(draft_ids[None], logits_to_probs(logits[None], params), q, generator)
-        accepted = int(verdict.num_accepted[0])
-        seq.table.rollback(seq.table.length + 1 + accepted)  # the pending token and the accepted drafts
-        emitted = verdict.emitted(0)
-        seq.stats.target_forwards += 1
-        seq.stats.committed_tokens += len(emitted)
-        seq.stats.record_draft(len(draft_ids), accepted)
-        seq.acceptance.update(len(draft_ids), accepted)
-        if seq.drafter is not None:  # the pending token and the accepted drafts are kept
-            seq.drafter.observe(seq.sequence + emitted, accepted, _kept_taps(seq.drafter, hidden, 1 + accepted))
-        return emitted
+        draft = draft or empty_draft()
+        outcome = chain_outcome(draft.tokens, draft.q_draft, logits, params, generator)
+        commit_kept(seq.table, seq.table.length, outcome.kept_positions)  # the pending token + accepted drafts
+        record_step(seq.stats, None, draft, outcome)
+        accepted = len(outcome.emitted) - 1
+        seq.acceptance.update(draft.depth, accepted)
+        if seq.drafter is not None:
+            seq.drafter.observe(seq.sequence + outcome.emitted, accepted,
+                                _kept_taps(seq.drafter, hidden, len(outcome.kept_positions)))
+        return outcome.emitted
 
     def _emit(self, seq: _Sequence, emitted: list[int]) -> None:
         """Append committed tokens, send the new text, finish on EOS / stop string / max tokens / full context."""
-        first = not seq.generated
-        seq.sequence.extend(emitted)
-        ids, hit_eos = _cut_at_eos(emitted, self.engine.tokenizer.eos_token_ids)
-        ids = ids[: seq.request.max_new_tokens - len(seq.generated)]
-        seq.generated.extend(ids)
-        if first:
+        if not seq.output.generated:
             seq.stats.prefill_seconds = time.perf_counter() - seq.submitted
-        delta, hit_stop = seq.text.push(seq.generated)
-        if delta or ids:
-            seq.send(StreamChunk(text=delta, token_ids=ids))
-        if hit_eos or hit_stop or len(seq.generated) >= seq.request.max_new_tokens:
-            self._retire(seq, "stop" if hit_stop else ("eos" if hit_eos else "length"), None)
+        seq.sequence.extend(emitted)
+        chunk = seq.output.push(emitted)
+        if chunk is not None:
+            seq.send(chunk)
+        if seq.output.finish_reason is not None:
+            self._retire(seq, seq.output.finish_reason, None)
         elif seq.table.length >= seq.max_slots:
             self._retire(seq, "length", None)
 
@@ -458,16 +449,16 @@ class BatchEngine:
             seq.table.release()
         seq.finish_reason = reason
         stats = seq.stats
-        stats.new_tokens = len(seq.generated)
+        stats.new_tokens = len(seq.output.generated)
         stats.decode_seconds = time.perf_counter() - seq.submitted - stats.prefill_seconds
         self._count(seq, reason)
         if error is not None:
             seq.send(error)
         elif reason != "cancelled":
-            tail = seq.text.flush()
-            if tail:
-                seq.send(StreamChunk(text=tail, token_ids=[]))
-            seq.send(GenerationResult(seq.text.text, seq.generated, reason, stats, list(seq.request.prompt_ids)))
+            last, result = seq.output.finish(reason, stats, seq.request.prompt_ids)
+            if last is not None:
+                seq.send(last)
+            seq.send(result)
 
     def _count(self, seq: _Sequence, reason: str) -> None:
         with self._lock:

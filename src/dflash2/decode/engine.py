@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
 
+from dflash2.decode.output import GenerationResult, OutputTracker, StreamChunk
 from dflash2.decode.plain import plain_decode
 from dflash2.decode.stats import DecodeStats
 from dflash2.models.decoder import Transformer
@@ -17,22 +17,6 @@ from dflash2.verify.sampling import SamplingParams
 Prompt = str | ChatMessages
 # A decoding method: (prompt ids [T], sampling, generator, KV capacity, stats) -> committed tokens per pass.
 DecodeMethod = Callable[[torch.Tensor, SamplingParams, torch.Generator | None, int, DecodeStats], Iterator[list[int]]]
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]  # generated ids (the stop EOS excluded)
-    finish_reason: str  # "eos" | "stop" (a stop string) | "length" (max_new_tokens or context limit) | "timeout"
-    # (the server's per-request deadline)
-    stats: DecodeStats
-    prompt_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class StreamChunk:
-    text: str  # new text since the previous chunk (may be empty while a multi-byte character is incomplete)
-    token_ids: list[int]  # ids committed by this target pass
 
 
 class Engine:
@@ -98,29 +82,22 @@ class Engine:
         stats = DecodeStats(prompt_tokens=len(prompt_ids))
         generator = None if params.greedy else params.make_generator(self.target.device)
         steps = method(torch.tensor(prompt_ids), params, generator, capacity, stats)
-        text_stream = _TextStream(self.tokenizer, stop)
-        generated: list[int] = []
-        finish_reason = "length"
+        output = OutputTracker(self.tokenizer, max_new_tokens, stop)
         start = time.perf_counter()
         for step_ids in steps:
-            if not generated:
+            if not output.generated:
                 stats.prefill_seconds = time.perf_counter() - start
-            step_ids, hit_eos = _cut_at_eos(step_ids, self.tokenizer.eos_token_ids)
-            step_ids = step_ids[: max_new_tokens - len(generated)]
-            generated.extend(step_ids)
-            delta, hit_stop = text_stream.push(generated)
-            if delta or step_ids:
-                yield StreamChunk(text=delta, token_ids=step_ids)
-            if hit_eos or hit_stop or len(generated) >= max_new_tokens:
-                finish_reason = "stop" if hit_stop else ("eos" if hit_eos else "length")
+            chunk = output.push(step_ids)
+            if chunk is not None:
+                yield chunk
+            if output.finish_reason is not None:
                 break
         steps.close()
         stats.decode_seconds = time.perf_counter() - start - stats.prefill_seconds
-        stats.new_tokens = len(generated)
-        tail = text_stream.flush()
-        if tail:
-            yield StreamChunk(text=tail, token_ids=[])
-        return GenerationResult(text_stream.text, generated, finish_reason, stats, prompt_ids)
+        last, result = output.finish(output.finish_reason or "length", stats, prompt_ids)
+        if last is not None:
+            yield last
+        return result
 
     def _default_method(self) -> DecodeMethod:
         if self.drafter is None:
@@ -148,49 +125,3 @@ class Engine:
     def _draft_slack(self) -> int:
         """Extra KV slots a verification pass may write past the last kept token."""
         return 0 if self.drafter is None else self.drafter.max_draft_tokens + 1
-
-
-def _cut_at_eos(ids: list[int], eos_ids: frozenset[int]) -> tuple[list[int], bool]:
-    for index, token in enumerate(ids):
-        if token in eos_ids:
-            return ids[:index], True
-    return ids, False
-
-
-class _TextStream:
-    """Incremental detokenisation with stop strings: emits only text that is final."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.text = ""  # the final text (truncated before a stop string when one was hit)
-        self.emitted = 0  # characters of ``text`` already yielded
-        self.stopped = False
-
-    def push(self, ids: list[int]) -> tuple[str, bool]:
-        """Re-decode all ids; return (new final text, whether a stop string was hit)."""
-        text = self.tokenizer.decode(ids)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text, self.stopped = text[:cut], True
-            return self._take(len(self.text)), True
-        self.text = text
-        safe = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 sequence decodes to U+FFFD: hold it back
-        held = max((_overlap(text[:safe], s) for s in self.stop), default=0)  # could start a stop string
-        return self._take(safe - held), False
-
-    def flush(self) -> str:
-        return self._take(len(self.text))
-
-    def _take(self, end: int) -> str:
-        delta = self.text[self.emitted : end] if end > self.emitted else ""
-        self.emitted = max(self.emitted, end)
-        return delta
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
-    for length in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:length]):
-            return length
-    return 0

@@ -11,6 +11,7 @@ import torch
 from dflash2.decode.draft_length import DraftLengthPolicy, FixedDraftLength
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft, Drafter
+from dflash2.kv import KVCommit
 from dflash2.kv.static import StaticKVCache
 from dflash2.models.decoder import Transformer
 from dflash2.verify import (
@@ -73,13 +74,15 @@ def speculative_decode(
         yield outcome.emitted
 
 
-def record_step(stats: DecodeStats, policy: DraftLengthPolicy, draft: Draft, outcome: StepOutcome,
-                draft_seconds: float, verify_seconds: float) -> None:
-    """Count one verification in the stats and tell the draft-length policy how it went."""
+def record_step(stats: DecodeStats, policy: DraftLengthPolicy | None, draft: Draft, outcome: StepOutcome,
+                draft_seconds: float = 0.0, verify_seconds: float = 0.0) -> None:
+    """Count one verification in the stats and tell the draft-length policy (if any) how it went; every loop
+    records its steps with this one function."""
     stats.target_forwards += 1
     stats.committed_tokens += len(outcome.emitted)
     stats.record_draft(draft.depth, len(outcome.emitted) - 1)
-    policy.record(draft.depth, len(outcome.emitted) - 1, draft_seconds, verify_seconds)
+    if policy is not None:
+        policy.record(draft.depth, len(outcome.emitted) - 1, draft_seconds, verify_seconds)
 
 
 def empty_draft() -> Draft:
@@ -96,7 +99,7 @@ def fit_draft(draft: Draft, room: int) -> Draft:
     return Draft(tokens=draft.tokens[:room], q_draft=q_draft, parents=parents)
 
 
-def commit_kept(cache: StaticKVCache, start: int, kept_positions: list[int]) -> None:
+def commit_kept(cache: KVCommit, start: int, kept_positions: list[int]) -> None:
     """Keep the KV entries of the accepted path: a chain is a rollback, a tree branch is compacted first."""
     if kept_positions == list(range(len(kept_positions))):
         cache.rollback(start + len(kept_positions))
@@ -118,9 +121,7 @@ def verify_draft(
     inputs = torch.cat([torch.tensor([pending], device=target.device), draft_ids])[None]  # [1, n + 1]
     if draft.parents is None:
         out = target(inputs, cache=cache, hidden_layers=taps)  # logits [1, k + 1, V]
-        verdict = _verify_chain(draft_ids, draft.q_draft, out.logits, params, generator)
-        emitted = verdict.tokens[0, : int(verdict.num_accepted[0]) + 1].tolist()
-        return StepOutcome(emitted, list(range(len(emitted)))), out.hidden_states
+        return chain_outcome(draft_ids, draft.q_draft, out.logits[0], params, generator), out.hidden_states
     layout = compile_tree(draft.parents)
     positions = target_positions(layout, cache.length).to(target.device)[None]  # [1, n + 1]
     mask = tree_attention_mask(layout, cache.length).to(target.device)[None]  # [1, n + 1, S]
@@ -132,10 +133,20 @@ def verify_draft(
     return StepOutcome(verdict.tokens.tolist(), verdict.kept_positions), out.hidden_states
 
 
-def _verify_chain(draft_ids, q_draft, logits, params: SamplingParams, generator):
-    """draft_ids [k], q_draft [k, V] | None, logits [1, k + 1, V] -> ChainVerdict for one row."""
+def chain_outcome(
+    draft_ids: torch.Tensor,  # [k] int64 (k may be 0: a plain step)
+    q_draft: torch.Tensor | None,  # [k, V] the drafts' distributions; None = deterministic drafts
+    logits: torch.Tensor,  # [k + 1, V] the target's logits over [pending, drafts...]
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> StepOutcome:
+    """The outcome of verifying a chain from the target's logits: every loop (single request, overlapped,
+    batched) decides what to keep with this one function."""
+    draft_ids = draft_ids.to(logits.device)
     if params.greedy:
-        return verify_greedy(draft_ids[None], logits)
-    p_target = logits_to_probs(logits, params)  # [1, k + 1, V]
-    q = None if q_draft is None else q_draft[None].to(logits.device)  # [1, k, V]
-    return verify_chain(draft_ids[None], p_target, q, generator)
+        verdict = verify_greedy(draft_ids[None], logits[None])
+    else:
+        q = None if q_draft is None else q_draft[None].to(logits.device)  # [1, k, V]
+        verdict = verify_chain(draft_ids[None], logits_to_probs(logits[None], params), q, generator)
+    emitted = verdict.emitted(0)
+    return StepOutcome(emitted, list(range(len(emitted))))

@@ -98,9 +98,28 @@ class BlockTable:
             raise ValueError(f"slot {end} is past the reserved capacity {self.capacity}")
         while len(self.blocks) * self.pool.block_size < end:
             self.blocks.append(self.pool._take())
-        index = torch.arange(start, end)  # [end - start]
+        return self._pool_slots(torch.arange(start, end))
+
+    def compact(self, source_slots: torch.Tensor, destination: int) -> None:
+        """Copy this sequence's slots ``source_slots`` [n] (ascending, >= destination) to ``[destination,
+        destination + n)`` in every layer and set ``length`` to its end (the accepted branch of a verified tree
+        becomes a chain), as :meth:`StaticKVCache.compact` does."""
+        n = int(source_slots.numel())
+        source = self._pool_slots(source_slots.to(torch.int64).cpu())  # [n] pool slots
+        target = self.slots(destination, destination + n)  # [n]
+        device = self.pool.keys.device
+        source, target = source.to(device), target.to(device)
+        self.pool.keys[:, target] = self.pool.keys.index_select(1, source)
+        self.pool.values[:, target] = self.pool.values.index_select(1, source)
+        self.rollback(destination + n)
+
+    def _pool_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Pool slots of allocated positions [n] -> [n]."""
+        size = self.pool.block_size
+        if positions.numel() and int(positions.max()) >= len(self.blocks) * size:
+            raise ValueError(f"slot {int(positions.max())} is not allocated")
         blocks = torch.tensor(self.blocks, dtype=torch.int64)
-        return blocks[index // self.pool.block_size] * self.pool.block_size + index % self.pool.block_size
+        return blocks[positions // size] * size + positions % size
 
     def rollback(self, length: int) -> None:
         """Keep slots ``[0, length)``; blocks wholly past ``length`` go back to the pool."""

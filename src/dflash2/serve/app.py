@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dflash2.decode.batch import BatchEngine, BatchRequest, DeadlineError, EngineStoppedError, Event, QueueFullError
-from dflash2.decode.engine import GenerationResult, StreamChunk
+from dflash2.decode.output import GenerationResult, StreamChunk
 from dflash2.kv.paged import KVBudgetError
 from dflash2.serve import metrics
 from dflash2.serve.protocol import (
