@@ -201,3 +201,12 @@ def test_training_learns_and_resumes(tiny_model_dirs, tmp_path):
     assert last["tau"] > first["tau"]  # it learned the target's continuations
     model, config = load_pard_model(drafter_dir, tiny_model_dirs["qwen2_other"], "fp32")
     assert config.num_draft_tokens == 4 and config.extra["steps"] == 30
+
+
+def test_for_request_shares_weights_not_the_cache(models):
+    drafter = PardDrafter(models["qwen2_other"], MASK, num_draft_tokens=3)
+    other = drafter.for_request()
+    assert other.model is drafter.model and other.num_draft_tokens == 3 and other is not drafter
+    drafter.reset(32), other.reset(32)
+    drafter.propose(prompt().tolist(), 3, GREEDY, None)
+    assert other.cache is not drafter.cache and other.cache.length == 0

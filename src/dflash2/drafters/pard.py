@@ -191,6 +191,31 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
     return model.eval().requires_grad_(False), config
 
 
+def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens: int | None, *, dtype: str = "bf16",
+                       pull: bool = True) -> PardDrafter:
+    """The PARD drafter for ``target`` (a :class:`~dflash2.drafters.DraftTarget`): ``draft_model`` is a trained
+    adapter directory (``pard_config.json``), or a store model / model directory drafting untrained (mask embedding
+    = the mean embedding: only draft 1 is useful); None = the adapter shipped for the target
+    (``drafters/trained/<target>-pard``). Refuses a base whose tokenizer differs from the target's."""
+    from dflash2.drafters import TRAINED_DIR
+    from dflash2.models.store import canonical_name, resolve_model
+    from dflash2.models.tokenizer import Tokenizer
+
+    if draft_model is None:
+        draft_model = TRAINED_DIR / f"{canonical_name(target.name) or target.name}-pard"
+        if not (draft_model / PARD_CONFIG).exists():
+            raise ValueError(f"no trained pard drafter is shipped for {target.name!r}; train one with `dflash2 train "
+                             f"pard` and pass its drafter/ directory (or a store model, untrained) as --draft-model")
+    adapter = Path(draft_model) if (Path(draft_model) / PARD_CONFIG).exists() else None
+    base = PardConfig.load(adapter).base_model if adapter is not None else str(draft_model)
+    base_dir = resolve_model(base, dtype, pull=pull)
+    if Tokenizer(base_dir).fingerprint() != target.tokenizer.fingerprint():
+        raise ValueError(f"pard base {base!r} has a different tokenizer from the target; it cannot draft for it")
+    model, config = load_pard_model(adapter, base_dir, dtype, str(target.target.device))
+    return PardDrafter(model, config.mask_token_id, num_draft_tokens or config.num_draft_tokens,
+                       target_vocab_size=target.target.config.vocab_size)
+
+
 # ---- the drafter -----------------------------------------------------------------------------------------
 
 
@@ -207,6 +232,10 @@ class PardDrafter(Drafter):
         self.target_vocab_size = target_vocab_size or model.config.vocab_size
         self.cache: StaticKVCache | None = None
         self.cached_tokens: list[int] = []  # the ids whose K/V are in ``cache`` (mirrors cache.length)
+
+    def for_request(self) -> PardDrafter:
+        """The same network (weights shared), its own KV cache."""
+        return PardDrafter(self.model, self.mask_token_id, self.num_draft_tokens, self.target_vocab_size)
 
     def reset(self, capacity: int) -> None:
         capacity += self.num_draft_tokens + 1  # room for the mask positions past the committed sequence
