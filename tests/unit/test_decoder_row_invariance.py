@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash2.decode.batch import BatchConfig, BatchEngine, BatchRequest, request_drafters, run_to_completion
+from dflash2.decode.engine import Engine
 from dflash2.decode.ragged import RaggedRow, ragged_forward
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.model import ModelDrafter
@@ -14,8 +16,10 @@ from dflash2.drafters.ngram import NgramDrafter
 from dflash2.kernels.attention import attention_kernel_available, attention_kernel_status
 from dflash2.kv.paged import PagedKVPool
 from dflash2.models.loading import load_transformer
+from dflash2.verify import SamplingParams
 from dflash2.verify.tree import compile_tree, target_positions, tree_attention_mask
 from tests.pipelines import PIPELINES
+from tests.unit.test_batch_engine import IdTokenizer, prompts, single
 from tests.unit.test_speculative_greedy import NEW_TOKENS, RandomDrafter, plain_ids, repetitive_prompt, spec_ids
 
 pytestmark = pytest.mark.skipif(not attention_kernel_available(),
@@ -123,3 +127,26 @@ def test_bf16_ngram_trees_equal_plain_greedy(models, k, pipeline) -> None:
     stats = DecodeStats()
     assert spec_ids(target, drafter, prompt, capacity, stats=stats, pipeline=pipeline) == plain_ids(target, prompt,
                                                                                                    capacity)
+
+
+@pytest.mark.parametrize("prefill_chunk", [512, 4], ids=["whole-prefill", "chunked-prefill"])
+def test_bf16_batched_requests_give_their_plain_tokens(models, prefill_chunk) -> None:
+    """The batch engine (ragged forward, paged cache) with drafts of mixed lengths next to three other prompts: each
+    request's tokens equal plain decoding of it alone."""
+    engine = Engine(models["qwen2"], IdTokenizer(), name="tiny")
+    batch = BatchEngine(engine, BatchConfig(num_blocks=64, block_size=8, max_prefill_tokens=prefill_chunk),
+                        request_drafters(engine))
+    requests = [BatchRequest(p, 16, drafter="ngram", num_draft_tokens=k) for p, k in zip(prompts(4), (3, 0, 8, 5))]
+    for request, result in zip(requests, run_to_completion(batch, requests)):
+        plain = BatchRequest(request.prompt_ids, request.max_new_tokens, num_draft_tokens=0)
+        assert result.token_ids == single(engine, request.prompt_ids, plain)
+
+
+def test_bf16_seeded_sampling_is_the_same_alone_and_in_a_batch(models) -> None:
+    engine = Engine(models["qwen2"], IdTokenizer(), name="tiny")
+    batch = BatchEngine(engine, BatchConfig(num_blocks=64, block_size=8), request_drafters(engine))
+    request = BatchRequest(prompts(1)[0], 12, params=SamplingParams(temperature=0.8, seed=7), drafter="ngram",
+                           num_draft_tokens=3)
+    others = [BatchRequest(p, 12, params=SamplingParams(temperature=1.0)) for p in prompts(3, seed=1)]
+    alone = run_to_completion(batch, [request])[0].token_ids
+    assert run_to_completion(batch, others[:2] + [request] + others[2:])[2].token_ids == alone
