@@ -204,3 +204,30 @@ def test_dflash_drafters_are_offered_when_the_engine_holds_one(engine, kind):
     first, second = factories[kind](), factories[kind]()
     assert first is not second and first.model is second.model  # own context cache, shared weights
     assert isinstance(factories[f"{kind}+ngram"](), HybridDrafter)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "dflash", "dflash2"])
+def test_trees_in_a_batch_give_each_request_its_plain_tokens(engine, kind):
+    """n-gram trees (W continuations) and block-drafter trees (the chain + the likeliest branches) verified in
+    the ragged forward (tree masks and positions per row) and committed by compaction of the paged cache: every
+    request of a mixed batch gets its plain greedy tokens; a seeded sampled request the same tokens alone or in a
+    crowd."""
+    if kind == "ngram":
+        factory = lambda: NgramDrafter(4, stop_ids={0}, num_candidates=3)  # noqa: E731
+    else:
+        model = block_model(kind, engine.target)
+        factory = lambda: DFlashDrafter(model, engine.target, 3, num_paths=3)  # noqa: E731
+    batch = BatchEngine(engine, BatchConfig(num_blocks=64, block_size=8, adaptive_drafts=False), {kind: factory})
+    requests = [BatchRequest(p, 14 + 2 * i, drafter=kind, num_draft_tokens=4 if kind == "ngram" else 3)
+                for i, p in enumerate(prompts(3))] + [BatchRequest(prompts(1, seed=4)[0], 10)]
+    results = run_to_completion(batch, requests, join_every=2)
+    for request, result in zip(requests, results):
+        assert result.token_ids == single(engine, request.prompt_ids, BatchRequest(request.prompt_ids,
+                                                                                  request.max_new_tokens))
+    assert any(len(r.stats.drafted_by_position) for r in results[:3])
+    assert batch.pool.blocks_used == 0 and batch.pool.reserved == 0
+    seeded = BatchRequest(prompts(1)[0], 10, params=SamplingParams(temperature=0.9, seed=3), drafter=kind,
+                          num_draft_tokens=3)
+    alone = run_to_completion(batch, [seeded])[0].token_ids
+    crowd = [BatchRequest(p, 8, params=SamplingParams(temperature=1.0)) for p in prompts(2, seed=6)]
+    assert run_to_completion(batch, crowd[:1] + [seeded] + crowd[1:])[1].token_ids == alone

@@ -99,16 +99,29 @@ def test_the_api_parses_the_spec_before_loading():
         dflash2.load("no-such-model", drafter="dflash3")
 
 
-def test_the_server_refuses_a_tree_before_loading():
+def test_the_server_takes_a_tree_spec(tiny_model_dirs):
+    """Trees are served too: ``--drafter ngram:3x2`` gives each request an n-gram tree of 2 continuations."""
     pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
     from dflash2.cli import build_parser
-    from dflash2.cli_common import CliError
     from dflash2.serve.cli import build_server
 
-    for extra in (["--drafter", "ngram:3x2"], ["--num-candidates", "2"]):
-        args = build_parser().parse_args(["serve", "--model", "no-such-model", *extra])
-        with pytest.raises(CliError, match="chains"):
-            build_server(args)
+    args = build_parser().parse_args(["serve", "--model", tiny_model_dirs["qwen2"], "--dtype", "fp32", "--drafter",
+                                      "ngram:3x2"])
+    app, batch = build_server(args)
+    assert batch.drafters["ngram"]().num_candidates == 2
+    batch.start()
+    try:
+        client = TestClient(app)
+        body = {"model": tiny_model_dirs["qwen2"], "prompt": [5, 6, 7, 5, 6, 7, 5, 6], "max_tokens": 12,
+                "temperature": 0}
+        drafted = client.post("/v1/completions", json=body).json()
+        plain = client.post("/v1/completions", json=body | {"dflash2": {"num_draft_tokens": 0}}).json()
+        assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert drafted["dflash2"]["drafter"] == "ngram" and drafted["dflash2"]["num_draft_tokens"] == 3
+    finally:
+        batch.stop()
 
 
 def test_the_bench_takes_the_same_specs():

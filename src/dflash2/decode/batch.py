@@ -2,8 +2,9 @@
 
 Requests join (their prompt is prefilled as a row of the same forward) and leave (finished, cancelled) at every
 step. Each request has its own sampling parameters, generator and draft length (0 = plain decoding); drafts are
-chains checked with the same verification functions as the single-request step, row by row, so the output of
-every request is what it would be alone (greedy: the same tokens; sampling: the target's distribution).
+chains or trees, checked with the same outcome, commit and stats functions as the single-request step
+(``decode/speculative.py``), row by row, so the output of every request is what it would be alone (greedy: the
+same tokens; sampling: the target's distribution).
 KV memory is a :class:`~dflash2.kv.paged.PagedKVPool` with a fixed budget; admission reserves a request's
 worst case, so a running request never runs out of blocks.
 """
@@ -28,8 +29,8 @@ from dflash2.decode.scheduler import plan_draft_lengths
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.kv.paged import BlockTable, KVBudgetError, PagedKVPool
-from dflash2.decode.speculative import chain_outcome, commit_kept, empty_draft, record_step
-from dflash2.verify import SamplingParams, choose_token
+from dflash2.decode.speculative import chain_outcome, commit_kept, empty_draft, fit_draft, record_step, tree_outcome
+from dflash2.verify import SamplingParams, choose_token, compile_tree
 
 Event = StreamChunk | GenerationResult | Exception  # what a request's sink receives, a result or error last
 Sink = Callable[[Event], None]  # called from the loop thread; must not block
@@ -389,8 +390,8 @@ class BatchEngine:
         if seq.drafter is None or k <= 0:
             return None
         draft = seq.drafter.propose(seq.sequence, k, seq.request.params, seq.generator)
-        if draft.parents is not None:
-            raise ValueError("the batch engine verifies chains; this drafter proposed a tree")
+        room = seq.max_slots - len(seq.sequence)  # a tree of k * W nodes may not fit where k drafts do
+        draft = fit_draft(draft, room)
         return draft if len(draft.tokens) else None
 
     @staticmethod
@@ -399,7 +400,7 @@ class BatchEngine:
             start = seq.table.length
             return RaggedRow(seq.table, seq.sequence[start : start + chunk], all_logits=False)
         tokens = [seq.sequence[-1]] + ([] if draft is None else draft.tokens.tolist())
-        return RaggedRow(seq.table, tokens, all_logits=True)
+        return RaggedRow(seq.table, tokens, all_logits=True, parents=None if draft is None else draft.parents)
 
     def _verify(self, seq: _Sequence, draft: Draft | None, row: RaggedRow, logits: torch.Tensor,
                 hidden: dict[int, torch.Tensor]) -> list[int]:
@@ -417,14 +418,17 @@ class BatchEngine:
                                     _kept_taps(seq.drafter, hidden, len(row.tokens)))
             return emitted
         draft = draft or empty_draft()
-        outcome = chain_outcome(draft.tokens, draft.q_draft, logits, params, generator)
+        if draft.parents is None:
+            outcome = chain_outcome(draft.tokens, draft.q_draft, logits, params, generator)
+        else:
+            outcome = tree_outcome(compile_tree(draft.parents), draft.tokens, logits, params, generator)
         commit_kept(seq.table, seq.table.length, outcome.kept_positions)  # the pending token + accepted drafts
         record_step(seq.stats, None, draft, outcome)
         accepted = len(outcome.emitted) - 1
         seq.acceptance.update(draft.depth, accepted)
         if seq.drafter is not None:
             seq.drafter.observe(seq.sequence + outcome.emitted, accepted,
-                                _kept_taps(seq.drafter, hidden, len(outcome.kept_positions)))
+                                _kept_taps(seq.drafter, hidden, outcome.kept_positions))
         return outcome.emitted
 
     def _emit(self, seq: _Sequence, emitted: list[int]) -> None:
@@ -476,10 +480,14 @@ class BatchEngine:
                 totals.accepted_by_position[position] += a
 
 
-def _kept_taps(drafter: Drafter, hidden: dict[int, torch.Tensor], count: int) -> tuple[torch.Tensor, ...]:
-    """The drafter's tapped layers over the first ``count`` tokens of its row (the kept ones), each [1, count, D];
-    empty for a drafter that reads no hidden states."""
-    return tuple(hidden[layer][:, :count] for layer in drafter.hidden_layers)
+def _kept_taps(drafter: Drafter, hidden: dict[int, torch.Tensor], kept: int | list[int]
+               ) -> tuple[torch.Tensor, ...]:
+    """The drafter's tapped layers over the kept tokens of its row (the first ``kept``, or the row positions
+    ``kept`` of a tree's accepted branch), each [1, n, D]; empty for a drafter that reads no hidden states."""
+    if isinstance(kept, int):
+        return tuple(hidden[layer][:, :kept] for layer in drafter.hidden_layers)
+    index = torch.tensor(kept)
+    return tuple(hidden[layer][:, index.to(hidden[layer].device)] for layer in drafter.hidden_layers)
 
 
 def _seeded(params: SamplingParams) -> bool:
@@ -491,16 +499,19 @@ def request_drafters(engine: Engine, max_draft_tokens: int | None = None) -> dic
     shared; at most ``max_draft_tokens`` drafts, default: its default draft length); the engine's own drafter, and
     when it is a ``+ngram`` hybrid also its block drafter alone, each copied per request by its ``for_request``
     (weights shared, its own cache). Only the drafters of this package are offered (DRAFTER_NAMES): each of them
-    says by ``for_request`` what state it keeps. The batch drafts chains."""
+    says by ``for_request`` what state it keeps. A drafter built with a tree width (``name:kxW``) drafts trees."""
     from dflash2.drafters.ngram import NgramDrafter
     from dflash2.drafters.spec import DRAFTER_NAMES, default_num_draft_tokens
 
-    ngram = NgramDrafter(max_draft_tokens or default_num_draft_tokens("ngram"), stop_ids=engine.tokenizer.eos_token_ids)
-    factories: dict[str, DrafterFactory] = {"ngram": lambda: ngram}
+    factories: dict[str, DrafterFactory] = {}
     held = engine.drafter
     for drafter in (held, getattr(held, "block", None)):  # a hybrid also serves its block drafter alone
         if drafter is not None and drafter.name in DRAFTER_NAMES and drafter.name not in factories:
             factories[drafter.name] = drafter.for_request
+    if "ngram" not in factories:  # the engine's own n-gram drafter (maybe a tree) when it holds one
+        ngram = NgramDrafter(max_draft_tokens or default_num_draft_tokens("ngram"),
+                             stop_ids=engine.tokenizer.eos_token_ids)
+        factories["ngram"] = lambda: ngram
     return factories
 
 

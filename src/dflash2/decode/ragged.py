@@ -1,10 +1,9 @@
-"""One target forward over a ragged batch: rows of different lengths (a prompt, a pending token plus k drafts,
-a lone pending token) over a paged KV cache.
+"""One target forward over a ragged batch: rows of different lengths (a prompt, a pending token plus k drafts or
+a tree of drafts, a lone pending token) over a paged KV cache.
 
-The projections and the feed-forward run on the N real tokens flattened (no padding there); only attention
-pads, to ``[B, T_max]`` queries over ``[B, S_max]`` gathered keys, with a mask that gives each query its own
-row's cached slots and the row's new tokens up to itself (a chain). Uses the target's own modules, so the math
-is the decoder's.
+The decoder's own forward runs over the N real tokens flattened (no padding in projections and feed-forward);
+only attention pads, to ``[B, T_max]`` queries over ``[B, S_max]`` gathered keys, with a mask that gives each
+query its own row's cached slots and the row's new tokens up to itself (a chain) or its ancestors (a tree).
 """
 
 from __future__ import annotations
@@ -15,7 +14,8 @@ import torch
 
 from dflash2.kv.paged import BlockTable, PagedKVPool
 from dflash2.models.attention import attend
-from dflash2.models.decoder import Transformer, rotate_half
+from dflash2.models.decoder import Transformer
+from dflash2.verify.tree import compile_tree, target_positions, tree_attention_mask
 
 
 @dataclass
@@ -23,6 +23,7 @@ class RaggedRow:
     table: BlockTable  # the row's KV blocks; its new tokens are written at [table.length, table.length + T)
     tokens: list[int]  # [T] new input ids (T >= 1)
     all_logits: bool  # True: logits of every new token (verification); False: of the last one only (prefill)
+    parents: list[int] | None = None  # a tree over tokens[1:] (tokens[0] is the pending token); None = a chain
 
 
 @dataclass
@@ -54,12 +55,16 @@ def build_layout(rows: list[RaggedRow], device: torch.device) -> RaggedLayout:
     for r, (row, n, span) in enumerate(zip(rows, lengths, spans)):
         start = row.table.length
         ids.extend(row.tokens)
-        positions.extend(range(start, span))
         key_slots[r, :span] = row.table.slots(0, span)
         writes.append(key_slots[r, start:span])
         query_index[r, :n] = torch.arange(flat, flat + n)
-        causal = torch.arange(span)[None, :] <= torch.arange(start, span)[:, None]  # [n, span]
-        mask[r, 0, :n, :span] = causal
+        if row.parents is None:
+            positions.extend(range(start, span))
+            mask[r, 0, :n, :span] = torch.arange(span)[None, :] <= torch.arange(start, span)[:, None]  # causal
+        else:  # each node sees the cached slots, the pending token and its ancestors; position = start + depth
+            tree = compile_tree(row.parents)
+            positions.extend(target_positions(tree, start).tolist())
+            mask[r, 0, :n, :span] = tree_attention_mask(tree, start)
         first = flat if row.all_logits else flat + n - 1
         logit_rows.append((len(logit_index), len(logit_index) + flat + n - first))
         logit_index.extend(range(first, flat + n))
@@ -88,42 +93,41 @@ class RaggedOutput:
 def ragged_forward(model: Transformer, pool: PagedKVPool, rows: list[RaggedRow],
                    hidden_layers: tuple[int, ...] = ()) -> RaggedOutput:
     """Write every row's new tokens into the pool; return per row its logits and the hidden states (outputs of
-    the decoder layers ``hidden_layers``) of its new tokens.
+    the decoder layers ``hidden_layers``) of its new tokens. The decoder's own forward runs over the N real
+    tokens as one sequence; only its attention is ragged (:class:`RaggedAttention`).
 
     The rows' ``table.length`` is not moved: the caller commits (rolls back to) the slots it keeps.
     """
     layout = build_layout(rows, model.device)
-    cos, sin = model.rope(layout.positions[None])  # [1, 1, N, Dh] each
-    cos, sin = cos[0, 0, :, None], sin[0, 0, :, None]  # [N, 1, Dh]
-    x = model.embed(layout.input_ids)[None]  # [1, N, D]
-    taps: dict[int, torch.Tensor] = {}
-    for index, layer in enumerate(model.layers):
-        x = x + _attention(layer.attn, layer.attn_norm(x), cos, sin, pool, index, layout)
-        x = x + layer.ffn(layer.ffn_norm(x))
-        if index in hidden_layers:
-            taps[index] = x  # [1, N, D]
-    logits = model.lm_head(model.norm(x[0, layout.logit_index])).float()  # [M, V]
+    out = model(layout.input_ids[None], positions=layout.positions[None], hidden_layers=hidden_layers,
+                logits=layout.logit_index, context=RaggedAttention(pool, layout))
+    logits = out.logits[0]  # [M, V]
+    taps = dict(zip(hidden_layers, out.hidden_states))  # layer -> [1, N, D]
     bounds = torch.tensor([0, *(len(row.tokens) for row in rows)]).cumsum(0).tolist()
     hidden = [{layer: t[:, bounds[r] : bounds[r + 1]] for layer, t in taps.items()} for r in range(len(rows))]
     return RaggedOutput([logits[start:end] for start, end in layout.logit_rows], hidden)
 
 
-def _attention(attn, h: torch.Tensor, cos, sin, pool: PagedKVPool, layer: int, layout: RaggedLayout) -> torch.Tensor:
-    """h [1, N, D] normed inputs -> attention output [1, N, D]; writes this layer's new keys/values."""
-    num = h.shape[1]
-    q, k, v = attn.wqkv(h)[0].split(attn.split_sizes, dim=-1)
-    q = q.view(num, attn.num_heads, attn.head_dim)  # [N, H, Dh]
-    k = k.view(num, attn.num_kv_heads, attn.head_dim)  # [N, H_kv, Dh]
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
-    pool.keys[layer].index_copy_(0, layout.write_slots, k)
-    pool.values[layer].index_copy_(0, layout.write_slots, v.view(num, attn.num_kv_heads, attn.head_dim))
-    keys = _gather(pool.keys[layer], layout.key_slots)  # [B, H_kv, S_max, Dh]
-    values = _gather(pool.values[layer], layout.key_slots)  # [B, H_kv, S_max, Dh]
-    queries = _gather(q, layout.query_index)  # [B, H, T_max, Dh]
-    out = attend(queries, keys, values, layout.mask)  # [B, H, T_max, Dh]
-    out = out.transpose(1, 2)[layout.query_valid]  # [N, H, Dh], rows concatenated in order
-    return attn.wo(out.reshape(1, num, -1))
+class RaggedAttention:
+    """The decoder's attention over a ragged batch: new keys/values go to the rows' pool slots; each row's
+    queries attend, padded to ``[B, T_max]``, to its own visible slots gathered from the pool (``[B, S_max]``)."""
+
+    def __init__(self, pool: PagedKVPool, layout: RaggedLayout) -> None:
+        self.pool, self.layout = pool, layout
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [1, H, N, Dh], k / v [1, H_kv, N, Dh] over the N real tokens -> [1, H, N, Dh]."""
+        layout, pool = self.layout, self.pool
+        pool.keys[layer].index_copy_(0, layout.write_slots, k[0].transpose(0, 1))  # [N, H_kv, Dh]
+        pool.values[layer].index_copy_(0, layout.write_slots, v[0].transpose(0, 1))
+        keys = _gather(pool.keys[layer], layout.key_slots)  # [B, H_kv, S_max, Dh]
+        values = _gather(pool.values[layer], layout.key_slots)  # [B, H_kv, S_max, Dh]
+        queries = _gather(q[0].transpose(0, 1), layout.query_index)  # [B, H, T_max, Dh]
+        out = attend(queries, keys, values, layout.mask)  # [B, H, T_max, Dh]
+        return out.transpose(1, 2)[layout.query_valid].transpose(0, 1)[None]  # [1, H, N, Dh], rows in order
+
+    def finish(self, num_tokens: int) -> None:
+        """Nothing to advance: the caller commits each row's table."""
 
 
 def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dflash2.kv.static import StaticKVCache
 from dflash2.models.decoder import Transformer
 from dflash2.verify import (
     SamplingParams,
+    TreeLayout,
     choose_token,
     compile_tree,
     logits_to_probs,
@@ -126,11 +127,24 @@ def verify_draft(
     positions = target_positions(layout, cache.length).to(target.device)[None]  # [1, n + 1]
     mask = tree_attention_mask(layout, cache.length).to(target.device)[None]  # [1, n + 1, S]
     out = target(inputs, positions=positions, cache=cache, attn_mask=mask, hidden_layers=taps)
+    return tree_outcome(layout, draft_ids, out.logits[0], params, generator), out.hidden_states
+
+
+def tree_outcome(
+    layout: TreeLayout,  # compile_tree(draft.parents)
+    draft_ids: torch.Tensor,  # [n] int64 tree nodes
+    logits: torch.Tensor,  # [n + 1, V] the target's logits over [pending, nodes...]
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> StepOutcome:
+    """The outcome of verifying a tree (siblings are deterministic drafts: the exact rule at T > 0); the
+    single-request loops and the batch engine decide with this one function."""
+    draft_ids = draft_ids.to(logits.device)
     if params.greedy:
-        verdict = verify_tree_greedy(layout, draft_ids, out.logits[0])
+        verdict = verify_tree_greedy(layout, draft_ids, logits)
     else:
-        verdict = verify_tree(layout, draft_ids, logits_to_probs(out.logits[0], params), None, generator)
-    return StepOutcome(verdict.tokens.tolist(), verdict.kept_positions), out.hidden_states
+        verdict = verify_tree(layout, draft_ids, logits_to_probs(logits, params), None, generator)
+    return StepOutcome(verdict.tokens.tolist(), verdict.kept_positions)
 
 
 def chain_outcome(

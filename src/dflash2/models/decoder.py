@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -92,8 +92,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,  # [B, 1, T, Dh]
         sin: torch.Tensor,  # [B, 1, T, Dh]
         layer: int,
-        cache: StaticKVCache | None,
-        attn_mask: torch.Tensor | None,  # [B or 1, 1, T, S] bool, True = may attend; None = causal
+        context: AttentionContext,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = self.wqkv(x).split(self.split_sizes, dim=-1)
@@ -102,13 +101,42 @@ class Attention(nn.Module):
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, Dh]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if cache is not None:
-            k, v = cache.write(layer, k, v)  # [B, H_kv, S, Dh], S = cached + T
-        is_causal = attn_mask is None and seq > 1 and k.shape[2] == seq
-        if attn_mask is None and seq > 1 and k.shape[2] > seq:
-            attn_mask = causal_mask(seq, k.shape[2], x.device)
-        out = attend(q, k, v, attn_mask, is_causal)  # [B, H, T, Dh]
+        out = context.attend(layer, q, k, v)  # [B, H, T, Dh]
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class AttentionContext(Protocol):
+    """Where one forward's new keys/values go and which keys each query sees: the static cache of one request
+    (:class:`CachedAttention`) or the paged pool of a ragged batch (``decode.ragged.RaggedAttention``). The
+    decoder's forward (embedding, RoPE, layer loop, taps, logits) is the same for both."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, T, Dh], new k / v [B, H_kv, T, Dh] (after RoPE) -> attention output [B, H, T, Dh]."""
+
+    def finish(self, num_tokens: int) -> None:
+        """After the last layer: commit the forward's writes (a static cache advances its length)."""
+
+
+class CachedAttention:
+    """A request's :class:`StaticKVCache` (or no cache), with an explicit mask (trees) or a causal one."""
+
+    def __init__(self, cache: StaticKVCache | None, mask: torch.Tensor | None) -> None:
+        self.cache = cache
+        self.mask = mask  # [B or 1, 1, T, S] bool, True = may attend; None = causal
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seq = q.shape[2]
+        if self.cache is not None:
+            k, v = self.cache.write(layer, k, v)  # [B, H_kv, S, Dh], S = cached + T
+        mask = self.mask
+        is_causal = mask is None and seq > 1 and k.shape[2] == seq
+        if mask is None and seq > 1 and k.shape[2] > seq:
+            mask = causal_mask(seq, k.shape[2], q.device)
+        return attend(q, k, v, mask, is_causal)
+
+    def finish(self, num_tokens: int) -> None:
+        if self.cache is not None:
+            self.cache.advance(num_tokens)
 
 
 def causal_mask(num_queries: int, num_keys: int, device: torch.device | str) -> torch.Tensor:
@@ -137,8 +165,8 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn = FeedForward(config)
 
-    def forward(self, x, cos, sin, layer, cache, attn_mask):  # x: [B, T, D] -> [B, T, D]
-        x = x + self.attn(self.attn_norm(x), cos, sin, layer, cache, attn_mask)
+    def forward(self, x, cos, sin, layer, context):  # x: [B, T, D] -> [B, T, D]
+        x = x + self.attn(self.attn_norm(x), cos, sin, layer, context)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -184,25 +212,28 @@ class Transformer(nn.Module):
         attn_mask: torch.Tensor | None = None,  # [B or 1, T, S] bool over the S = cache.length + T visible slots
         *,
         hidden_layers: Sequence[int] = (),  # return the output of these decoder layers (0-based)
-        logits: LogitsSelection = "all",
+        logits: LogitsSelection | torch.Tensor = "all",  # or [M] int64 token indices (batch of 1): [1, M, V]
+        context: AttentionContext | None = None,  # default: CachedAttention(cache, attn_mask)
     ) -> ForwardOutput:
+        if context is None:
+            context = CachedAttention(cache, attn_mask[:, None] if attn_mask is not None else None)  # [B, 1, T, S]
         start = cache.length if cache is not None else 0
         seq = input_ids.shape[1]
         if positions is None:
             positions = torch.arange(start, start + seq, device=input_ids.device).expand(input_ids.shape[0], seq)
         cos, sin = self.rope(positions)
-        mask = attn_mask[:, None] if attn_mask is not None else None  # [B, 1, T, S]
         wanted = set(hidden_layers)
         taps: dict[int, torch.Tensor] = {}
         x = self.embed(input_ids)  # [B, T, D]
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, index, cache, mask)
+            x = layer(x, cos, sin, index, context)
             if index in wanted:
                 taps[index] = x
-        if cache is not None:
-            cache.advance(seq)
+        context.finish(seq)
         out_logits = None
-        if logits != "none":
+        if isinstance(logits, torch.Tensor):
+            out_logits = self.lm_head(self.norm(x[:, logits])).float()
+        elif logits != "none":
             x = x[:, -1:] if logits == "last" else x
             out_logits = self.lm_head(self.norm(x)).float()
         return ForwardOutput(logits=out_logits, hidden_states=tuple(taps[i] for i in hidden_layers))

@@ -53,8 +53,6 @@ def build_server(args: argparse.Namespace):
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise CliError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     spec = drafter_spec(args)
-    if spec.width != 1:
-        raise CliError(f"serve verifies chains: the tree width W must be 1 (--drafter {spec}, --num-candidates)")
     engine = load_engine(args)
     c = engine.target.config
     per_block = PagedKVPool.bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size,
