@@ -27,7 +27,7 @@ def add_bench_parser(commands) -> None:
                         "--num-candidates); plain decoding always runs")
     p.add_argument("--limit", type=int, default=None, help="first N prompts (per category for spec_bench)")
     p.add_argument("--category", default=None, help="only these categories, comma-separated (e.g. summarization)")
-    p.add_argument("--data", default=None, help="folder holding eval/ (default: ../shared/data or $DFLASH2_DATA)")
+    p.add_argument("--data", default=None, help="folder holding eval/ (default: $DFLASH2_DATA, else the checkout's data/)")
     p.add_argument("--quick", action="store_true",
                    help="a few minutes: humaneval + gsm8k, 2 prompts each, 64 new tokens (overrides those options)")
     p.add_argument("--max-new-tokens", type=int, default=256)

@@ -46,7 +46,7 @@ Result = TypeVar("Result")
 
 
 def default_pipeline(device: torch.device | str) -> str:
-    """The pipeline a new engine uses: chosen by measurement (README, "Keep Drafting Parallel")."""
+    """The pipeline a new engine uses: chosen by measurement (docs/overlap.md)."""
     return "sync"
 
 

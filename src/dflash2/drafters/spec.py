@@ -28,7 +28,7 @@ DEFAULT_NUM_DRAFT_TOKENS: dict[str, int | None] = {
     "dflash2+ngram": None,
 }
 
-# "auto": the drafter measured fastest for the target with `dflash2 bench` (README, Results); ngram elsewhere.
+# "auto": the drafter measured fastest for the target with `dflash2 bench` (docs/results.md); ngram elsewhere.
 MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash2+ngram"}
 
 

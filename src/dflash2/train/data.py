@@ -70,7 +70,7 @@ class DataConfig:
     hidden_layers: tuple[int, ...] = ()  # also store the target's hidden states of these layers (batched path only)
     hidden_dir: str | None = None  # where those go (default: out_dir/hidden)
     sources: tuple[str, ...] = ("gsm8k", "stdlib")  # prompt sources, interleaved round-robin
-    gsm8k_path: str | None = None  # default: shared/data/train/gsm8k_train.jsonl
+    gsm8k_path: str | None = None  # default: the checkout's data/train/gsm8k_train.jsonl
     target_model: str = ""  # recorded in the manifest; a re-run for another target is refused
     progress: bool = True  # tqdm bar
 
