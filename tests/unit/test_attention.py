@@ -54,3 +54,22 @@ def test_a_row_of_a_bf16_block_equals_that_row_attended_alone() -> None:
         visible = slots - tokens + i + 1
         alone = attend(q[:, :, i : i + 1], k[:, :, :visible], v[:, :, :visible])
         assert torch.equal(alone, block[:, :, i : i + 1]), f"query {i}"
+
+
+def test_training_gets_gradients_through_attention():
+    """The row-invariant kernel has no backward: a call that needs gradients takes PyTorch's path (drafter
+    training), and its gradients are those of the reference attention."""
+    import torch
+
+    from dflash2.models.attention import attend, torch_attend
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 5, 16, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, 5, 16, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, 5, 16, generator=g, requires_grad=True)
+    attend(q, k, v, is_causal=True).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    torch_attend(q, k, v, is_causal=True).sum().backward()
+    assert all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))

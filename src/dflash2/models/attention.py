@@ -35,9 +35,10 @@ def attend(
     attn_mask: torch.Tensor | None = None,  # [B or 1, 1, T or 1, S] bool, True = may attend; None = all (or causal)
     is_causal: bool = False,
 ) -> torch.Tensor:  # [B, H, T, Dh]
-    if use_invariant_kernel() and _kernel.kernel_supports(q, k, attn_mask):
+    trains = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if use_invariant_kernel() and not trains and _kernel.kernel_supports(q, k, attn_mask):
         return _kernel.invariant_attention(q, k, v, attn_mask, is_causal)
-    return torch_attend(q, k, v, attn_mask, is_causal)
+    return torch_attend(q, k, v, attn_mask, is_causal)  # also training: the kernel has no backward
 
 
 def use_invariant_kernel() -> bool:
