@@ -231,3 +231,36 @@ def test_trees_in_a_batch_give_each_request_its_plain_tokens(engine, kind):
     alone = run_to_completion(batch, [seeded])[0].token_ids
     crowd = [BatchRequest(p, 8, params=SamplingParams(temperature=1.0)) for p in prompts(2, seed=6)]
     assert run_to_completion(batch, crowd[:1] + [seeded] + crowd[1:])[1].token_ids == alone
+
+
+def test_drafter_memory_stays_within_its_budget(engine):
+    """16 requests, one with a long prompt, each with a DFlash drafter keeping its own context cache: the caches
+    the running requests hold never exceed the drafter memory budget (requests wait for room instead), the
+    reservation equals what is held, every request still gets its plain tokens, and a request whose drafter
+    alone exceeds the budget is refused at once."""
+    model = block_model("dflash", engine.target)
+    factory = lambda: DFlashDrafter(model, engine.target, 3)  # noqa: E731
+    probe = factory()
+    long_prompt = (prompts(1)[0] * 20)[:300]
+    requests = [BatchRequest(long_prompt, 8, drafter="dflash", num_draft_tokens=3)] + [
+        BatchRequest(p, 8 + i % 5, drafter="dflash", num_draft_tokens=3) for i, p in enumerate(prompts(15))]
+    budget = probe.state_bytes(len(long_prompt) + 8 + 4) + 4 * probe.state_bytes(40)  # the long one + about 4
+    batch = BatchEngine(engine, BatchConfig(num_blocks=256, block_size=8, drafter_memory_bytes=budget),
+                        {"dflash": factory})
+    events: list[list] = [[] for _ in requests]
+    for request, sink in zip(requests, events):
+        batch.submit(request, sink.append)
+    peak, waited = 0, False
+    while batch.step():
+        held = sum(seq.drafter.held_bytes() for seq in batch._running)
+        assert held <= batch._drafter_bytes <= budget
+        peak, waited = max(peak, held), waited or bool(batch._waiting)
+    assert peak > budget // 2 and waited  # the budget was used and some requests had to wait for it
+    assert batch._drafter_bytes == 0 and batch.pool.reserved == 0
+    for request, sink in zip(requests, events):
+        assert sink[-1].token_ids == single(engine, request.prompt_ids, BatchRequest(request.prompt_ids,
+                                                                                    request.max_new_tokens))
+    too_big = BatchEngine(engine, BatchConfig(num_blocks=256, block_size=8, drafter_memory_bytes=budget // 10),
+                          {"dflash": factory})
+    with pytest.raises(ValueError, match="drafter memory budget"):
+        too_big.submit(requests[0], lambda event: None)

@@ -61,11 +61,16 @@ class BatchConfig:
     queue_timeout_s: float = 60.0  # a request not admitted within this fails with KVBudgetError
     adaptive_drafts: bool = True  # lower draft lengths (to 0) when they would cost more than they commit
     max_prefill_tokens: int = 512  # prompt tokens fed per step (chunked prefill: running rows are not stalled)
+    # Bytes the drafters' per-request state (their own KV caches) may take in all; admission reserves each
+    # request's (Drafter.state_bytes) and a request waits while it does not fit. None: not bounded.
+    drafter_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "num_blocks", "block_size", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.drafter_memory_bytes is not None and self.drafter_memory_bytes < 0:
+            raise ValueError(f"drafter_memory_bytes must be >= 0, got {self.drafter_memory_bytes}")
 
 
 @dataclass
@@ -105,6 +110,7 @@ class _Sequence:
     stats: DecodeStats
     table: BlockTable | None = None
     max_slots: int = 0  # KV slots the request may fill (within the context; the table may round up to blocks)
+    state_bytes: int = 0  # drafter memory reserved for it while admitted
     sequence: list[int] = field(default_factory=list)  # prompt + committed ids; the last one is pending
     finish_reason: str | None = None
     acceptance: Acceptance = field(default_factory=Acceptance)
@@ -138,6 +144,8 @@ class BatchSnapshot:
     batch_size: int
     kv_blocks_used: int
     kv_blocks_total: int
+    drafter_bytes_reserved: int
+    drafter_bytes_budget: int | None
 
 
 class BatchEngine:
@@ -158,6 +166,7 @@ class BatchEngine:
         self._waiting: list[_Sequence] = []
         self._running: list[_Sequence] = []
         self._next_id = 0
+        self._drafter_bytes = 0  # reserved by admitted requests' drafters
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._dead: BaseException | None = None  # why the loop thread ended, if it died
@@ -180,7 +189,9 @@ class BatchEngine:
                 raise QueueFullError(f"{self.config.max_queue} requests are already waiting; retry later")
             handle = RequestHandle(self._next_id)
             self._next_id += 1
-            self._incoming.append(self._new_sequence(request, handle, sink))
+            seq = self._new_sequence(request, handle, sink)
+            self._check_drafter_memory(seq)
+            self._incoming.append(seq)
         self._wake.set()
         return handle
 
@@ -208,6 +219,16 @@ class BatchEngine:
         if need > self.pool.num_blocks:
             raise ValueError(f"the request needs {need} KV blocks; the server's budget is {self.pool.num_blocks}")
 
+    def _check_drafter_memory(self, seq: _Sequence) -> None:
+        """Refuse a request whose drafter state alone exceeds the whole drafter memory budget."""
+        budget = self.config.drafter_memory_bytes
+        if seq.drafter is None or budget is None:
+            return
+        need = seq.drafter.state_bytes(self.max_slots(seq.request))
+        if need > budget:
+            raise ValueError(f"the request's drafter needs {need / 2**20:.1f} MiB for its caches; the server's "
+                             f"drafter memory budget is {budget / 2**20:.1f} MiB")
+
     def _new_sequence(self, request: BatchRequest, handle: RequestHandle, sink: Sink) -> _Sequence:
         drafter = None
         if request.num_draft_tokens:
@@ -222,7 +243,8 @@ class BatchEngine:
             totals = copy.deepcopy(self._totals)
             return BatchSnapshot(dict(self._finished), self._rejected, totals.prompt_tokens, totals.new_tokens,
                                  self._steps, totals, len(self._incoming) + len(self._waiting), len(self._running),
-                                 self.pool.blocks_used, self.pool.num_blocks)
+                                 self.pool.blocks_used, self.pool.num_blocks, self._drafter_bytes,
+                                 self.config.drafter_memory_bytes)
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -293,6 +315,14 @@ class BatchEngine:
                 seq.table = self.pool.new_table(seq.max_slots)
             except KVBudgetError:
                 break  # FIFO: the head waits for blocks to be freed
+            state = 0 if seq.drafter is None else seq.drafter.state_bytes(seq.max_slots)
+            budget = self.config.drafter_memory_bytes
+            if budget is not None and self._drafter_bytes + state > budget:
+                seq.table.release()
+                seq.table = None
+                break  # FIFO: the head waits for drafter memory to be freed
+            seq.state_bytes = state
+            self._drafter_bytes += state
             self._waiting.pop(0)
             seq.sequence = list(seq.request.prompt_ids)
             self._running.append(seq)
@@ -301,7 +331,7 @@ class BatchEngine:
                     seq.drafter.reset(seq.max_slots)
         for seq in [s for s in self._waiting if now - s.submitted > self.config.queue_timeout_s]:
             self._retire(seq, "error", KVBudgetError(f"not admitted within {self.config.queue_timeout_s:.0f} s: "
-                                                     "the KV cache stayed full"))
+                                                     "the KV cache (or the drafter memory) stayed full"))
 
     def _forward_and_advance(self, running: list[_Sequence]) -> None:
         chunks = self._prefill_chunks(running)
@@ -451,6 +481,8 @@ class BatchEngine:
                 group.remove(seq)
         if seq.table is not None:
             seq.table.release()
+        self._drafter_bytes -= seq.state_bytes
+        seq.state_bytes = 0
         seq.finish_reason = reason
         stats = seq.stats
         stats.new_tokens = len(seq.output.generated)

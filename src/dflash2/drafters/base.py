@@ -51,6 +51,16 @@ class Drafter(ABC):
     def reset(self, capacity: int) -> None:
         """Start a new sequence; ``capacity`` bounds its length (prompt + generated + one draft block)."""
 
+    def state_bytes(self, capacity: int) -> int:
+        """Memory the per-request state of this drafter takes after ``reset(capacity)`` (its own caches; the
+        weights are shared): what the batch engine reserves from its drafter memory budget. 0 = stateless."""
+        return 0
+
+    def held_bytes(self) -> int:
+        """Memory its per-request state holds now (its ``cache``, if it keeps one)."""
+        cache = getattr(self, "cache", None)
+        return 0 if cache is None else cache.nbytes
+
     def for_request(self) -> Drafter:
         """A drafter like this one for another request decoded at the same time (the batch engine): the same
         weights and settings, its own per-sequence state. This one keeps no state, so it is shared; a drafter with

@@ -94,6 +94,10 @@ class DFlashDrafter(Drafter):
         """Committed positions whose context K/V are cached (= the next block's start position)."""
         return 0 if self.cache is None else self.cache.length
 
+    def state_bytes(self, capacity: int) -> int:
+        c = self.model.config
+        return StaticKVCache.nbytes_for(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.model.dtype)
+
     def reset(self, capacity: int) -> None:
         c = self.model.config
         if self.cache is None or self.cache.capacity < capacity:

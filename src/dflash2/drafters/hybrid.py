@@ -46,6 +46,12 @@ class HybridDrafter(Drafter):
     def reset(self, capacity: int) -> None:
         self.block.reset(capacity)
 
+    def state_bytes(self, capacity: int) -> int:
+        return self.block.state_bytes(capacity)
+
+    def held_bytes(self) -> int:
+        return self.block.held_bytes()
+
     def observe(self, sequence: list[int], num_accepted: int, target_hidden: tuple[torch.Tensor, ...]) -> None:
         self.block.observe(sequence, num_accepted, target_hidden)
 

@@ -26,6 +26,10 @@ class ModelDrafter(Drafter):
         """The same draft model (weights shared), its own KV cache."""
         return ModelDrafter(self.model, self.num_draft_tokens, self.target_vocab_size)
 
+    def state_bytes(self, capacity: int) -> int:
+        c = self.model.config
+        return StaticKVCache.nbytes_for(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.model.dtype)
+
     def reset(self, capacity: int) -> None:
         if self.cache is None or self.cache.capacity < capacity:
             self.cache = self.model.new_cache(capacity)

@@ -36,6 +36,17 @@ class StaticKVCache:
         self.capacity = capacity
         self.length = 0
 
+    @staticmethod
+    def nbytes_for(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                   batch_size: int = 1) -> int:
+        """Bytes of the keys and values a cache of this shape allocates."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * batch_size * num_kv_heads * capacity * head_dim * element
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new keys/values [B, H_kv, T, Dh] at ``[length, length + T)`` of one layer.
 

@@ -21,6 +21,9 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests decoded together (default: %(default)s)")
     p.add_argument("--kv-memory-mb", type=float, default=1024.0, help="KV cache budget (default: %(default)s MiB)")
+    p.add_argument("--drafter-memory-mb", type=float, default=None,
+                   help="budget of the drafters' per-request caches (a model / block drafter keeps its own KV "
+                        "cache per request; default: the --kv-memory-mb value)")
     p.add_argument("--block-size", type=int, default=16, help="KV slots per block (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default: %(default)s)")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for KV before 503")
@@ -62,7 +65,8 @@ def build_server(args: argparse.Namespace):
         raise CliError(f"--kv-memory-mb {args.kv_memory_mb} holds no KV block ({per_block} bytes each)")
     config = BatchConfig(max_batch_size=args.max_batch_size, num_blocks=num_blocks, block_size=args.block_size,
                          max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
-                         adaptive_drafts=not args.fixed_draft_length, max_prefill_tokens=args.max_prefill_tokens)
+                         adaptive_drafts=not args.fixed_draft_length, max_prefill_tokens=args.max_prefill_tokens,
+                         drafter_memory_bytes=int(_or(args.drafter_memory_mb, args.kv_memory_mb) * 2**20))
     batch = BatchEngine(engine, config, request_drafters(engine, spec.num_draft_tokens))
     drafter = "none" if engine.drafter is None else engine.drafter.name  # "auto" resolved to the one built
     num_draft_tokens = 0 if engine.drafter is None else engine.drafter.num_draft_tokens
@@ -99,3 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         batch.stop()
     return 0
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value

@@ -52,4 +52,9 @@ def render(snapshot: BatchSnapshot, http: HttpCounters) -> str:
     metric("kv_blocks_used", "gauge", "KV cache blocks in use.", [("", snapshot.kv_blocks_used)])
     metric("kv_blocks_total", "gauge", "KV cache blocks in the pool (the memory budget).",
            [("", snapshot.kv_blocks_total)])
+    metric("drafter_memory_bytes", "gauge", "Memory reserved for the running requests' drafter caches.",
+           [("", snapshot.drafter_bytes_reserved)])
+    if snapshot.drafter_bytes_budget is not None:
+        metric("drafter_memory_budget_bytes", "gauge", "The drafters' per-request memory budget.",
+               [("", snapshot.drafter_bytes_budget)])
     return "\n".join(lines) + "\n"
