@@ -10,6 +10,9 @@
 # target's greedy responses to GSM8K-train / stdlib-docstring / synthetic chat prompts), GSM8K train solutions
 # (data/train/gsm8k_train.jsonl, MIT) as chats, and this interpreter's standard-library sources (PSF) as code
 # chats. Never data/eval.
+# THREADS (default 1): torch threads per job. On 2 cores shared with other work, 2 threads per job was several times
+# slower than 1 (threads wait for each other when the cores are oversubscribed: SmolLM2 fp32 speculative steps took
+# 12 s with 2 threads vs 1.7 s with 1 at load average ~9); use 2 on an idle machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LABELS=${LABELS:-runs/pard-labels/v1}
@@ -19,13 +22,13 @@ SHIPPED=src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct-pard
 NICE="nice -n ${NICE:-19}"
 case "${1:-}" in
   labels)
-    $NICE .venv/bin/dflash2 train labels --model qwen2.5-coder-1.5b-instruct --out "$LABELS" --threads "${THREADS:-2}" \
+    $NICE .venv/bin/dflash2 train labels --model qwen2.5-coder-1.5b-instruct --out "$LABELS" --threads "${THREADS:-1}" \
       --top-k 16 --max-tokens 1024 --chunk-tokens 384 --shard-tokens 2048 \
       --sources "regen:data/dflash-train/qwen2.5-coder-1.5b-instruct,regen:data/dflash-train/qwen2.5-coder-1.5b-instruct-chat,gsm8k:data/train/gsm8k_train.jsonl,stdlib"
     ;;
   train)
     $NICE .venv/bin/dflash2 train pard --base qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct \
-      --out "$RUN" --threads "${THREADS:-2}" --labels "$LABELS" --hard-labels "$REGEN" --soft-share 0.3 \
+      --out "$RUN" --threads "${THREADS:-1}" --labels "$LABELS" --hard-labels "$REGEN" --soft-share 0.3 \
       --num-draft-tokens 8 --lora-rank 16 --lora-alpha 32 --keep-ratio 0.7 --decay 0.9 --ce-weight 0.1 \
       --anchors 48 --sequences-per-step 2 --max-seq-len 768 --steps "${STEPS:-1000}" --lr 3e-4 --mask-lr 2e-3 \
       --warmup 20 --heldout 16 --heldout-every 40 --eval-every "${EVAL_EVERY:-0}" --eval-anchors 8 --checkpoint-every 5
