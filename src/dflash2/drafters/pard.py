@@ -40,6 +40,7 @@ from dflash2.verify.sampling import SamplingParams, logits_to_probs, sample
 PARD_CONFIG = "pard_config.json"
 ADAPTER_FILE = "adapter.safetensors"
 LORA_TARGETS = ("wqkv", "wo", "w_gate_up", "w_down")  # the decoder's (fused) projections
+SHIPPED_DIR = Path(__file__).parent / "trained"  # dflash2.drafters.TRAINED_DIR (not imported: no import cycle)
 
 
 @dataclass(frozen=True)
@@ -197,12 +198,11 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
     adapter directory (``pard_config.json``), or a store model / model directory drafting untrained (mask embedding
     = the mean embedding: only draft 1 is useful); None = the adapter shipped for the target
     (``drafters/trained/<target>-pard``). Refuses a base whose tokenizer differs from the target's."""
-    from dflash2.drafters import TRAINED_DIR
     from dflash2.models.store import canonical_name, resolve_model
     from dflash2.models.tokenizer import Tokenizer
 
     if draft_model is None:
-        draft_model = TRAINED_DIR / f"{canonical_name(target.name) or target.name}-pard"
+        draft_model = SHIPPED_DIR / f"{canonical_name(target.name) or target.name}-pard"
         if not (draft_model / PARD_CONFIG).exists():
             raise ValueError(f"no trained pard drafter is shipped for {target.name!r}; train one with `dflash2 train "
                              f"pard` and pass its drafter/ directory (or a store model, untrained) as --draft-model")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-DRAFTER_NAMES = ("auto", "none", "ngram", "model", "dflash", "dflash+ngram", "dflash2", "dflash2+ngram")
+DRAFTER_NAMES = ("auto", "none", "ngram", "model", "dflash", "dflash+ngram", "dflash2", "dflash2+ngram", "pard")
 BLOCK_DRAFTERS = ("dflash", "dflash+ngram", "dflash2", "dflash2+ngram")  # read the target's hidden states
 
 # Default draft length k per drafter, the one table. None: the length recorded in the drafter directory's
@@ -26,6 +26,7 @@ DEFAULT_NUM_DRAFT_TOKENS: dict[str, int | None] = {
     "dflash+ngram": None,
     "dflash2": None,
     "dflash2+ngram": None,
+    "pard": None,  # pard_config.json's num_draft_tokens (drafters/pard.py)
 }
 
 # "auto": the drafter measured fastest for the target with `dflash2 bench` (docs/results.md); ngram elsewhere.
