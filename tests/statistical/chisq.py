@@ -23,4 +23,6 @@ def chi_square_p_value(
     observed, expected = observed[keep], expected[keep]
     statistic = ((observed - expected) ** 2 / expected).sum()
     dof = observed.numel() - 1
+    if dof < 1:  # everything pooled into one cell (too few samples for these cells): nothing to test
+        return 1.0
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
