@@ -147,7 +147,8 @@ def test_the_limits_reach_the_program(tmp_path):
     marker = tmp_path / "limits.txt"
     names = ["RLIMIT_AS", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_CORE", "RLIMIT_NPROC"]
     program = ("import resource\n"
-               f"open({str(marker)!r}, 'w').write(repr([resource.getrlimit(getattr(resource, n))[0] for n in {names}]))\n")
+               f"soft = [resource.getrlimit(getattr(resource, n))[0] for n in {names}]\n"
+               f"open({str(marker)!r}, 'w').write(repr(soft))\n")
     limits = ProgramLimits(memory_bytes=512 << 20, cpu_seconds=3, file_bytes=1 << 20)
     assert run_program(program, limits=limits).passed
     memory, cpu, file_size, core, processes = eval(marker.read_text())

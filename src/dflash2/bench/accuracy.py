@@ -80,7 +80,7 @@ class ProgramLimits:
     """What a model-written program may use (see the module docstring)."""
 
     memory_bytes: int = 1 << 30  # address space (RLIMIT_AS)
-    cpu_seconds: int | None = None  # CPU time (RLIMIT_CPU); None: the wall timeout rounded up, plus one
+    cpu_seconds: int | None = None  # CPU time (RLIMIT_CPU); None: the wall timeout + 2 s (the timeout ends it first)
     file_bytes: int = 64 << 20  # largest file it may write (RLIMIT_FSIZE)
     extra_processes: int = 16  # RLIMIT_NPROC = the user's tasks now + this (not enforced for root)
 
