@@ -92,10 +92,10 @@ class TrainingData:
         self.soft_train: list[int] = []
         self.heldout: dict[str, list[LabelledText]] = {}
         if self.soft is not None:
-            # every heldout_every-th sequence of a source other than regenerated shards (those are held out below,
-            # through the hard-label split, whose held-out sequences the label stream reaches last)
-            held = [i for i in range(0, len(self.soft), config.heldout_every)
-                    if not self.soft.source_spec(i).startswith("regen:")][: config.heldout_sequences]
+            # every heldout_every-th sequence of the sources other than regenerated shards (those are held out
+            # below, through the hard-label split, whose held-out sequences the label stream reaches last)
+            others = [i for i in range(len(self.soft)) if not self.soft.source_spec(i).startswith("regen:")]
+            held = others[:: config.heldout_every][: config.heldout_sequences]
             self.soft_train = [i for i in range(len(self.soft)) if i not in set(held)]
             self.heldout["labels"] = [_truncate(self.soft[i], config.max_sequence_length) for i in held]
         self.hard_train: list[int] = []
