@@ -210,3 +210,9 @@ def test_for_request_shares_weights_not_the_cache(models):
     drafter.reset(32), other.reset(32)
     drafter.propose(prompt().tolist(), 3, GREEDY, None)
     assert other.cache is not drafter.cache and other.cache.length == 0
+
+
+def test_state_bytes_is_what_reset_allocates(models):
+    drafter = PardDrafter(models["qwen2_other"], MASK, num_draft_tokens=3)
+    drafter.reset(50)
+    assert drafter.state_bytes(50) == drafter.held_bytes() > 0

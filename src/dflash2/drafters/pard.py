@@ -237,6 +237,11 @@ class PardDrafter(Drafter):
         """The same network (weights shared), its own KV cache."""
         return PardDrafter(self.model, self.mask_token_id, self.num_draft_tokens, self.target_vocab_size)
 
+    def state_bytes(self, capacity: int) -> int:
+        c = self.model.config
+        return StaticKVCache.nbytes_for(c.num_layers, c.num_kv_heads, c.head_dim, capacity + self.num_draft_tokens + 1,
+                                        self.model.dtype)
+
     def reset(self, capacity: int) -> None:
         capacity += self.num_draft_tokens + 1  # room for the mask positions past the committed sequence
         if self.cache is None or self.cache.capacity < capacity:
