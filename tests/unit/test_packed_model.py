@@ -40,3 +40,26 @@ def test_speculation_is_lossless_with_respect_to_the_packed_target(packed, k):
     stats = DecodeStats()
     assert spec_ids(packed, ModelDrafter(packed, k), prompt, capacity, stats=stats) == expected
     assert spec_ids(packed, NgramDrafter(k), prompt, capacity) == expected
+
+
+def test_a_packed_model_does_not_pin_its_file(tmp_path):
+    """After packing, no parameter or buffer is a view of the safetensors file's memory map: one such view (the
+    embedding) kept the whole file resident next to the packed weights (the 1.5B target: 6.2 GB instead of 3.7)."""
+    from pathlib import Path
+
+    import torch
+
+    from dflash2.models.loading import load_transformer
+    from tests.conftest import make_hf_model
+
+    make_hf_model("qwen2").to(torch.bfloat16).save_pretrained(str(tmp_path))
+    model = load_transformer(tmp_path, "bf16", "cpu")  # bf16 file, bf16 model: no conversion copies
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc/self/maps")
+    mapped = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in maps.read_text().splitlines()
+              if line.rstrip().endswith(".safetensors")]
+    tensors = [*model.parameters(), *model.buffers()]
+    assert tensors
+    for tensor in tensors:
+        assert not any(lo <= tensor.data_ptr() < hi for lo, hi in mapped), "a tensor still views the file"

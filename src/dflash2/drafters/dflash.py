@@ -241,11 +241,11 @@ def load_dflash_drafter(
     measured best for that drafter), else ``block_size - 1``. bf16 / fp16 drafters on a CPU run their projections
     through the packed kernel, like the target.
     """
-    from dflash2.models.loading import should_pack
+    from dflash2.models.loading import own_memory, should_pack
 
     model = DFlashDraftModel.from_pretrained(directory, dtype or target.dtype, target.device)
     if should_pack(model.device, model.dtype):
-        model.pack()
+        own_memory(model.pack())  # what is not packed stops pinning the file's memory map
     if num_draft_tokens is None:
         num_draft_tokens = model.config.extra.get(DEFAULT_DRAFT_LENGTH_KEY)
     return DFlashDrafter(model, target, num_draft_tokens, num_paths)

@@ -51,10 +51,24 @@ def load_transformer(
     if weights != "bf16":
         from dflash2.models.quant_cache import load_quantized_transformer  # below this module, imported when needed
 
-        return load_quantized_transformer(model_dir, config, torch_dtype, weights)
+        return own_memory(load_quantized_transformer(model_dir, config, torch_dtype, weights))
     model = build_transformer(config, hf_to_lean_state_dict(read_safetensors(model_dir), config), torch_dtype, device)
     if packed if packed is not None else should_pack(device, torch_dtype):
         pack_linear_layers(model)
+        own_memory(model)
+    return model
+
+
+def own_memory(model: torch.nn.Module) -> torch.nn.Module:
+    """Give the parameters and buffers left after the linear layers were packed or quantized their own memory.
+
+    A tensor read from a safetensors file without a dtype or device change is a view of the file's memory map,
+    and one such view (the embedding, a norm) keeps the whole mapped file resident: loading the 1.5B target in
+    bf16 held 6.2 GB (the file's 3.0 GB next to the packed copy of its weights) instead of 3.7 GB. What is left
+    is small (the embedding is the largest: 445 MB), so copying it costs little. Tied weights stay tied (the same
+    Parameter is copied once)."""
+    for tensor in {id(t): t for t in (*model.parameters(), *model.buffers())}.values():
+        tensor.data = tensor.data.clone()
     return model
 
 
