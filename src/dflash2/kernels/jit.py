@@ -163,7 +163,7 @@ def jit_load(name: str, source: Path, cflags: list[str], directory: Path, op_nam
         bad = self_check(op)
     if bad:
         return False, bad, None
-    return True, f"{label}AVX2/FMA kernel loaded from {build_dir}", op
+    return True, f"{label}AVX2/FMA kernel loaded from {directory}", op
 
 
 def ensure_loaded(state: dict[str, object], lock: threading.Lock, load, what: str, warn: bool = True) -> None:
