@@ -76,17 +76,22 @@ def test_verification_blocks_give_plain_decodings_logits_bitwise() -> None:
             assert torch.equal(torch.cat(blocks), torch.stack(plain)), f"blocks of {rows}"
 
 
-@pytest.mark.parametrize("spec", ["itself:3", "ngram", "ngram:4x3", "model", "dflash", "dflash2", "dflash2:2x3",
-                                  "auto"])
+def _slow(*specs: str) -> list:
+    """The default run keeps one chain and one tree; the rest (a 1.5B bf16 decode each) run under -m slow."""
+    return [pytest.param(spec, marks=pytest.mark.slow) for spec in specs]
+
+
+@pytest.mark.parametrize("spec", ["ngram", "dflash2:2x3", *_slow("itself:3", "ngram:4x3", "model", "dflash",
+                                                                  "dflash2", "auto")])
 def test_every_drafter_gives_plain_greedy_tokens(spec) -> None:
     assert drafted_ids("bf16", spec) == plain_ids("bf16")
 
 
-@pytest.mark.parametrize("spec", ["model", "dflash2:2x3"])
+@pytest.mark.parametrize("spec", ["dflash2:2x3", *_slow("model")])
 def test_the_overlap_pipeline_gives_plain_greedy_tokens(spec) -> None:
     assert drafted_ids("bf16", spec, pipeline="overlap") == plain_ids("bf16")
 
 
-@pytest.mark.parametrize("spec", ["ngram", "dflash2"])
+@pytest.mark.parametrize("spec", _slow("ngram", "dflash2"))
 def test_int8_weights_give_their_plain_greedy_tokens(spec) -> None:
     assert drafted_ids("int8", spec) == plain_ids("int8")

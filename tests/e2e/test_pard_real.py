@@ -28,6 +28,7 @@ def test_smollm2_pard_drafting_for_itself_is_lossless(k):
 
 @pytest.mark.model
 @pytest.mark.qwen
+@pytest.mark.slow  # two fp32 Qwen models (8 GB): the SmolLM2 tests above keep the default run's check
 def test_qwen_pard_is_lossless():
     """PARD_ADAPTER=<run>/drafter tests a trained adapter; without it the untrained mask embedding drafts."""
     engine = lean_engine(QWEN_TARGET, "fp32")
