@@ -329,13 +329,7 @@ def save_checkpoint(out_dir: Path, model, optimizer, scheduler, boundary: _Bound
         model.save_pretrained(tmp / FINAL_DRAFTER)
         optimizer_state = optimizer.state_dict()
         tensors = {"rng.anchors": boundary.rng_state.clone()}
-        scalars: dict[str, dict] = {}
-        for index, state in optimizer_state["state"].items():
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    tensors[f"optimizer.{index}.{key}"] = value.detach().cpu().contiguous()
-                else:
-                    scalars.setdefault(str(index), {})[key] = value
+        scalars = split_optimizer_state(optimizer_state, tensors)
         save_file(tensors, str(tmp / STATE_TENSORS))
         state = {"step": boundary.step, "data_position": boundary.data_position, "recipe": config.recipe(),
                  "optimizer_param_groups": optimizer_state["param_groups"], "optimizer_scalars": scalars,
@@ -351,6 +345,29 @@ def save_checkpoint(out_dir: Path, model, optimizer, scheduler, boundary: _Bound
     return destination
 
 
+def split_optimizer_state(optimizer_state: dict, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Add the optimizer's per-parameter tensors to ``tensors`` (as ``optimizer.<index>.<key>``, for safetensors)
+    and return its other per-parameter values (for JSON); :func:`load_optimizer_state` puts them back together."""
+    scalars: dict[str, dict] = {}
+    for index, state in optimizer_state["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"optimizer.{index}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    return scalars
+
+
+def load_optimizer_state(optimizer, state: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Restore what :func:`split_optimizer_state` saved (``state``: the checkpoint's JSON)."""
+    per_param: dict[int, dict] = {int(i): dict(v) for i, v in state["optimizer_scalars"].items()}
+    for name, tensor in tensors.items():
+        if name.startswith("optimizer."):
+            _, index, key = name.split(".", 2)
+            per_param.setdefault(int(index), {})[key] = tensor
+    optimizer.load_state_dict({"state": per_param, "param_groups": state["optimizer_param_groups"]})
+
+
 def _load_checkpoint(path: Path, config: TrainConfig, model, optimizer, scheduler) -> _Boundary:
     state = json.loads((path / STATE_JSON).read_text())
     if state["recipe"] != json.loads(json.dumps(config.recipe())):
@@ -359,12 +376,7 @@ def _load_checkpoint(path: Path, config: TrainConfig, model, optimizer, schedule
     model.load_state_dict(saved.state_dict())
     with safe_open(str(path / STATE_TENSORS), framework="pt") as handle:
         tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    per_param: dict[int, dict] = {int(i): dict(v) for i, v in state["optimizer_scalars"].items()}
-    for name, tensor in tensors.items():
-        if name.startswith("optimizer."):
-            _, index, key = name.split(".", 2)
-            per_param.setdefault(int(index), {})[key] = tensor
-    optimizer.load_state_dict({"state": per_param, "param_groups": state["optimizer_param_groups"]})
+    load_optimizer_state(optimizer, state, tensors)
     scheduler.load_state_dict(state["scheduler"])
     return _Boundary(step=state["step"], data_position=state["data_position"], rng_state=tensors["rng.anchors"])
 

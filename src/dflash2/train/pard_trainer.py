@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 from dflash2.drafters.pard import (ADAPTER_FILE, LORA_TARGETS, PardConfig, adapter_state, add_lora,
                                    default_mask_token_id, initial_mask_embedding, load_adapter_state)
 from dflash2.models.decoder import Transformer
-from dflash2.train.dflash_trainer import CHECKPOINTS, STATE_JSON, cosine_with_warmup, latest_checkpoint
+from dflash2.train.dflash_trainer import (CHECKPOINTS, STATE_JSON, cosine_with_warmup, latest_checkpoint,
+                                          load_optimizer_state, split_optimizer_state)
 from dflash2.train.labels import HardLabels, LabelShards, LabelledText
 from dflash2.train.pard_objective import build_pard_batch, heldout_acceptance, pard_loss, sample_blocks
 
@@ -286,13 +287,7 @@ def save_checkpoint(out_dir: Path, model, mask_embedding, optimizer, scheduler, 
     try:
         tensors = {f"adapter.{k}": v for k, v in adapter_state(model, mask_embedding, torch.float32).items()}
         optimizer_state = optimizer.state_dict()
-        scalars: dict[str, dict] = {}
-        for index, state in optimizer_state["state"].items():
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    tensors[f"optimizer.{index}.{key}"] = value.detach().cpu().contiguous()
-                else:
-                    scalars.setdefault(str(index), {})[key] = value
+        scalars = split_optimizer_state(optimizer_state, tensors)
         save_file(tensors, str(tmp / STATE_TENSORS))
         state = {"step": step, "recipe": config.recipe(), "optimizer_param_groups": optimizer_state["param_groups"],
                  "optimizer_scalars": scalars, "scheduler": scheduler.state_dict()}
@@ -316,12 +311,7 @@ def _load_checkpoint(path: Path, config: PardTrainConfig, model, mask_embedding,
     adapter = {name.removeprefix("adapter."): t for name, t in tensors.items() if name.startswith("adapter.")}
     load_adapter_state(model, adapter)
     mask_embedding.data.copy_(adapter["mask_embedding"])
-    per_param: dict[int, dict] = {int(i): dict(v) for i, v in state["optimizer_scalars"].items()}
-    for name, tensor in tensors.items():
-        if name.startswith("optimizer."):
-            _, index, key = name.split(".", 2)
-            per_param.setdefault(int(index), {})[key] = tensor
-    optimizer.load_state_dict({"state": per_param, "param_groups": state["optimizer_param_groups"]})
+    load_optimizer_state(optimizer, state, tensors)
     scheduler.load_state_dict(state["scheduler"])
     return int(state["step"])
 
