@@ -3,6 +3,7 @@ Qwen pair (the store's 0.5B, untrained mask embedding or the adapter of a traini
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -39,3 +40,54 @@ def test_qwen_pard_is_lossless():
     spec = generate_with(engine, drafter, CODE_PROMPT, max_new_tokens=48)
     assert spec.token_ids == plain_result(QWEN_TARGET, CODE_PROMPT, 48).token_ids
     assert spec.stats.accepted_by_position[0] > 0
+
+
+def _export_matches_drafter(base_name: str, adapter, tmp_path, dtype: str = "fp32", atol: float = 1e-3):
+    """Export (adapter or untrained) -> transformers -> the logits of a draft block equal the drafter's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash2.models.tokenizer import Tokenizer
+    from dflash2.train.pard_export import export_pard
+
+    base = model_dir(base_name, dtype)
+    out = export_pard(adapter, base, tmp_path / "hf", dtype, num_draft_tokens=8)
+    model, config = load_pard_model(adapter, base, dtype, packed=False)
+    drafter = PardDrafter(model, config.mask_token_id, 8)
+    drafter.reset(256)
+    sequence = Tokenizer(base).encode(CODE_PROMPT)[:64]
+    expected = drafter.draft_logits(sequence, 8)
+    del drafter, model
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
+    with torch.no_grad():
+        got = hf.eval()(torch.tensor([sequence + [config.mask_token_id] * 7])).logits[0, len(sequence) - 1 :].float()
+    got[:, config.mask_token_id] = float("-inf")
+    got = got[:, : expected.shape[-1]]
+    torch.testing.assert_close(got, expected, atol=atol, rtol=atol)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.model
+def test_smollm2_hf_export_matches_the_drafter(tmp_path):
+    """A random adapter (rank 4) on the real SmolLM2 (tied embeddings, Llama layout), exported and reloaded."""
+    from tests.unit.test_pard import write_random_adapter
+
+    base = model_dir(SMOLLM2, "fp32")
+    mask_id = default_mask_token_id(json.loads((base / "config.json").read_text())["vocab_size"])
+    adapter = write_random_adapter(base, tmp_path / "adapter", mask_id, std=0.01, seed=0)
+    _export_matches_drafter(SMOLLM2, adapter, tmp_path)
+
+
+@pytest.mark.model
+@pytest.mark.qwen
+@pytest.mark.slow  # the fp32 0.5B twice (4 GB) and a 2 GB export on disk
+def test_qwen_hf_export_matches_the_drafter(tmp_path):
+    """The shipped adapter (untrained when none is shipped; PARD_ADAPTER=<dir> for another, =untrained for none) on
+    the store's 0.5B."""
+    from dflash2.drafters.pard import PARD_CONFIG, SHIPPED_DIR
+    from dflash2.train.pard_export import shipped_or_given_adapter
+
+    choice = os.environ.get("PARD_ADAPTER", "")
+    if not choice and not (SHIPPED_DIR / f"{QWEN_TARGET}-pard" / PARD_CONFIG).exists():
+        choice = "untrained"
+    _export_matches_drafter(QWEN_DRAFT, shipped_or_given_adapter(choice, QWEN_TARGET), tmp_path)

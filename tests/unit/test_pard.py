@@ -216,3 +216,54 @@ def test_state_bytes_is_what_reset_allocates(models):
     drafter = PardDrafter(models["qwen2_other"], MASK, num_draft_tokens=3)
     drafter.reset(50)
     assert drafter.state_bytes(50) == drafter.held_bytes() > 0
+
+
+@pytest.mark.parametrize("key", ["qwen2_other", "llama"])
+def test_hf_export_loads_in_transformers_with_the_drafters_logits(tiny_model_dirs, tmp_path, key):
+    """`dflash2 train export-pard`: transformers loads the merged directory and computes the drafter's logits on a
+    draft block (pending ids + masks); the config names the mask token, the block size and the taps."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from dflash2.train.pard_export import export_pard
+
+    base = tiny_model_dirs[key]
+    adapter = write_random_adapter(base, tmp_path / "adapter", MASK, num_draft_tokens=4)
+    out = export_pard(adapter, base, tmp_path / "hf", "fp32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["pard"]["mask_token_id"] == config["mask_token_id"] == MASK
+    assert config["pard"]["block_size"] == 4 and config["pard"]["taps"] == []
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    drafted, _ = load_pard_model(adapter, base, "fp32")
+    drafter = PardDrafter(drafted, MASK, 4)
+    drafter.reset(64)
+    sequence = prompt().tolist()
+    expected = drafter.draft_logits(sequence, 4)  # [4, V]
+    with torch.no_grad():
+        got = hf(torch.tensor([sequence + [MASK] * 3])).logits[0, len(sequence) - 1 :].float()
+    got[:, MASK] = float("-inf")
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def write_random_adapter(base_dir, directory, mask_id: int, num_draft_tokens: int = 8, rank: int = 4,
+                         std: float = 0.05, seed: int = 3):
+    """An adapter directory with random LoRA updates (rank ``rank``, B ~ N(0, std)) and a mask embedding near the
+    mean embedding, on the fp32 model in ``base_dir``: what a trained adapter looks like to loading and export."""
+    from safetensors.torch import save_file
+
+    from dflash2.drafters.pard import ADAPTER_FILE, PardConfig
+
+    model = load_transformer(base_dir, "fp32", packed=False)
+    add_lora(model, rank=rank, alpha=2.0 * rank)
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_b" in name:
+            param.data.normal_(0, std, generator=gen)
+    mask_embedding = model.embed.weight.float().mean(0) + std * torch.randn(model.config.hidden_size, generator=gen)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(adapter_state(model, mask_embedding), str(directory / ADAPTER_FILE))
+    PardConfig(base_model=str(base_dir), mask_token_id=mask_id, num_draft_tokens=num_draft_tokens, lora_rank=rank,
+               lora_alpha=2.0 * rank).save(directory)
+    return directory

@@ -57,6 +57,7 @@ def add_train_parser(commands) -> None:
     dflash2.set_defaults(handler=run_train_dflash)
     _add_labels_parser(sub)
     _add_pard_parser(sub)
+    _add_export_pard_parser(sub)
 
 
 def _add_dflash_arguments(dflash) -> None:
@@ -293,4 +294,34 @@ def run_train_pard(args: argparse.Namespace) -> int:
         resume=not args.no_resume, threads=args.threads,
     )
     print(train_pard(config))
+    return 0
+
+
+# ---- `dflash2 train export-pard` (a plain Hugging Face directory of a PARD drafter) ----------------------------
+
+
+def _add_export_pard_parser(sub) -> None:
+    export = sub.add_parser("export-pard", help="write a PARD drafter as a plain Hugging Face directory (merged "
+                                                "weights + config naming the mask token, block size and taps)")
+    export.add_argument("--out", required=True, help="the directory to write")
+    export.add_argument("--adapter", default="",
+                        help="a trained adapter directory (pard_config.json); default: the one shipped for --target; "
+                             "'untrained': the base with the mean embedding as mask embedding")
+    export.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="picks the shipped adapter")
+    export.add_argument("--base", default=None, help="the base network (default: the adapter's base_model, or the "
+                                                     "store's qwen2.5-coder-0.5b-instruct for 'untrained')")
+    export.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    export.add_argument("--num-draft-tokens", type=int, default=None, help="block size (default: the adapter's)")
+    export.set_defaults(handler=run_export_pard)
+
+
+def run_export_pard(args: argparse.Namespace) -> int:
+    from dflash2.drafters.pard import PardConfig
+    from dflash2.models.store import resolve_model
+    from dflash2.train.pard_export import export_pard, shipped_or_given_adapter
+
+    adapter = shipped_or_given_adapter(args.adapter, args.target)
+    base = args.base or (PardConfig.load(adapter).base_model if adapter is not None else "qwen2.5-coder-0.5b-instruct")
+    print(export_pard(adapter, resolve_model(base, args.dtype), args.out, args.dtype,
+                      num_draft_tokens=args.num_draft_tokens))
     return 0
