@@ -6,7 +6,10 @@ chains or trees, checked with the same outcome, commit and stats functions as th
 (``decode/speculative.py``), row by row, so the output of every request is what it would be alone (greedy: the
 same tokens; sampling: the target's distribution).
 KV memory is a :class:`~dflash2.kv.paged.PagedKVPool` with a fixed budget; admission reserves a request's
-worst case, so a running request never runs out of blocks.
+worst case, so a running request never runs out of blocks. With the prefix cache (on by default) a request starts
+from the longest cached run of full blocks of its prompt (kept from earlier and running requests) and feeds only
+the rest; a block drafter gets the cached positions' hidden states from the pool, the other drafters rebuild their
+state from the prompt ids (``docs/serving.md``, "Prefix cache").
 """
 
 from __future__ import annotations
@@ -16,13 +19,27 @@ import copy
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
+from dflash2.decode.batch_types import (  # noqa: F401  (re-exported: the batch engine's public names)
+    BatchConfig,
+    BatchRequest,
+    BatchSnapshot,
+    DeadlineError,
+    DrafterFactory,
+    EngineStoppedError,
+    Event,
+    PrefixCacheSnapshot,
+    QueueFullError,
+    RequestHandle,
+    Sink,
+)
 from dflash2.decode.engine import Engine
-from dflash2.decode.output import GenerationResult, OutputTracker, StreamChunk
+from dflash2.decode.output import GenerationResult, OutputTracker
 from dflash2.decode.ragged import RaggedRow, ragged_forward
 from dflash2.decode.cost_model import Acceptance, ForwardCost
 from dflash2.decode.scheduler import plan_draft_lengths
@@ -32,68 +49,7 @@ from dflash2.kv.paged import BlockTable, KVBudgetError, PagedKVPool
 from dflash2.decode.speculative import chain_outcome, commit_kept, empty_draft, fit_draft, record_step, tree_outcome
 from dflash2.verify import SamplingParams, choose_token, compile_tree
 
-Event = StreamChunk | GenerationResult | Exception  # what a request's sink receives, a result or error last
-Sink = Callable[[Event], None]  # called from the loop thread; must not block
-DrafterFactory = Callable[[], Drafter]  # a fresh drafter for one request (a stateless one may be shared)
-
-
 log = logging.getLogger("dflash2.batch")
-
-
-class QueueFullError(RuntimeError):
-    """Too many requests wait for admission (the server answers 429)."""
-
-
-class DeadlineError(RuntimeError):
-    """A request's deadline passed before it was admitted (the server answers 504)."""
-
-
-class EngineStoppedError(RuntimeError):
-    """The loop thread is not running (never started, stopped, or died): nothing will be generated."""
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    max_batch_size: int = 16  # requests running at once
-    num_blocks: int = 1024  # KV pool size (the fixed memory budget), in blocks
-    block_size: int = 16  # slots per KV block
-    max_queue: int = 64  # requests waiting for admission; more are refused (QueueFullError)
-    queue_timeout_s: float = 60.0  # a request not admitted within this fails with KVBudgetError
-    adaptive_drafts: bool = True  # lower draft lengths (to 0) when they would cost more than they commit
-    max_prefill_tokens: int = 512  # prompt tokens fed per step (chunked prefill: running rows are not stalled)
-    # Bytes the drafters' per-request state (their own KV caches) may take in all; admission reserves each
-    # request's (Drafter.state_bytes) and a request waits while it does not fit. None: not bounded.
-    drafter_memory_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_size", "num_blocks", "block_size", "max_prefill_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.drafter_memory_bytes is not None and self.drafter_memory_bytes < 0:
-            raise ValueError(f"drafter_memory_bytes must be >= 0, got {self.drafter_memory_bytes}")
-
-
-@dataclass
-class BatchRequest:
-    prompt_ids: list[int]
-    max_new_tokens: int
-    params: SamplingParams = SamplingParams()
-    stop: tuple[str, ...] = ()
-    drafter: str = "none"  # "none" or the name of a drafter the batch engine holds
-    num_draft_tokens: int = 0  # drafts per step (0 = plain decoding)
-    timeout_s: float | None = None  # from submission: a request not admitted by then fails (DeadlineError), a
-    # running one finishes with what it has (finish reason "timeout")
-
-
-class RequestHandle:
-    """The caller's side of a submitted request: ``cancel()`` frees its resources at the next step."""
-
-    def __init__(self, request_id: int) -> None:
-        self.id = request_id
-        self.cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
 
 
 @dataclass
@@ -130,23 +86,6 @@ class _Sequence:
         return self.request.timeout_s is not None and now - self.submitted > self.request.timeout_s
 
 
-@dataclass
-class BatchSnapshot:
-    """Counters and gauges for /metrics (read under the engine's lock)."""
-
-    requests_finished: dict[str, int]  # finish reason (eos, stop, length, timeout, cancelled, error) -> count
-    requests_rejected: int
-    prompt_tokens: int
-    generated_tokens: int
-    steps: int  # ragged target forwards
-    stats: DecodeStats  # decode rows pooled: target_forwards (row steps), committed tokens, acceptance by position
-    queue_depth: int
-    batch_size: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    drafter_bytes_reserved: int
-    drafter_bytes_budget: int | None
-
 
 class BatchEngine:
     """Owns the loop thread. ``submit`` from any thread; events reach each request's sink from the loop thread."""
@@ -157,13 +96,15 @@ class BatchEngine:
         c = target.config
         self.engine = engine
         self.config = config
-        self.pool = PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, config.num_blocks, config.block_size,
-                                dtype=target.dtype, device=target.device)
         self.drafters = dict(drafters or {})
+        taps = prefix_tap_layers(engine) if config.prefix_cache else ()
+        self.pool = PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, config.num_blocks, config.block_size,
+                                dtype=target.dtype, device=target.device, prefix_cache=config.prefix_cache,
+                                tap_layers=taps, tap_width=c.hidden_size)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._incoming: list[_Sequence] = []
-        self._waiting: list[_Sequence] = []
+        self._waiting: deque[_Sequence] = deque()  # FIFO: only the head is admitted or timed out
         self._running: list[_Sequence] = []
         self._next_id = 0
         self._drafter_bytes = 0  # reserved by admitted requests' drafters
@@ -241,10 +182,13 @@ class BatchEngine:
     def snapshot(self) -> BatchSnapshot:
         with self._lock:
             totals = copy.deepcopy(self._totals)
+            cache, pool = self.pool.cache, self.pool
+            prefix = None if cache is None else PrefixCacheSnapshot(cache.queried_tokens, cache.hit_tokens,
+                                                                    cache.num_cached, cache.num_evictable)
             return BatchSnapshot(dict(self._finished), self._rejected, totals.prompt_tokens, totals.new_tokens,
                                  self._steps, totals, len(self._incoming) + len(self._waiting), len(self._running),
-                                 self.pool.blocks_used, self.pool.num_blocks, self._drafter_bytes,
-                                 self.config.drafter_memory_bytes)
+                                 pool.blocks_used, pool.num_blocks, self._drafter_bytes,
+                                 self.config.drafter_memory_bytes, prefix)
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -283,7 +227,7 @@ class BatchEngine:
             with self._lock:
                 self._waiting.extend(self._incoming)
                 self._incoming.clear()
-            for seq in self._waiting + self._running:
+            for seq in [*self._waiting, *self._running]:
                 self._retire(seq, "error", EngineStoppedError("the engine stopped"))
             raise
 
@@ -302,36 +246,61 @@ class BatchEngine:
             self._waiting.extend(self._incoming)
             self._incoming.clear()
         now = time.perf_counter()
-        for seq in [s for s in self._waiting + self._running if s.handle.cancelled.is_set()]:
-            self._retire(seq, "cancelled", None)
-        for seq in [s for s in self._waiting + self._running if s.past_deadline(now)]:
-            late = seq in self._waiting
-            self._retire(seq, "timeout", DeadlineError(f"not started within {seq.request.timeout_s:g} s") if late
-                         else None)
+        self._drop_cancelled_and_late(now)
         while self._waiting and len(self._running) < self.config.max_batch_size:
-            seq = self._waiting[0]
-            try:
-                seq.max_slots = self.max_slots(seq.request)
-                seq.table = self.pool.new_table(seq.max_slots)
-            except KVBudgetError:
-                break  # FIFO: the head waits for blocks to be freed
-            state = 0 if seq.drafter is None else seq.drafter.state_bytes(seq.max_slots)
-            budget = self.config.drafter_memory_bytes
-            if budget is not None and self._drafter_bytes + state > budget:
-                seq.table.release()
-                seq.table = None
-                break  # FIFO: the head waits for drafter memory to be freed
-            seq.state_bytes = state
-            self._drafter_bytes += state
-            self._waiting.pop(0)
-            seq.sequence = list(seq.request.prompt_ids)
-            self._running.append(seq)
-            with self._guard(seq, "admission"):
-                if seq.drafter is not None:
-                    seq.drafter.reset(seq.max_slots)
-        for seq in [s for s in self._waiting if now - s.submitted > self.config.queue_timeout_s]:
-            self._retire(seq, "error", KVBudgetError(f"not admitted within {self.config.queue_timeout_s:.0f} s: "
-                                                     "the KV cache (or the drafter memory) stayed full"))
+            if not self._admit(self._waiting[0]):
+                break  # FIFO: the head waits for blocks (or drafter memory) to be freed
+        # Submission times grow along the FIFO: only a head can have waited past the queue timeout.
+        while self._waiting and now - self._waiting[0].submitted > self.config.queue_timeout_s:
+            self._retire(self._waiting[0], "error", KVBudgetError(
+                f"not admitted within {self.config.queue_timeout_s:.0f} s: the KV cache (or the drafter memory) "
+                "stayed full"))
+
+    def _can_reuse(self, seq: _Sequence) -> bool:
+        """A cached prefix can start the request unless its drafter reads hidden states the pool does not keep
+        (only a drafter factory given by hand, not one of ``request_drafters``, can: it then prefills in full)."""
+        layers = () if seq.drafter is None else seq.drafter.hidden_layers
+        return all(layer in self.pool.tap_layers for layer in layers)
+
+    def _drop_cancelled_and_late(self, now: float) -> None:
+        """Retire cancelled requests and those past their own deadline (any place in the queue: deadlines
+        differ per request); one pass over the waiting and running requests."""
+        for seq in [*self._waiting, *self._running]:
+            if seq.handle.cancelled.is_set():
+                self._retire(seq, "cancelled", None)
+            elif seq.past_deadline(now):
+                late = seq.table is None  # still waiting: never started
+                self._retire(seq, "timeout", DeadlineError(f"not started within {seq.request.timeout_s:g} s")
+                             if late else None)
+
+    def _admit(self, seq: _Sequence) -> bool:
+        """Move the head of the queue into the batch if its KV blocks and drafter memory can be reserved; a
+        cached prefix of its prompt is taken over (its KV, and the hidden states a block drafter reads)."""
+        try:
+            seq.max_slots = self.max_slots(seq.request)
+            seq.table = self.pool.new_table(seq.max_slots, seq.request.prompt_ids if self._can_reuse(seq) else None)
+        except KVBudgetError:
+            return False
+        state = 0 if seq.drafter is None else seq.drafter.state_bytes(seq.max_slots)
+        budget = self.config.drafter_memory_bytes
+        if budget is not None and self._drafter_bytes + state > budget:
+            seq.table.release()
+            seq.table = None
+            return False
+        seq.state_bytes = state
+        self._drafter_bytes += state
+        self._waiting.popleft()
+        seq.sequence = list(seq.request.prompt_ids)
+        seq.stats.cached_tokens = seq.table.cached_tokens
+        self._running.append(seq)
+        with self._guard(seq, "admission"):
+            if seq.drafter is not None:
+                seq.drafter.reset(seq.max_slots)
+                cached = seq.table.length
+                if cached and seq.drafter.hidden_layers:  # as if it had observed the cached prompt chunk
+                    seq.drafter.observe(seq.sequence[: cached + 1], -1,
+                                        seq.table.read_taps(cached, seq.drafter.hidden_layers))
+        return True
 
     def _forward_and_advance(self, running: list[_Sequence]) -> None:
         chunks = self._prefill_chunks(running)
@@ -360,7 +329,8 @@ class BatchEngine:
         each row runs alone, so that only a row that fails by itself fails its request (that row's entry is None).
         A failed forward moves no table's committed length: the rows can simply be fed again."""
         rows = [row for _, _, row in planned]
-        taps = tuple(sorted({layer for seq, _, _ in planned if seq.drafter for layer in seq.drafter.hidden_layers}))
+        taps = tuple(sorted({layer for seq, _, _ in planned if seq.drafter for layer in seq.drafter.hidden_layers}
+                            | set(self.pool.tap_layers)))
         started = time.perf_counter()
         try:
             out = ragged_forward(self.engine.target, self.pool, rows, hidden_layers=taps)
@@ -441,6 +411,7 @@ class BatchEngine:
         if not seq.prefilled:
             start = seq.table.length
             seq.table.rollback(start + len(row.tokens))
+            self._keep(seq, start, hidden, len(row.tokens), seq.sequence)
             emitted = [] if seq.table.length < len(seq.sequence) else [int(choose_token(logits[-1], params, generator))]
             if seq.drafter is not None and seq.drafter.hidden_layers:
                 # A prompt chunk [start, end): observe() expects the id after the tapped positions to be pending.
@@ -452,7 +423,9 @@ class BatchEngine:
             outcome = chain_outcome(draft.tokens, draft.q_draft, logits, params, generator)
         else:
             outcome = tree_outcome(compile_tree(draft.parents), draft.tokens, logits, params, generator)
-        commit_kept(seq.table, seq.table.length, outcome.kept_positions)  # the pending token + accepted drafts
+        start = seq.table.length
+        commit_kept(seq.table, start, outcome.kept_positions)  # the pending token + accepted drafts
+        self._keep(seq, start, hidden, outcome.kept_positions, seq.sequence + outcome.emitted)
         record_step(seq.stats, None, draft, outcome)
         accepted = len(outcome.emitted) - 1
         seq.acceptance.update(draft.depth, accepted)
@@ -460,6 +433,14 @@ class BatchEngine:
             seq.drafter.observe(seq.sequence + outcome.emitted, accepted,
                                 _kept_taps(seq.drafter, hidden, outcome.kept_positions))
         return outcome.emitted
+
+    def _keep(self, seq: _Sequence, start: int, hidden: dict[int, torch.Tensor], kept: int | list[int],
+              ids: list[int]) -> None:
+        """After a commit from ``start``: store the kept positions' hidden states the pool keeps (for a later
+        request's block drafter) and offer the newly full blocks (ids ``ids``) to the prefix cache."""
+        if self.pool.taps is not None:
+            seq.table.write_taps(start, _select_taps(self.pool.tap_layers, hidden, kept))
+        seq.table.publish(ids)
 
     def _emit(self, seq: _Sequence, emitted: list[int]) -> None:
         """Append committed tokens, send the new text, finish on EOS / stop string / max tokens / full context."""
@@ -516,10 +497,23 @@ def _kept_taps(drafter: Drafter, hidden: dict[int, torch.Tensor], kept: int | li
                ) -> tuple[torch.Tensor, ...]:
     """The drafter's tapped layers over the kept tokens of its row (the first ``kept``, or the row positions
     ``kept`` of a tree's accepted branch), each [1, n, D]; empty for a drafter that reads no hidden states."""
+    return _select_taps(drafter.hidden_layers, hidden, kept)
+
+
+def _select_taps(layers: tuple[int, ...], hidden: dict[int, torch.Tensor], kept: int | list[int]
+                 ) -> tuple[torch.Tensor, ...]:
+    """``layers`` of ``hidden`` (layer -> [1, T, D]) over the first ``kept`` row positions or the positions
+    ``kept``: [1, n, D] each."""
     if isinstance(kept, int):
-        return tuple(hidden[layer][:, :kept] for layer in drafter.hidden_layers)
+        return tuple(hidden[layer][:, :kept] for layer in layers)
     index = torch.tensor(kept)
-    return tuple(hidden[layer][:, index.to(hidden[layer].device)] for layer in drafter.hidden_layers)
+    return tuple(hidden[layer][:, index.to(hidden[layer].device)] for layer in layers)
+
+
+def prefix_tap_layers(engine: Engine) -> tuple[int, ...]:
+    """The target layers the pool keeps per slot for the prefix cache: those the engine's drafter reads (the
+    drafters ``request_drafters`` offers are it, its block drafter, and n-gram lookup, which reads none)."""
+    return tuple(sorted(getattr(engine.drafter, "hidden_layers", ())))
 
 
 def _seeded(params: SamplingParams) -> bool:

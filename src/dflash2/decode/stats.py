@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class DecodeStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not computed again)
     new_tokens: int = 0
     target_forwards: int = 0  # decode-phase target passes (prefill excluded), each commits >= 1 token
     committed_tokens: int = 0  # tokens those passes committed (a final EOS included, drafts past max_new_tokens too)

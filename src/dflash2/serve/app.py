@@ -332,7 +332,7 @@ async def _generate(request: Request, batch: BatchEngine, config: ServerConfig, 
     return JSONResponse({
         **ids.header("chat.completion" if chat else "text_completion"),
         "choices": [choice],
-        "usage": usage(len(result.prompt_ids), len(result.token_ids)),
+        "usage": usage(result),
         "dflash2": _extension(batch_request, result),
     })
 
@@ -402,7 +402,7 @@ async def _sse(relay: _Relay, handle, ids: ResponseIds, chat: bool, include_usag
             else:
                 yield chunk(None if chat else "", finish_reason(event.finish_reason))
                 if include_usage:
-                    body = {**header, "choices": [], "usage": usage(len(event.prompt_ids), len(event.token_ids)),
+                    body = {**header, "choices": [], "usage": usage(event),
                             "dflash2": _extension(request, event)}
                     yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"

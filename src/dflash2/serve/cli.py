@@ -29,6 +29,9 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for KV before 503")
     p.add_argument("--max-prefill-tokens", type=int, default=512,
                    help="prompt tokens fed per step; longer prompts are prefilled in chunks (default: %(default)s)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="do not keep the KV blocks of earlier prompts for reuse (default: a request starts from the "
+                        "longest cached prefix of its prompt)")
     p.add_argument("--fixed-draft-length", action="store_true",
                    help="always draft the requested length (default: the scheduler lowers it under load)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
@@ -47,7 +50,7 @@ def add_serve_parser(commands) -> None:
 
 def build_server(args: argparse.Namespace):
     """(app, batch engine) from parsed arguments; the engine loop is not started yet."""
-    from dflash2.decode.batch import BatchConfig, BatchEngine, request_drafters
+    from dflash2.decode.batch import BatchConfig, BatchEngine, prefix_tap_layers, request_drafters
     from dflash2.kv.paged import PagedKVPool
     from dflash2.serve.app import ServerConfig, create_app
 
@@ -58,15 +61,17 @@ def build_server(args: argparse.Namespace):
     spec = drafter_spec(args)
     engine = load_engine(args)
     c = engine.target.config
+    taps = () if args.no_prefix_cache else prefix_tap_layers(engine)  # hidden states the pool keeps per slot
     per_block = PagedKVPool.bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size,
-                                            engine.target.dtype)
+                                            engine.target.dtype, tap_width=len(taps) * c.hidden_size)
     num_blocks = int(args.kv_memory_mb * 2**20 // per_block)
     if num_blocks < 1:
         raise CliError(f"--kv-memory-mb {args.kv_memory_mb} holds no KV block ({per_block} bytes each)")
     config = BatchConfig(max_batch_size=args.max_batch_size, num_blocks=num_blocks, block_size=args.block_size,
                          max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                          adaptive_drafts=not args.fixed_draft_length, max_prefill_tokens=args.max_prefill_tokens,
-                         drafter_memory_bytes=int(_or(args.drafter_memory_mb, args.kv_memory_mb) * 2**20))
+                         drafter_memory_bytes=int(_or(args.drafter_memory_mb, args.kv_memory_mb) * 2**20),
+                         prefix_cache=not args.no_prefix_cache)
     batch = BatchEngine(engine, config, request_drafters(engine, spec.num_draft_tokens))
     drafter = "none" if engine.drafter is None else engine.drafter.name  # "auto" resolved to the one built
     num_draft_tokens = 0 if engine.drafter is None else engine.drafter.num_draft_tokens

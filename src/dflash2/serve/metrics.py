@@ -54,6 +54,18 @@ def render(snapshot: BatchSnapshot, http: HttpCounters) -> str:
            [("", snapshot.kv_blocks_total)])
     metric("drafter_memory_bytes", "gauge", "Memory reserved for the running requests' drafter caches.",
            [("", snapshot.drafter_bytes_reserved)])
+    prefix = snapshot.prefix_cache
+    if prefix is not None:
+        metric("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.",
+               [("", prefix.queried_tokens)])
+        metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache (not computed).",
+               [("", prefix.hit_tokens)])
+        metric("prefix_cache_hit_rate", "gauge", "Share of prompt tokens found in the prefix cache since start.",
+               [("", prefix.hit_tokens / prefix.queried_tokens if prefix.queried_tokens else 0.0)])
+        metric("prefix_cache_blocks", "gauge", "KV blocks in the prefix cache (held by requests or evictable).",
+               [("", prefix.blocks_cached)])
+        metric("prefix_cache_evictable_blocks", "gauge", "Cached KV blocks no request holds (handed out on demand).",
+               [("", prefix.blocks_evictable)])
     if snapshot.drafter_bytes_budget is not None:
         metric("drafter_memory_budget_bytes", "gauge", "The drafters' per-request memory budget.",
                [("", snapshot.drafter_bytes_budget)])

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dflash2.decode.output import GenerationResult
 from dflash2.verify.sampling import SEED_RANGE
 
 MAX_STOP_STRINGS = 4
@@ -148,9 +149,12 @@ class ResponseIds:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(result: GenerationResult) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens taken from the prefix cache."""
+    prompt_tokens, completion_tokens = len(result.prompt_ids), len(result.token_ids)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens}}
 
 
 def chat_choice(text: str | None, reason: str | None, *, delta: bool, first: bool = False) -> dict:
