@@ -1,0 +1,346 @@
+// dflash2 CPU kernels for a GGUF file's own quantized blocks (models/gguf_blocks.py: Q4_0, Q4_1, Q5_0, Q8_0,
+// Q4_K, Q6_K in one integer form), with activations quantized per row and block of 32 inputs, AVX2:
+//
+//   gguf_quantize_rows(x fp32 [M, K]) -> xq int8 [M, K], dx fp32 [M, K/32], bsum int32 [M, K/16]
+//       per row m and block b of 32: amax = max |x|, dx = amax / 127 (fp32 division); xq = nearbyint(x / dx)
+//       (round half to even; 0 where amax == 0); bsum[h] = sum of xq over each half of 16.
+//   gguf_matmul(xq, dx, bsum, packed weights ...) -> y fp32 [M, N]
+//       per row m, output n, in block order b = 0 .. K/32 - 1, starting from y = 0:
+//         J = sum_k s[n, k/sub] * (u[n, k] - zero) * xq[m, k]       (int32, exact)
+//         y = y + (A[n, b/group] * dx[m, b]) * float(J)            (three fp32 roundings, no FMA)
+//         with an offset:  T = c[n, b] * (bsum[m, 2b] + bsum[m, 2b+1])  (int32, exact; c = 1 when absent)
+//                          y = y + (C[n, b/group] * dx[m, b]) * float(T)
+//
+// ROW-COUNT INVARIANCE: the integer parts are exact, so their order is free; the fp32 part of each output is the
+// fixed sequence above, whatever the number of rows in the call, the micro-kernel or the thread.  Row m of a
+// 17-row call is therefore bitwise the row of a 1-row call, and the PyTorch reference (kernels/gguf_linear.py),
+// which evaluates the same sequence, gives the same bits (tested).  Build with -ffp-contract=off.
+//
+// Packed layouts (kernels/gguf_linear.py), P = ceil(N / 8) panels of 8 outputs, B = K / 32 blocks:
+//   4-bit codes: uint8 [P, B, 4, 32]: chunk c, byte 4o + i = u[8p+o, 32b+4c+i] | u[8p+o, 32b+16+4c+i] << 4
+//   wider codes: uint8 [P, B, 8, 32]: step t, byte 4o + i = u[8p+o, 32b+4t+i] (Q8_0: the signed byte)
+//   sub-scales int8 [P, B, H, 8] (H = 32 / sub; absent: 1), c int8 [P, B, 8], A / C fp32 [P, B/group, 8].
+// One 32-byte vector holds 4 consecutive inputs of 8 outputs, so _mm256_maddubs_epi16 + _mm256_madd_epi16 leave
+// one int32 per output (no horizontal sums); each row broadcasts its 4 activation bytes.  A block's weights are
+// unpacked once per group of up to 4 rows.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kPanel = 8;
+constexpr int kMaxRows = 4;
+
+enum Kind { kNib4 = 0, kByte = 1, kSigned = 2 };
+
+struct Args {
+  const uint8_t* w;
+  const float* A;       // [P, G, 8]
+  const float* C;       // [P, G, 8] or null
+  const int8_t* s;      // [P, B, H, 8] or null
+  const int8_t* cm;     // [P, B, 8] or null
+  const int8_t* xq;     // [M, K]
+  const float* dx;      // [M, B]
+  const int32_t* bs;    // [M, 2B]
+  int64_t K, B, G, group, N;
+  int zshift;           // log2(zero), -1 for zero == 0
+  float* y;             // [M, N]
+};
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// 8 int8 -> 8 int32 lanes whose two int16 halves both hold the value (a _mm256_madd_epi16 multiplier).
+inline __m256i dup16(const int8_t* p) {
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+
+// lanes (lo[o], hi[o]) as int16 pairs.
+inline __m256i pair16(const int8_t* lo, const int8_t* hi) {
+  const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo)));
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi)));
+  return _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(b, 16));
+}
+
+// J (int32 per output) of MR rows over block b of panel p; S0 / S1: the sub-scale multipliers of each half.
+template <int MR, int KIND, int H>
+inline void block_integers(const Args& a, int64_t p, int64_t b, const int8_t* const* xr, __m256i S0, __m256i S1,
+                           __m256i* J) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (KIND == kNib4) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256i a0[MR], a1[MR];
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
+    const uint8_t* wp = a.w + (p * a.B + b) * 128;
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c));
+      const __m256i lo = _mm256_and_si256(v, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      for (int r = 0; r < MR; ++r) {  // <= 4 x 2 x 15 x 127 per int16 lane: no overflow
+        a0[r] = _mm256_add_epi16(a0[r], _mm256_maddubs_epi16(lo, bcast4(xr[r] + 32 * b + 4 * c)));
+        a1[r] = _mm256_add_epi16(a1[r], _mm256_maddubs_epi16(hi, bcast4(xr[r] + 32 * b + 16 + 4 * c)));
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      if constexpr (H == 2) {
+        J[r] = _mm256_add_epi32(_mm256_madd_epi16(a0[r], S0), _mm256_madd_epi16(a1[r], S1));
+      } else {  // a0 + a1 <= 30480: still no overflow
+        J[r] = _mm256_madd_epi16(_mm256_add_epi16(a0[r], a1[r]), S0);
+      }
+    }
+  } else if constexpr (KIND == kByte) {  // codes <= 63: two steps per int16 sum (<= 32004)
+    for (int r = 0; r < MR; ++r) J[r] = _mm256_setzero_si256();
+    const uint8_t* wp = a.w + (p * a.B + b) * 256;
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * q));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * q + 32));
+      const __m256i S = q < 2 ? S0 : S1;
+      for (int r = 0; r < MR; ++r) {
+        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(v0, bcast4(xr[r] + 32 * b + 8 * q)),
+                                           _mm256_maddubs_epi16(v1, bcast4(xr[r] + 32 * b + 8 * q + 4)));
+        J[r] = _mm256_add_epi32(J[r], _mm256_madd_epi16(t, S));
+      }
+    }
+  } else {  // signed bytes: |w| * sign(x, w), <= 2 x 128 x 127 per step
+    for (int r = 0; r < MR; ++r) J[r] = _mm256_setzero_si256();
+    const uint8_t* wp = a.w + (p * a.B + b) * 256;
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * t));
+      const __m256i av = _mm256_abs_epi8(v);
+      for (int r = 0; r < MR; ++r) {
+        const __m256i sx = _mm256_sign_epi8(bcast4(xr[r] + 32 * b + 4 * t), v);
+        J[r] = _mm256_add_epi32(J[r], _mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), ones));
+      }
+    }
+  }
+}
+
+template <int MR, int KIND, int H, int OFF>
+void panel_rows(const Args& a, int64_t p, int64_t m0, int64_t nv) {
+  __m256 yv[MR];
+  const int8_t* xr[MR];
+  for (int r = 0; r < MR; ++r) {
+    yv[r] = _mm256_setzero_ps();
+    xr[r] = a.xq + (m0 + r) * a.K;
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < a.B; ++b) {
+    const int64_t g = b / a.group;
+    __m256i S0 = ones, S1 = ones, Spair = ones;
+    if constexpr (H == 1) {
+      S0 = S1 = Spair = dup16(a.s + (p * a.B + b) * 8);
+    } else if constexpr (H == 2) {
+      const int8_t* sp = a.s + (p * a.B + b) * 16;
+      S0 = dup16(sp);
+      S1 = dup16(sp + 8);
+      Spair = pair16(sp, sp + 8);
+    }
+    __m256i J[MR];
+    block_integers<MR, KIND, H>(a, p, b, xr, S0, S1, J);
+    const __m256 Av = _mm256_loadu_ps(a.A + (p * a.G + g) * kPanel);
+    __m256 Cv = _mm256_setzero_ps();
+    __m256i CM = _mm256_setzero_si256();
+    if constexpr (OFF != 0) Cv = _mm256_loadu_ps(a.C + (p * a.G + g) * kPanel);
+    if constexpr (OFF == 2) CM = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (p * a.B + b) * 8)));
+    for (int r = 0; r < MR; ++r) {
+      const int32_t* bsr = a.bs + (m0 + r) * 2 * a.B + 2 * b;
+      const int32_t bs32 = bsr[0] + bsr[1];
+      if (a.zshift >= 0) {  // J -= zero * sum_h s_h * bsum_h
+        __m256i Z;
+        if constexpr (H == 0) {
+          Z = _mm256_set1_epi32(bs32);
+        } else {
+          Z = _mm256_madd_epi16(Spair, _mm256_set1_epi32((bsr[0] & 0xFFFF) | (bsr[1] << 16)));
+        }
+        J[r] = _mm256_sub_epi32(J[r], _mm256_sll_epi32(Z, _mm_cvtsi32_si128(a.zshift)));
+      }
+      const __m256 d = _mm256_set1_ps(a.dx[(m0 + r) * a.B + b]);
+      yv[r] = _mm256_add_ps(yv[r], _mm256_mul_ps(_mm256_mul_ps(Av, d), _mm256_cvtepi32_ps(J[r])));
+      if constexpr (OFF != 0) {
+        __m256i T;
+        if constexpr (OFF == 1) {
+          T = _mm256_set1_epi32(bs32);
+        } else {  // c (0 .. 127, high int16 half 0) times (bs32, 0)
+          T = _mm256_madd_epi16(CM, _mm256_set1_epi32(bs32 & 0xFFFF));
+        }
+        yv[r] = _mm256_add_ps(yv[r], _mm256_mul_ps(_mm256_mul_ps(Cv, d), _mm256_cvtepi32_ps(T)));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float* dst = a.y + (m0 + r) * a.N + p * kPanel;
+    if (nv == kPanel) {
+      _mm256_storeu_ps(dst, yv[r]);
+    } else {
+      alignas(32) float tmp[kPanel];
+      _mm256_store_ps(tmp, yv[r]);
+      std::memcpy(dst, tmp, nv * sizeof(float));
+    }
+  }
+}
+
+using PanelFn = void (*)(const Args&, int64_t, int64_t, int64_t);
+
+template <int KIND, int H, int OFF>
+PanelFn pick_rows(int mr) {
+  switch (mr) {
+    case 4: return &panel_rows<4, KIND, H, OFF>;
+    case 3: return &panel_rows<3, KIND, H, OFF>;
+    case 2: return &panel_rows<2, KIND, H, OFF>;
+    default: return &panel_rows<1, KIND, H, OFF>;
+  }
+}
+
+template <int KIND, int H>
+PanelFn pick_off(int off, int mr) {
+  switch (off) {
+    case 2: return pick_rows<KIND, H, 2>(mr);
+    case 1: return pick_rows<KIND, H, 1>(mr);
+    default: return pick_rows<KIND, H, 0>(mr);
+  }
+}
+
+template <int KIND>
+PanelFn pick_h(int h, int off, int mr) {
+  switch (h) {
+    case 2: return pick_off<KIND, 2>(off, mr);
+    case 1: return pick_off<KIND, 1>(off, mr);
+    default: return pick_off<KIND, 0>(off, mr);
+  }
+}
+
+PanelFn pick(int kind, int h, int off, int mr) {
+  switch (kind) {
+    case kNib4: return pick_h<kNib4>(h, off, mr);
+    case kByte: return pick_h<kByte>(h, off, mr);
+    default: return pick_h<kSigned>(h, off, mr);
+  }
+}
+
+// Rows per call when `remaining` rows are left: as few calls of <= 4 rows as possible, evenly sized.
+inline int rows_for_call(int64_t remaining) {
+  const int64_t calls = (remaining + kMaxRows - 1) / kMaxRows;
+  return static_cast<int>((remaining + calls - 1) / calls);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "gguf_quantize_rows: x must be a contiguous fp32 CPU [M, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "gguf_quantize_rows: K must be a multiple of 32, got ", K);
+  const int64_t B = K / 32;
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({M, B}, x.options());
+  at::Tensor bs = at::empty({M, 2 * B}, x.options().dtype(at::kInt));
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float* dp = dx.data_ptr<float>();
+  int32_t* bp = bs.data_ptr<int32_t>();
+  at::parallel_for(0, M * B, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* src = xp + i * 32;
+      int8_t* dst = qp + i * 32;
+      float amax = 0.0f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
+      const float d = amax / 127.0f;
+      dp[i] = d;
+      int32_t sums[2] = {0, 0};
+      for (int j = 0; j < 32; ++j) {
+        const float q = amax == 0.0f ? 0.0f : std::nearbyint(src[j] / d);
+        const int32_t v = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, q)));
+        dst[j] = static_cast<int8_t>(v);
+        sums[j / 16] += v;
+      }
+      bp[2 * i] = sums[0];
+      bp[2 * i + 1] = sums[1];
+    }
+  });
+  return {xq, dx, bs};
+}
+
+const float* opt_float(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() && t->numel() > 0 ? t->data_ptr<float>() : nullptr;
+}
+
+const int8_t* opt_int8(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() && t->numel() > 0 ? t->data_ptr<int8_t>() : nullptr;
+}
+
+at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& bsum, const at::Tensor& packed,
+                       const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
+                       const c10::optional<at::Tensor>& sub_scales, const c10::optional<at::Tensor>& offset_mult,
+                       int64_t bits, bool is_signed, int64_t zero, int64_t sub, int64_t group, int64_t n_out) {
+  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.dim() == 2 && xq.is_contiguous(), "gguf_matmul: bad xq");
+  const int64_t M = xq.size(0), K = xq.size(1), B = K / 32;
+  TORCH_CHECK(K % 32 == 0 && dx.numel() == M * B && bsum.numel() == M * 2 * B && dx.is_contiguous() &&
+                  bsum.is_contiguous() && dx.scalar_type() == at::kFloat && bsum.scalar_type() == at::kInt,
+              "gguf_matmul: dx / bsum do not match xq");
+  TORCH_CHECK(group >= 1 && B % group == 0, "gguf_matmul: blocks ", B, " not a multiple of group ", group);
+  const int kind = bits == 4 ? kNib4 : (is_signed ? kSigned : kByte);
+  TORCH_CHECK(!(is_signed && bits != 8) && (bits == 4 || bits <= 6 || is_signed), "gguf_matmul: unsupported bits ",
+              bits, is_signed ? " (signed)" : "");
+  const int64_t P = packed.size(0), G = B / group;
+  const int64_t per_block = kind == kNib4 ? 128 : 256;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == P * B * per_block,
+              "gguf_matmul: packed weight must be a contiguous uint8 [P, B, ", per_block / 32, ", 32] tensor");
+  TORCH_CHECK(n_out > (P - 1) * kPanel && n_out <= P * kPanel, "gguf_matmul: ", n_out, " outputs in ", P, " panels");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == P * G * kPanel,
+              "gguf_matmul: scale must be fp32 [P, B/group, 8]");
+  const float* C = opt_float(offset);
+  const int8_t* s = opt_int8(sub_scales);
+  const int8_t* cm = opt_int8(offset_mult);
+  const int h = s == nullptr ? 0 : static_cast<int>(32 / sub);
+  TORCH_CHECK(s == nullptr || ((sub == 16 || sub == 32) && sub_scales->numel() == P * B * h * kPanel),
+              "gguf_matmul: sub-scales must be int8 [P, B, 32/sub, 8]");
+  TORCH_CHECK(C == nullptr || offset->numel() == P * G * kPanel, "gguf_matmul: offset must be fp32 [P, B/group, 8]");
+  TORCH_CHECK(cm == nullptr || (C != nullptr && offset_mult->numel() == P * B * kPanel),
+              "gguf_matmul: offset multipliers must be int8 [P, B, 8] and come with an offset");
+  TORCH_CHECK(zero == 0 || zero == 8 || zero == 16 || zero == 32, "gguf_matmul: zero point ", zero);
+  const int off = C == nullptr ? 0 : (cm == nullptr ? 1 : 2);
+  at::Tensor y = at::empty({M, n_out}, dx.options());
+  if (M == 0) return y;
+  Args a{packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), C, s, cm, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
+         bsum.data_ptr<int32_t>(), K, B, G, group, n_out,
+         zero == 0 ? -1 : (zero == 8 ? 3 : (zero == 16 ? 4 : 5)), y.data_ptr<float>()};
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t nv = std::min<int64_t>(kPanel, n_out - p * kPanel);
+      for (int64_t m = 0; m < M;) {
+        const int mr = rows_for_call(M - m);
+        pick(kind, h, off, mr)(a, p, m, nv);
+        m += mr;
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dflash2_ggufkernels, m) {
+  m.def("gguf_quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)", &gguf_quantize_rows);
+  m.def("gguf_matmul(Tensor xq, Tensor dx, Tensor bsum, Tensor packed, Tensor scale, Tensor? offset, "
+        "Tensor? sub_scales, Tensor? offset_mult, int bits, bool is_signed, int zero, int sub, int group, "
+        "int n_out) -> Tensor",
+        &gguf_matmul);
+}

@@ -1,0 +1,315 @@
+"""CPU linear layer over a GGUF file's own quantized blocks (``--weights gguf``), AVX2 kernel + PyTorch reference.
+
+What the layer computes (the *quantized target*; the same for every row count, both backends, every thread):
+
+1. each row of x (fp32) is quantized per block of 32 inputs: ``dx = max|x| / 127`` (fp32 division),
+   ``xq = round_half_even(x / dx)`` (int8; 0 where the block is 0), ``bsum`` = the sums of xq per 16;
+2. per row m, output n and block b in order, from y = 0, with the weight's integer form
+   (:mod:`dflash2.models.gguf_blocks`: ``w = A * s * (u - zero) + C * c``)::
+
+       J = sum_k s * (u - zero) * xq               (int32, exact)
+       y = y + (A * dx) * float(J)                 (fp32, separate roundings)
+       y = y + (C * dx) * float(c * (bsum_lo + bsum_hi))      (formats with an offset: Q4_1, Q4_K)
+
+3. ``y + bias`` (fp32).
+
+This is llama.cpp's scheme (integer dot products on activations quantized to 8 bits) with one activation scale per
+32 inputs for every block type.  The AVX2 kernel (``gemm_gguf_avx2.cpp``) and :func:`reference_matmul` evaluate
+exactly these operations, so they agree bit for bit, and a row's result never depends on the other rows.
+
+Backends: ``"avx2"`` (the JIT-built kernel) and ``"torch"`` (:func:`reference_matmul`: portable, slow; float64
+integer sums, the same fp32 steps).  ``DFLASH2_GGUF_KERNEL=torch`` selects the reference; otherwise the kernel is
+required and a CPU or build that cannot provide it is an error naming that switch (no silent fallback).  The
+packed layout, shared by both backends and by the model store's cache, is described in the C++ file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash2.kernels import jit
+from dflash2.kernels import packed_linear as _bf16
+from dflash2.models.gguf_blocks import BLOCK, BlockTensor
+
+__all__ = ["ENV", "GgufLinear", "PackedBlocks", "gguf_backend", "gguf_kernel_status", "gguf_kernels_available",
+           "pack_blocks", "quantize_rows", "reference_matmul", "unpack_blocks"]
+
+ENV = "DFLASH2_GGUF_KERNEL"
+PANEL = 8  # outputs per packed panel (kPanel in gemm_gguf_avx2.cpp)
+KERNEL = _bf16.KERNEL  # "avx2"
+TORCH = _bf16.TORCH
+_SOURCE = Path(__file__).with_name("gemm_gguf_avx2.cpp")
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+@dataclass(frozen=True)
+class PackedBlocks:
+    """One run of rows of the same kind in the kernel layout (see gemm_gguf_avx2.cpp); P = ceil(N / 8)."""
+
+    weight: torch.Tensor  # uint8 [P, B, 4, 32] (4-bit codes) or [P, B, 8, 32]
+    scale: torch.Tensor  # fp32 [P, B/group, 8]
+    offset: torch.Tensor | None  # fp32 [P, B/group, 8]
+    sub_scales: torch.Tensor | None  # int8 [P, B, 32/sub, 8]
+    offset_mult: torch.Tensor | None  # int8 [P, B, 8]
+    bits: int
+    signed: bool
+    zero: int
+    sub: int
+    group: int
+    out_features: int
+    qtype: str
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors by name (absent ones left out): what the model store's cache holds."""
+        parts = {"weight": self.weight, "scale": self.scale, "offset": self.offset, "sub_scales": self.sub_scales,
+                 "offset_mult": self.offset_mult}
+        return {name: t for name, t in parts.items() if t is not None}
+
+    def meta(self) -> dict[str, object]:
+        return {"bits": self.bits, "signed": self.signed, "zero": self.zero, "sub": self.sub, "group": self.group,
+                "out_features": self.out_features, "qtype": self.qtype}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+# ------------------------------------------------------------------------------------------------ packing
+
+
+def _panels(values: np.ndarray, p: int) -> np.ndarray:
+    """[N, ...] -> [P * 8, ...] padded with zeros."""
+    pad = p * PANEL - values.shape[0]
+    return values if pad == 0 else np.concatenate([values, np.zeros((pad, *values.shape[1:]), values.dtype)])
+
+
+def _per_panel(values: np.ndarray | None, p: int, dtype) -> torch.Tensor | None:
+    """[N, X] -> [P, X, 8] (output innermost)."""
+    if values is None:
+        return None
+    padded = _panels(values, p).reshape(p, PANEL, -1).transpose(0, 2, 1)
+    return torch.from_numpy(np.ascontiguousarray(padded, dtype=dtype))
+
+
+def pack_blocks(t: BlockTensor) -> PackedBlocks:
+    """The kernel layout of ``t`` (exact; :func:`unpack_blocks` inverts it)."""
+    n, k = t.shape
+    p, b = -(-n // PANEL), k // BLOCK
+    codes = _panels(t.codes, p).reshape(p, PANEL, b, 32)  # [P, 8, B, 32]
+    if t.bits == 4:
+        steps = codes.reshape(p, PANEL, b, 2, 4, 4)  # [P, o, B, half, c, i]
+        nib = steps[:, :, :, 0] | (steps[:, :, :, 1] << 4)  # [P, o, B, c, i]
+        weight = nib.transpose(0, 2, 3, 1, 4).reshape(p, b, 4, 32)
+    else:
+        weight = codes.reshape(p, PANEL, b, 8, 4).transpose(0, 2, 3, 1, 4).reshape(p, b, 8, 32)
+    sub_scales = None
+    if t.sub_scales is not None:
+        h = BLOCK // t.sub
+        sub_scales = _per_panel(t.sub_scales, p, np.int8).reshape(p, b, h, PANEL)
+    return PackedBlocks(
+        weight=torch.from_numpy(np.ascontiguousarray(weight, dtype=np.uint8)),
+        scale=_per_panel(t.scale, p, np.float32), offset=_per_panel(t.offset, p, np.float32),
+        sub_scales=sub_scales, offset_mult=_per_panel(t.offset_mult, p, np.int8),
+        bits=t.bits, signed=t.signed, zero=t.zero, sub=t.sub, group=t.group, out_features=n, qtype=t.qtype)
+
+
+def _unpanel(values: torch.Tensor | None, n: int) -> np.ndarray | None:
+    """[P, X, 8] -> [N, X]."""
+    if values is None:
+        return None
+    return np.ascontiguousarray(values.numpy().transpose(0, 2, 1).reshape(-1, values.shape[1])[:n])
+
+
+def unpack_blocks(pb: PackedBlocks, rows: slice | None = None) -> BlockTensor:
+    """The integer form back from the kernel layout (``rows``: a slice of panels' rows, multiples of 8)."""
+    sel = rows or slice(0, pb.out_features)
+    p0, p1 = sel.start // PANEL, -(-min(sel.stop, pb.out_features) // PANEL)
+    n = min(sel.stop, pb.out_features) - sel.start
+
+    def part(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[p0:p1]
+
+    w = pb.weight[p0:p1].numpy()
+    p, b = w.shape[0], w.shape[1]
+    if pb.bits == 4:
+        nib = w.reshape(p, b, 4, PANEL, 4).transpose(0, 3, 1, 2, 4)  # [P, o, B, c, i]
+        codes = np.stack([nib & 0x0F, nib >> 4], axis=3).reshape(p * PANEL, b * 32)
+    else:
+        codes = w.reshape(p, b, 8, PANEL, 4).transpose(0, 3, 1, 2, 4).reshape(p * PANEL, b * 32)
+    sub = part(pb.sub_scales)
+    sub_np = None if sub is None else _unpanel(sub.reshape(p, -1, PANEL), n)
+    return BlockTensor(pb.qtype, np.ascontiguousarray(codes[:n]), pb.signed, pb.bits, pb.zero, pb.sub, sub_np,
+                       pb.group, _unpanel(part(pb.scale), n), _unpanel(part(pb.offset), n),
+                       _unpanel(part(pb.offset_mult), n))
+
+
+# ------------------------------------------------------------------------------------------------ reference
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x fp32 [M, K] -> (xq int8 [M, K], dx fp32 [M, K/32], bsum int32 [M, K/16]), step 1 of the module docstring."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // BLOCK, BLOCK)  # [M, B, 32]
+    amax = blocks.abs().amax(dim=2)  # [M, B]
+    dx = amax / torch.tensor(127.0, dtype=torch.float32)
+    safe = torch.where(amax > 0, dx, torch.ones_like(dx))
+    q = torch.where(amax[..., None] > 0, torch.round(blocks / safe[..., None]), torch.zeros_like(blocks))
+    xq = q.clamp_(-127, 127).to(torch.int8)  # [M, B, 32]
+    bsum = xq.to(torch.int32).view(m, -1, 16).sum(dim=2, dtype=torch.int32)  # [M, 2B]
+    return xq.view(m, k), dx, bsum
+
+
+def _block_rows(t: BlockTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(s * (u - zero) float64 [N, B, 32], A fp32 [N, B], C fp32 [N, B] or None, c float64 [N, B] or None)."""
+    from dflash2.models.gguf_blocks import integer_weights
+
+    n, k = t.shape
+    w = torch.from_numpy(integer_weights(t)).to(torch.float64).view(n, k // BLOCK, BLOCK)
+    a = torch.from_numpy(np.repeat(t.scale, t.group, axis=1))
+    c = None if t.offset is None else torch.from_numpy(np.repeat(t.offset, t.group, axis=1))
+    mult = None
+    if c is not None:
+        mult = torch.ones(n, k // BLOCK, dtype=torch.float64) if t.offset_mult is None else \
+            torch.from_numpy(t.offset_mult.astype(np.float64))
+    return w, a, c, mult
+
+
+def reference_matmul(xq: torch.Tensor, dx: torch.Tensor, bsum: torch.Tensor, t: BlockTensor) -> torch.Tensor:
+    """Step 2 of the module docstring in PyTorch: fp32 [M, N], bit for bit the kernel's."""
+    m = xq.shape[0]
+    w, a, c, mult = _block_rows(t)  # [N, B, 32], [N, B], ...
+    nb = w.shape[1]
+    x64 = xq.to(torch.float64).view(m, nb, BLOCK)  # [M, B, 32]
+    j = torch.einsum("mbk,nbk->bmn", x64, w).to(torch.float32)  # [B, M, N], exact integers then one rounding
+    y = torch.zeros(m, w.shape[0], dtype=torch.float32)
+    b32 = bsum.view(m, nb, 2).sum(dim=2).to(torch.float64)  # [M, B]
+    for b in range(nb):
+        y = y + (a[None, :, b] * dx[:, b, None]) * j[b]
+        if c is not None:
+            y = y + (c[None, :, b] * dx[:, b, None]) * (mult[None, :, b] * b32[:, b, None]).to(torch.float32)
+    return y
+
+
+# ------------------------------------------------------------------------------------------------ kernel
+
+
+def _source_tag() -> str:
+    return hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+
+
+def _self_check(op) -> str:
+    """The kernel against :func:`reference_matmul` on every block type, bit for bit."""
+    from dflash2.models.gguf_blocks import SUPPORTED_TYPES, random_blocks
+
+    g = torch.Generator().manual_seed(0)
+    quantize = torch.ops.dflash2_ggufkernels.gguf_quantize_rows.default
+    for qtype in SUPPORTED_TYPES:
+        t = random_blocks(qtype, 20, 512, seed=1)
+        x = torch.randn(5, 512, generator=g)
+        xq, dx, bsum = quantize(x)
+        got = _matmul(op, (xq, dx, bsum), pack_blocks(t))
+        ref = reference_matmul(*quantize_rows(x), t)
+        if not torch.equal(got, ref):
+            return f"gguf self-check failed for {qtype} (max abs diff {(got - ref).abs().max().item():.3g})"
+    return ""
+
+
+def _matmul(op, quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor], pb: PackedBlocks) -> torch.Tensor:
+    return op(*quantized, pb.weight, pb.scale, pb.offset, pb.sub_scales, pb.offset_mult, pb.bits, pb.signed,
+              pb.zero, pb.sub, pb.group, pb.out_features)
+
+
+def _load() -> tuple[bool, str, object]:
+    tag = _source_tag()
+    return jit.jit_load(f"dflash2_ggufkernels_{tag}", _SOURCE, _CFLAGS, jit.build_dir() / f"gguf-{tag}",
+                        "dflash2_ggufkernels.gguf_matmul", _self_check, label="gguf ")
+
+
+def gguf_kernels_available() -> bool:
+    jit.ensure_loaded(_state, _lock, _load, "gguf CPU linear kernel", warn=False)
+    return bool(_state["available"])
+
+
+def gguf_kernel_status() -> str:
+    jit.ensure_loaded(_state, _lock, _load, "gguf CPU linear kernel", warn=False)
+    return str(_state["status"])
+
+
+def gguf_backend() -> str:
+    """``torch`` when ``DFLASH2_GGUF_KERNEL=torch``, else ``avx2``, which must then be available (else an error)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("torch", "off", "0", "false", "no"):
+        return TORCH
+    if value not in ("", "avx2", "on", "1", "true", "yes"):
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected avx2 or torch")
+    if not gguf_kernels_available():
+        raise RuntimeError(f"--weights gguf needs its AVX2 kernel, which is unavailable ({gguf_kernel_status()}); "
+                           f"set {ENV}=torch for the (slow) PyTorch reference")
+    return KERNEL
+
+
+# ------------------------------------------------------------------------------------------------ module
+
+
+class GgufLinear(_bf16.CpuLinear):
+    """Inference-only CPU ``nn.Linear`` over GGUF blocks: one or more runs of rows (fused projections whose parts
+    have different block types, e.g. Q4_K q/k and Q6_K v), each a :class:`PackedBlocks`; outputs concatenated,
+    then the fp32 bias added.  See the module docstring for the arithmetic."""
+
+    def __init__(self, parts: list[PackedBlocks], bias: torch.Tensor | None, in_features: int, backend: str) -> None:
+        super().__init__()
+        if backend not in (KERNEL, TORCH):
+            raise ValueError(f"unknown backend {backend!r} (expected {KERNEL!r} or {TORCH!r})")
+        self.parts = parts
+        self.in_features = int(in_features)
+        self.out_features = sum(p.out_features for p in parts)
+        self.backend = backend
+        self.bias_data = bias  # fp32 [N] or None
+        self.weights = "gguf"
+        self._op = torch.ops.dflash2_ggufkernels.gguf_matmul.default if backend == KERNEL else None
+        self._quantize = torch.ops.dflash2_ggufkernels.gguf_quantize_rows.default if backend == KERNEL else None
+
+    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
+        quantized = self._quantize(x)
+        return self._finish([_matmul(self._op, quantized, p) for p in self.parts])
+
+    def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:
+        quantized = quantize_rows(x.contiguous())
+        return self._finish([_chunked_reference(quantized, p) for p in self.parts])
+
+    def _finish(self, ys: list[torch.Tensor]) -> torch.Tensor:
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+        return y if self.bias_data is None else y.add_(self.bias_data)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """fp32 [N, K] (what gguf.quants.dequantize gives for these blocks)."""
+        from dflash2.models.gguf_blocks import dequantize
+
+        return torch.cat([torch.from_numpy(dequantize(unpack_blocks(p))) for p in self.parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(p.qtype for p in self.parts)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias_data is not None}, blocks={kinds}, backend={self.backend}")
+
+
+def _chunked_reference(quantized, pb: PackedBlocks) -> torch.Tensor:
+    """:func:`reference_matmul` over ~4096-row slices of ``pb`` (bounded float64 temporaries)."""
+    step = PANEL * 512
+    ys = [reference_matmul(*quantized, unpack_blocks(pb, slice(n0, n0 + step)))
+          for n0 in range(0, pb.out_features, step)]
+    return torch.cat(ys, dim=1)
