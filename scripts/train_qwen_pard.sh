@@ -5,7 +5,9 @@
 # stopped); run them side by side (training picks up new label shards when it is restarted):
 #   scripts/train_qwen_pard.sh labels   # the target's top-16 distributions over text (teacher-forced passes)
 #   scripts/train_qwen_pard.sh train    # LoRA training on those soft labels + the regenerated shards' hard labels
-#   scripts/train_qwen_pard.sh ship     # copy the adapter of the run into the package (bf16, ~16 MB)
+#   scripts/train_qwen_pard.sh ship     # copy the adapter of the run into the package (bf16, ~16 MB) + draft vocab
+#   scripts/train_qwen_pard.sh export   # the shipped drafter as a plain Hugging Face directory (OUT=dir)
+#   scripts/train_qwen_pard.sh cost     # draft pass vs verify pass (scripts/pard_cost.py)
 # Data: the committed regenerated token shards (data/dflash-train/qwen2.5-coder-1.5b-instruct{,-chat}: the
 # target's greedy responses to GSM8K-train / stdlib-docstring / synthetic chat prompts), GSM8K train solutions
 # (data/train/gsm8k_train.jsonl, MIT) as chats, and this interpreter's standard-library sources (PSF) as code
@@ -33,8 +35,16 @@ case "${1:-}" in
       --anchors 48 --sequences-per-step 2 --max-seq-len 768 --steps "${STEPS:-1000}" --lr 3e-4 --mask-lr 2e-3 \
       --warmup 20 --heldout 16 --heldout-every 40 --eval-every "${EVAL_EVERY:-0}" --eval-anchors 8 --checkpoint-every 5
     ;;
-  ship)
+  ship)  # the adapter of the run's drafter/ (written at a normal end or an interruption) + a 32768-id draft vocabulary
     rm -rf "$SHIPPED" && mkdir -p "$SHIPPED" && cp "$RUN/drafter/pard_config.json" "$RUN/drafter/adapter.safetensors" "$SHIPPED/"
+    .venv/bin/dflash2 train pard-vocab --adapter "$SHIPPED" --data "$REGEN" --size "${DRAFT_VOCAB:-32768}"
+    cp "$RUN/eval.jsonl" "$SHIPPED/eval.jsonl"
     ;;
-  *) echo "usage: $0 labels | train | ship" >&2; exit 2 ;;
+  export)  # a plain Hugging Face directory of the shipped drafter (merged weights; OUT=dir)
+    .venv/bin/dflash2 train export-pard --adapter "$SHIPPED" --out "${OUT:-runs/pard-hf}" --dtype "${DTYPE:-bf16}"
+    ;;
+  cost)  # one draft pass vs one verify pass (k = 8), drafter in bf16 and int8
+    $NICE .venv/bin/python scripts/pard_cost.py --threads "${THREADS:-1}" --drafter-weights bf16,int8
+    ;;
+  *) echo "usage: $0 labels | train | ship | export | cost" >&2; exit 2 ;;
 esac

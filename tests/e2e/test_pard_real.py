@@ -52,7 +52,7 @@ def _export_matches_drafter(base_name: str, adapter, tmp_path, dtype: str = "fp3
 
     base = model_dir(base_name, dtype)
     out = export_pard(adapter, base, tmp_path / "hf", dtype, num_draft_tokens=8)
-    model, config = load_pard_model(adapter, base, dtype, packed=False)
+    model, config = load_pard_model(adapter, base, dtype, packed=False, draft_vocab=False)
     drafter = PardDrafter(model, config.mask_token_id, 8)
     drafter.reset(256)
     sequence = Tokenizer(base).encode(CODE_PROMPT)[:64]

@@ -267,3 +267,37 @@ def write_random_adapter(base_dir, directory, mask_id: int, num_draft_tokens: in
     PardConfig(base_model=str(base_dir), mask_token_id=mask_id, num_draft_tokens=num_draft_tokens, lora_rank=rank,
                lora_alpha=2.0 * rank).save(directory)
     return directory
+
+
+def test_draft_vocab_and_int8_weights_stay_lossless(tiny_model_dirs, tmp_path):
+    """A draft vocabulary (the head's rows of the listed ids only; -inf elsewhere) and int8 drafter weights change
+    what is drafted, never what is generated."""
+    from safetensors.torch import save_file
+
+    from dflash2.drafters.pard import DRAFT_VOCAB_FILE, VocabSubsetHead
+
+    base = tiny_model_dirs["qwen2_other"]
+    adapter = write_random_adapter(base, tmp_path / "adapter", MASK, num_draft_tokens=4)
+    full, _ = load_pard_model(adapter, base, "fp32")
+    vocab = torch.arange(0, 250, 2)  # even ids only
+    save_file({"draft_vocab": vocab.to(torch.int32)}, str(adapter / DRAFT_VOCAB_FILE))
+    subset, _ = load_pard_model(adapter, base, "fp32")
+    assert isinstance(subset.lm_head, VocabSubsetHead)
+    ids = torch.tensor([prompt().tolist()])
+    with torch.no_grad():
+        expected, got = full(ids).logits[0], subset(ids).logits[0]
+    torch.testing.assert_close(got[:, vocab], expected[:, vocab])
+    outside = torch.ones(got.shape[-1], dtype=torch.bool)
+    outside[vocab] = False
+    assert bool(torch.isneginf(got[:, outside]).all())
+    target, ids = load_transformer(tiny_model_dirs["qwen2"], "fp32"), prompt()
+    capacity = len(ids) + NEW_TOKENS + 5
+    plain = run(plain_decode(target, ids, GREEDY, None, capacity, DecodeStats()))
+    for weights in ("bf16", "int8"):
+        model, config = load_pard_model(adapter, base, "fp32", weights=weights)
+        drafter = PardDrafter(model, config.mask_token_id, 4)
+        drafter.reset(capacity)  # every draft lies in the draft vocabulary
+        assert all(int(t) % 2 == 0 for t in drafter.propose(ids.tolist(), 4, GREEDY, None).tokens)
+        stats = DecodeStats()
+        spec = run(speculative_steps("sync", target, drafter, ids, GREEDY, None, capacity, stats))
+        assert spec == plain

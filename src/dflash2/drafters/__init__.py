@@ -76,7 +76,7 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
     if name == "pard":  # a trained adapter directory or a store model (untrained) as draft_model; docs/pard.md
         from dflash2.drafters.pard import build_pard_drafter
 
-        return build_pard_drafter(target, draft_model, k, dtype=dtype, pull=pull)
+        return build_pard_drafter(target, draft_model, k, dtype=dtype, weights=weights, pull=pull)
     from dflash2.drafters.dflash import load_dflash_drafter
     from dflash2.drafters.hybrid import HybridDrafter
 

@@ -39,6 +39,7 @@ from dflash2.verify.sampling import SamplingParams, logits_to_probs, sample
 
 PARD_CONFIG = "pard_config.json"
 ADAPTER_FILE = "adapter.safetensors"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # optional: "draft_vocab" int64 [V'], the ids the head drafts
 LORA_TARGETS = ("wqkv", "wo", "w_gate_up", "w_down")  # the decoder's (fused) projections
 SHIPPED_DIR = Path(__file__).parent / "trained"  # dflash2.drafters.TRAINED_DIR (not imported: no import cycle)
 
@@ -164,13 +165,22 @@ def initial_mask_embedding(model: Transformer, used_ids: int | None = None) -> t
 
 
 def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype: str = "bf16",
-                    device: str = "cpu", *, packed: bool | None = None, mask_token_id: int | None = None
-                    ) -> tuple[Transformer, PardConfig]:
+                    device: str = "cpu", *, packed: bool | None = None, mask_token_id: int | None = None,
+                    weights: str = "bf16", draft_vocab: bool = True) -> tuple[Transformer, PardConfig]:
     """The base network with a trained adapter merged in (or untrained: ``adapter_dir`` None, the mask embedding
-    is then the mean embedding). Packed for the CPU kernel when ``packed`` (None: as ``load_transformer``)."""
+    is then the mean embedding). Packed for the CPU kernel when ``packed`` (None: as ``load_transformer``).
+    ``weights`` "int8" / "int4": the MERGED projections and the head quantized (weight-only, CPU kernels; quantized
+    at each load, ~1 s per 100M weights: the store's cache of quantized layers holds the base, not the merge).
+    ``draft_vocab``: when the adapter directory has ``draft_vocab.safetensors``, the head keeps only those rows
+    (:class:`VocabSubsetHead`: logits of the other ids are -inf, so they are never drafted; the head is 28% of the
+    0.5B's weights at the full 151936 ids)."""
     from safetensors.torch import load_file
 
-    from dflash2.models.loading import load_transformer, pack_linear_layers, parse_dtype, should_pack
+    from dflash2.models.loading import (check_weight_format, load_transformer, own_memory, pack_linear_layers,
+                                        parse_dtype, should_pack)
+    from dflash2.models.state_dict import quantize_linear_layers
+
+    check_weight_format(weights, device)
 
     model = load_transformer(base_dir, dtype, device, packed=False)
     if adapter_dir is None:
@@ -187,13 +197,52 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
             merge_lora(model)
         mask_embedding = state["mask_embedding"]
     model.embed.weight.data[config.mask_token_id] = mask_embedding.to(model.dtype)
-    if packed if packed is not None else should_pack(device, parse_dtype(dtype)):
+    vocab = read_draft_vocab(adapter_dir) if draft_vocab and adapter_dir is not None else None
+    if vocab is not None:
+        if bool((vocab == config.mask_token_id).any()):
+            raise ValueError("the draft vocabulary must not contain the mask token")
+        full = model.lm_head
+        model.lm_head = nn.Linear(full.in_features, len(vocab), bias=False, device=full.weight.device,
+                                  dtype=full.weight.dtype).requires_grad_(False)
+        model.lm_head.weight.data = full.weight.data[vocab].clone()
+    if weights != "bf16":
+        quantize_linear_layers(model, weights)
+        own_memory(model)
+    elif packed if packed is not None else should_pack(device, parse_dtype(dtype)):
         pack_linear_layers(model)
+        own_memory(model)
+    if vocab is not None:
+        model.lm_head = VocabSubsetHead(model.lm_head, vocab, model.config.vocab_size)
     return model.eval().requires_grad_(False), config
 
 
+def read_draft_vocab(adapter_dir: str | Path) -> torch.Tensor | None:
+    """The adapter's draft vocabulary (int64 [V'] ids), or None when it has none (the full vocabulary)."""
+    from safetensors.torch import load_file
+
+    path = Path(adapter_dir) / DRAFT_VOCAB_FILE
+    return load_file(str(path))["draft_vocab"].to(torch.int64) if path.exists() else None
+
+
+class VocabSubsetHead(nn.Module):
+    """The head over a subset of the vocabulary: ``head`` computes the logits of ``ids`` [V'] only; the output is
+    [..., vocab_size] float32 with -inf at every other id (never drafted: q_draft is 0 there, so verification
+    stays exact)."""
+
+    def __init__(self, head: nn.Module, ids: torch.Tensor, vocab_size: int) -> None:
+        super().__init__()
+        self.head = head
+        self.register_buffer("ids", ids.to(torch.int64), persistent=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., V]
+        part = self.head(x).float()
+        full = torch.full((*part.shape[:-1], self.vocab_size), float("-inf"), device=part.device)
+        return full.index_copy_(-1, self.ids.to(part.device), part)
+
+
 def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens: int | None, *, dtype: str = "bf16",
-                       pull: bool = True) -> PardDrafter:
+                       weights: str | None = None, pull: bool = True) -> PardDrafter:
     """The PARD drafter for ``target`` (a :class:`~dflash2.drafters.DraftTarget`): ``draft_model`` is a trained
     adapter directory (``pard_config.json``), or a store model / model directory drafting untrained (mask embedding
     = the mean embedding: only draft 1 is useful); None = the adapter shipped for the target
@@ -211,9 +260,28 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
     base_dir = resolve_model(base, dtype, pull=pull)
     if Tokenizer(base_dir).fingerprint() != target.tokenizer.fingerprint():
         raise ValueError(f"pard base {base!r} has a different tokenizer from the target; it cannot draft for it")
-    model, config = load_pard_model(adapter, base_dir, dtype, str(target.target.device))
+    device = str(target.target.device)
+    model, config = load_pard_model(adapter, base_dir, dtype, device, weights=pard_weights(weights, device, dtype))
     return PardDrafter(model, config.mask_token_id, num_draft_tokens or config.num_draft_tokens,
                        target_vocab_size=target.target.config.vocab_size)
+
+
+def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
+    """The drafter's weight format: ``weights`` when quantized (``--weights int8 / int4`` quantizes target and
+    drafter), else :data:`DEFAULT_PARD_WEIGHTS` for bf16 / fp16 on a CPU (``$DFLASH2_PARD_WEIGHTS`` = bf16 / int8 /
+    int4 overrides it), not quantized elsewhere (fp32 stays the unquantized reference, as ``load_transformer``)."""
+    import os
+
+    if weights not in (None, "bf16"):
+        return weights
+    if torch.device(device).type != "cpu" or dtype == "fp32":
+        return "bf16"
+    return os.environ.get("DFLASH2_PARD_WEIGHTS", "").strip().lower() or DEFAULT_PARD_WEIGHTS
+
+
+# int8 on a CPU: one draft pass of the 0.5B (8 rows) measured 590 ms vs 669 ms in bf16 (scripts/pard_cost.py,
+# docs/pard.md); the drafts need not be exact, only verification must (and it is, whatever the drafter computes)
+DEFAULT_PARD_WEIGHTS = "int8"
 
 
 # ---- the drafter -----------------------------------------------------------------------------------------

@@ -314,6 +314,20 @@ def _add_export_pard_parser(sub) -> None:
     export.add_argument("--num-draft-tokens", type=int, default=None, help="block size (default: the adapter's)")
     export.set_defaults(handler=run_export_pard)
 
+    vocab = sub.add_parser("pard-vocab", help="give a PARD adapter a draft vocabulary (the head computes only the ids "
+                                              "most frequent in the target's responses)")
+    vocab.add_argument("--adapter", required=True, help="the adapter directory (pard_config.json)")
+    vocab.add_argument("--data", required=True, help="regenerated token shard directories, comma-separated")
+    vocab.add_argument("--size", type=int, default=32768, help="ids kept (default: %(default)s)")
+    vocab.set_defaults(handler=run_pard_vocab)
+
+
+def run_pard_vocab(args: argparse.Namespace) -> int:
+    from dflash2.train.pard_trainer import write_draft_vocab
+
+    print(write_draft_vocab(args.adapter, args.data, args.size))
+    return 0
+
 
 def run_export_pard(args: argparse.Namespace) -> int:
     from dflash2.drafters.pard import PardConfig

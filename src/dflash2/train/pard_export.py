@@ -73,7 +73,8 @@ def export_pard(adapter_dir: str | Path | None, base_dir: str | Path, out_dir: s
     from safetensors.torch import save_file
 
     base_dir, out_dir = Path(base_dir), Path(out_dir)
-    model, config = load_pard_model(adapter_dir, base_dir, dtype, packed=False, mask_token_id=mask_token_id)
+    model, config = load_pard_model(adapter_dir, base_dir, dtype, packed=False, mask_token_id=mask_token_id,
+                                    draft_vocab=False)  # the full head: an engine may draft any id
     k = num_draft_tokens or config.num_draft_tokens
     out_dir.mkdir(parents=True, exist_ok=True)
     for path in base_dir.iterdir():  # tokenizer, chat template, generation config (not the weights)

@@ -248,6 +248,25 @@ def save_adapter(directory: Path, model: Transformer, mask_embedding: torch.Tens
     return directory
 
 
+def write_draft_vocab(adapter_dir: str | Path, token_dirs: str, size: int, heldout_sequences: int = 16) -> Path:
+    """``adapter_dir/draft_vocab.safetensors``: the ``size`` ids most frequent in the target's own responses (the
+    regenerated token shards ``token_dirs``, comma-separated, without their held-out sequences; ties toward the
+    smaller id, i.e. the earlier BPE merge), so the drafter's head computes only those rows (``load_pard_model``)."""
+    from dflash2.drafters.pard import DRAFT_VOCAB_FILE, PardConfig
+    from dflash2.train.data import ShardSet, frequent_ids
+
+    shards = ShardSet([d for d in token_dirs.split(",") if d], load_hidden=False)
+    train, _ = shards.split_heldout(heldout_sequences)
+    ids = frequent_ids(shards, train, size)
+    mask_id = PardConfig.load(adapter_dir).mask_token_id
+    if bool((ids == mask_id).any()):
+        raise ValueError(f"draft vocabulary of {size} ids would contain the mask token {mask_id}")
+    path = Path(adapter_dir) / DRAFT_VOCAB_FILE
+    save_file({"draft_vocab": ids.to(torch.int32).contiguous()}, str(path),
+              metadata={"source": token_dirs, "sequences": str(len(train))})
+    return path
+
+
 def _report_eval(model, heldout: dict[str, list[LabelledText]], config: PardTrainConfig, mask_id: int, step: int,
                  out_dir: Path, bar=None) -> dict:
     """Held-out tau and acceptance by position per held-out set, printed and appended to eval.jsonl."""
@@ -316,4 +335,4 @@ def _load_checkpoint(path: Path, config: PardTrainConfig, model, mask_embedding,
     return int(state["step"])
 
 
-__all__ = ["PardTrainConfig", "latest_checkpoint", "save_adapter", "save_checkpoint", "train_pard"]
+__all__ = ["PardTrainConfig", "latest_checkpoint", "save_adapter", "save_checkpoint", "train_pard", "write_draft_vocab"]

@@ -1,0 +1,72 @@
+"""End to end at T > 0 through ``Engine.generate`` with the PARD drafter (drafts of one forward over mask positions,
+each position sampled from its own q_draft): the first four generated tokens must have exactly the target's
+distribution (checks: tests/statistical/decode_paths.py), with top-k / top-p, the overlapped pipeline, and a draft
+vocabulary (the head scores 4 of the 6 ids). A companion breaks the chain rule and must be caught."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dflash2.drafters.pard import PardDrafter, VocabSubsetHead
+from dflash2.verify import SamplingParams
+from tests.statistical.decode_paths import (DRAFT_VOCAB, VOCAB, assert_caught, assert_lossless, broken,
+                                            engine_samples, exact_joint, swap_p_and_q, tiny_engine, tiny_target)
+
+RUNS = 1000
+SLOW_RUNS = 10_000
+PROMPT = [1, 2, 3]
+MASK = VOCAB - 1  # the mask id (5) is never drafted; the residual still gives it its mass
+
+
+@dataclass(frozen=True)
+class Case:
+    params: SamplingParams
+    pipeline: str = "sync"
+    draft_vocab: bool = False
+
+
+CASES = {
+    "pard-chain-top-p": Case(SamplingParams(temperature=0.9, top_p=0.8)),
+    "pard-chain-overlap-top-k": Case(SamplingParams(temperature=1.0, top_k=4), "overlap"),
+    "pard-chain-draft-vocab": Case(SamplingParams(temperature=1.1), draft_vocab=True),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The target and the drafter's network (another tiny model, sharper: q far from p)."""
+    return tiny_target(tmp_path_factory.mktemp("pard-target")), tiny_target(tmp_path_factory.mktemp("pard-draft"),
+                                                                           seed=7, scale=1.5)
+
+
+def samples_of(models, case: Case, runs: int) -> torch.Tensor:
+    target, draft = models
+    if case.draft_vocab:  # a copy whose head scores DRAFT_VOCAB only (load_pard_model's VocabSubsetHead)
+        draft = copy.deepcopy(draft)
+        head = torch.nn.Linear(draft.config.hidden_size, len(DRAFT_VOCAB), bias=False)
+        head.weight.data = draft.lm_head.weight.data[DRAFT_VOCAB].clone()
+        draft.lm_head = VocabSubsetHead(head, DRAFT_VOCAB, VOCAB)
+    engine = tiny_engine(target, PardDrafter(draft, MASK, 3), case.pipeline)
+    try:
+        return engine_samples(engine, PROMPT, case.params, runs)
+    finally:
+        if engine._worker is not None:
+            engine._worker.close()
+
+
+@pytest.mark.parametrize("runs", [RUNS, pytest.param(SLOW_RUNS, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", list(CASES))
+def test_pard_generation_has_the_target_distribution(models, name, runs):
+    case = CASES[name]
+    assert_lossless(samples_of(models, case, runs), exact_joint(models[0], PROMPT, case.params))
+
+
+def test_pard_with_p_and_q_swapped_is_caught(models):
+    case = CASES["pard-chain-top-p"]
+    with broken("verify_chain", swap_p_and_q):
+        samples = samples_of(models, case, 400)
+    assert_caught(samples, exact_joint(models[0], PROMPT, case.params))
