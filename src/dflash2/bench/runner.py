@@ -41,6 +41,7 @@ def run_bench(engine, drafters: dict, prompts: list[BenchPrompt], config: BenchC
     raw_path = config.out_dir / "requests.jsonl"
     info = _run_info(engine, config) | {"peers": [peer.name for peer in peers]} | (run_extra or {})
     (config.out_dir / "run.json").write_text(json.dumps(info, indent=2))
+    engine.prefix_cache = False  # every request is measured cold: the same prompt runs once per method
     _warm_up(engine, drafters)
     _warm_up_peers(engine, peers)
     total = len(prompts) * (len(drafters) + len(peers))

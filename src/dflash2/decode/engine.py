@@ -1,8 +1,16 @@
-"""The engine a user holds: target model, tokenizer, optional drafter; ``generate`` and ``stream``."""
+"""The engine a user holds: target model, tokenizer, optional drafter; ``generate`` and ``stream``.
+
+Prefix reuse: after a generation ends normally, the engine keeps its KV cache and the ids its slots hold (one
+sequence: the last conversation). The next call starts from the longest common prefix of those ids and its
+prompt (at least the last prompt id is fed again), so a chat called turn after turn only prefills the new turn.
+The drafter is reset and rebuilt from the full prompt ids (a block drafter from the hidden states the kept cache
+holds for every committed slot). Not with the overlapped pipeline (it prefills in full).
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -10,20 +18,32 @@ import torch
 from dflash2.decode.output import GenerationResult, OutputTracker, StreamChunk
 from dflash2.decode.plain import plain_decode
 from dflash2.decode.stats import DecodeStats
+from dflash2.kv.static import StaticKVCache
 from dflash2.models.decoder import Transformer
 from dflash2.models.tokenizer import ChatMessages, Tokenizer
 from dflash2.verify.sampling import SamplingParams
 
 Prompt = str | ChatMessages
-# A decoding method: (prompt ids [T], sampling, generator, KV capacity, stats) -> committed tokens per pass.
-DecodeMethod = Callable[[torch.Tensor, SamplingParams, torch.Generator | None, int, DecodeStats], Iterator[list[int]]]
+# A decoding method: (prompt ids [T], sampling, generator, KV capacity, stats, cache) -> committed tokens per pass;
+# the cache (None: the method makes its own) holds the KV of the prompt's first ``cache.length`` ids.
+DecodeMethod = Callable[[torch.Tensor, SamplingParams, torch.Generator | None, int, DecodeStats,
+                         StaticKVCache | None], Iterator[list[int]]]
+
+
+@dataclass
+class KeptCache:
+    """The last generation's KV cache and the ids whose keys/values its slots ``[0, cache.length)`` hold."""
+
+    cache: StaticKVCache
+    ids: list[int]
 
 
 class Engine:
     """Generates from a target model, plainly or with a drafter (``drafter=None`` -> plain decoding)."""
 
     def __init__(self, target: Transformer, tokenizer: Tokenizer, *, drafter=None, name: str = "",
-                 pipeline: str = "sync", adaptive_draft: bool = False, draft_threads: int | None = None) -> None:
+                 pipeline: str = "sync", adaptive_draft: bool = False, draft_threads: int | None = None,
+                 prefix_cache: bool = True) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -32,6 +52,12 @@ class Engine:
         self.adaptive_draft = adaptive_draft  # choose the draft length per step from observed acceptance
         self.draft_threads = draft_threads  # overlap: the drafter thread's intra-op threads (None: torch's default)
         self._worker = None  # overlap: the drafter's thread, started on first use
+        self.prefix_cache = prefix_cache  # keep the last generation's KV cache for the next call
+        self._kept: KeptCache | None = None
+
+    def clear_cache(self) -> None:
+        """Forget the kept KV cache (its memory is freed)."""
+        self._kept = None
 
     @property
     def max_context(self) -> int:
@@ -81,27 +107,52 @@ class Engine:
         method = method or self._default_method()
         stats = DecodeStats(prompt_tokens=len(prompt_ids))
         generator = None if params.greedy else params.make_generator(self.target.device)
-        steps = method(torch.tensor(prompt_ids), params, generator, capacity, stats)
-        output = OutputTracker(self.tokenizer, max_new_tokens, stop)
         start = time.perf_counter()
+        cache = self._start_cache(prompt_ids, capacity)
+        stats.cached_tokens = 0 if cache is None else cache.length
+        steps = method(torch.tensor(prompt_ids), params, generator, capacity, stats, cache)
+        output = OutputTracker(self.tokenizer, max_new_tokens, stop)
+        committed = list(prompt_ids)
         for step_ids in steps:
             if not output.generated:
                 stats.prefill_seconds = time.perf_counter() - start
+            committed.extend(step_ids)
             chunk = output.push(step_ids)
             if chunk is not None:
                 yield chunk
             if output.finish_reason is not None:
                 break
         steps.close()
+        if cache is not None:
+            self._kept = KeptCache(cache, committed[: cache.length])
         stats.decode_seconds = time.perf_counter() - start - stats.prefill_seconds
         last, result = output.finish(output.finish_reason or "length", stats, prompt_ids)
         if last is not None:
             yield last
         return result
 
+    def _start_cache(self, prompt_ids: list[int], capacity: int) -> StaticKVCache | None:
+        """The cache this generation starts from: the kept one rolled back to its longest common prefix with the
+        prompt (at most all prompt ids but the last), or a new one; None when nothing is kept (prefix reuse off,
+        or the overlapped pipeline). The kept cache is taken: a generation that does not end normally keeps none."""
+        kept, self._kept = self._kept, None
+        if not self.prefix_cache or (self.drafter is not None and self.pipeline == "overlap"):
+            return None
+        taps = () if self.drafter is None else tuple(self.drafter.hidden_layers)
+        if kept is None or kept.cache.tap_layers != taps:
+            c = self.target.config
+            return StaticKVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, dtype=self.target.dtype,
+                                 device=self.target.device, tap_layers=taps, tap_width=c.hidden_size)
+        common, limit = 0, min(len(kept.ids), len(prompt_ids) - 1)
+        while common < limit and kept.ids[common] == prompt_ids[common]:
+            common += 1
+        kept.cache.rollback(common)
+        return kept.cache.grown(capacity)
+
     def _default_method(self) -> DecodeMethod:
         if self.drafter is None:
-            return lambda ids, params, gen, cap, stats: plain_decode(self.target, ids, params, gen, cap, stats)
+            return lambda ids, params, gen, cap, stats, cache: plain_decode(self.target, ids, params, gen, cap, stats,
+                                                                            cache)
         from dflash2.decode.draft_length import make_policy
         from dflash2.decode.overlap import PIPELINES, DraftWorker, overlap_decode
         from dflash2.decode.speculative import speculative_decode
@@ -110,10 +161,10 @@ class Engine:
             raise ValueError(f"unknown pipeline {self.pipeline!r}; choose one of {', '.join(PIPELINES)}")
         drafter, overlap = self.drafter, self.pipeline == "overlap"
 
-        def method(ids, params, gen, cap, stats):
+        def method(ids, params, gen, cap, stats, cache):
             policy = make_policy(self.adaptive_draft, drafter.num_draft_tokens, overlap)
             if not overlap:
-                return speculative_decode(self.target, drafter, ids, params, gen, cap, stats, policy)
+                return speculative_decode(self.target, drafter, ids, params, gen, cap, stats, policy, cache)
             if self._worker is None or self._worker.num_threads != self.draft_threads:
                 if self._worker is not None:
                     self._worker.close()

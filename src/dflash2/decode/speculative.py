@@ -45,16 +45,25 @@ def speculative_decode(
     capacity: int,  # KV slots for prompt + generated tokens + one draft block
     stats: DecodeStats,
     policy: DraftLengthPolicy | None = None,  # draft length per step (default: always drafter.num_draft_tokens)
+    cache: StaticKVCache | None = None,  # holds the KV of prompt_ids[:cache.length] (a reused prefix); None: new
 ) -> Iterator[list[int]]:
-    """Yield the tokens committed by each target pass. Lossless: the output is distributed as plain decoding's."""
+    """Yield the tokens committed by each target pass. Lossless: the output is distributed as plain decoding's.
+
+    A cache that keeps hidden states (``cache.tap_layers`` == the drafter's) keeps those of every committed slot;
+    a drafter that reads hidden states can start from a reused prefix only through them."""
     policy = policy or FixedDraftLength(drafter.num_draft_tokens)
     taps = drafter.hidden_layers
-    cache = target.new_cache(capacity)
+    cache = target.new_cache(capacity) if cache is None else cache
+    reused = cache.length
+    if reused and taps and cache.tap_layers != taps:
+        raise ValueError(f"a reused prefix needs the hidden states of layers {taps}; the cache keeps "
+                         f"{cache.tap_layers}")
     drafter.reset(capacity)
-    out = target(prompt_ids[None].to(target.device), cache=cache, logits="last", hidden_layers=taps)
+    out = target(prompt_ids[None, reused:].to(target.device), cache=cache, logits="last", hidden_layers=taps)
+    cache.write_taps(reused, out.hidden_states)
     token = int(choose_token(out.logits[0, -1], params, generator))
     sequence = prompt_ids.tolist() + [token]  # the last id is pending: committed, not yet in the target cache
-    drafter.observe(sequence, -1, out.hidden_states)
+    drafter.observe(sequence, -1, cache.read_taps(cache.length) if reused and taps else out.hidden_states)
     yield [token]
     while cache.length < capacity:
         room = capacity - cache.length - 1  # slots left after the pending token
@@ -71,7 +80,9 @@ def speculative_decode(
         record_step(stats, policy, draft, outcome, drafted - started, verified - drafted)
         sequence.extend(outcome.emitted)
         kept = torch.tensor(outcome.kept_positions, device=target.device)
-        drafter.observe(sequence, len(outcome.emitted) - 1, tuple(h[:, kept] for h in hidden))
+        kept_taps = tuple(h[:, kept] for h in hidden)
+        cache.write_taps(start, kept_taps)
+        drafter.observe(sequence, len(outcome.emitted) - 1, kept_taps)
         yield outcome.emitted
 
 

@@ -2,6 +2,10 @@
 
 Slot s holds the keys/values of the s-th token written. For chains slot == position; a verified tree is
 written in input order and :meth:`StaticKVCache.compact` moves the accepted branch into consecutive slots.
+
+A cache may also keep, per committed slot, the target's hidden states at the layers a block drafter reads
+(``tap_layers``): the single-request engine keeps a finished generation's cache for the next call (prefix reuse),
+and a block drafter that starts from a reused prefix reads those positions' hidden states from here.
 """
 
 from __future__ import annotations
@@ -29,12 +33,21 @@ class StaticKVCache:
         batch_size: int = 1,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        tap_layers: tuple[int, ...] = (),
+        tap_width: int = 0,
     ) -> None:
         shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, Dh]
         self.values = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, Dh]
         self.capacity = capacity
         self.length = 0
+        self.tap_layers = tuple(tap_layers)
+        self.taps = None  # [n_taps, S, D]: hidden states of the committed slots at tap_layers (batch of 1)
+        if self.tap_layers:
+            if tap_width <= 0 or batch_size != 1:
+                raise ValueError(f"kept hidden states need tap_width > 0 and a batch of 1, got {tap_width}, "
+                                 f"{batch_size}")
+            self.taps = torch.zeros(len(self.tap_layers), capacity, tap_width, dtype=dtype, device=device)
 
     @staticmethod
     def nbytes_for(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
@@ -45,7 +58,39 @@ class StaticKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.keys.nbytes + self.values.nbytes + (0 if self.taps is None else self.taps.nbytes)
+
+    def write_taps(self, start: int, taps: tuple[torch.Tensor, ...]) -> None:
+        """Keep the hidden states of slots ``[start, start + n)`` (``taps``: per tap layer, [1, n, D]); a no-op
+        for a cache that keeps none."""
+        if self.taps is None:
+            return
+        if len(taps) != len(self.tap_layers):
+            raise ValueError(f"{len(taps)} tapped layers given, the cache keeps {len(self.tap_layers)}")
+        for row, tap in zip(self.taps, taps):
+            row[start : start + tap.shape[1]] = tap[0]
+
+    def read_taps(self, end: int) -> tuple[torch.Tensor, ...]:
+        """The kept hidden states of slots ``[0, end)``: per tap layer, [1, end, D]."""
+        if self.taps is None:
+            raise ValueError("this cache keeps no hidden states")
+        return tuple(row[None, :end] for row in self.taps)
+
+    def grown(self, capacity: int) -> StaticKVCache:
+        """A cache of ``capacity`` slots holding this one's committed slots (this one unchanged)."""
+        if capacity <= self.capacity:
+            return self
+        _, batch, heads, _, head_dim = self.keys.shape
+        bigger = StaticKVCache(self.keys.shape[0], heads, head_dim, capacity, batch_size=batch, dtype=self.keys.dtype,
+                               device=self.keys.device, tap_layers=self.tap_layers,
+                               tap_width=0 if self.taps is None else self.taps.shape[-1])
+        n = self.length
+        bigger.keys[:, :, :, :n] = self.keys[:, :, :, :n]
+        bigger.values[:, :, :, :n] = self.values[:, :, :, :n]
+        if self.taps is not None:
+            bigger.taps[:, :n] = self.taps[:, :n]
+        bigger.length = n
+        return bigger
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store new keys/values [B, H_kv, T, Dh] at ``[length, length + T)`` of one layer.
