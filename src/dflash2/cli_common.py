@@ -54,10 +54,12 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
                              "together as a tree; dflash / dflash2 a tree of k*W nodes, the chain and the likeliest "
                              "branches through the block's top candidates (default: 1, a chain)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    parser.add_argument("--weights", default="bf16", choices=("bf16", "int8", "int4"),
+    parser.add_argument("--weights", default="bf16", choices=("bf16", "int8", "int4", "gguf"),
                         help="linear-layer weights of the target and draft model: bf16 (not quantized), int8 (per "
-                             "channel) or int4 (groups of 32), weight-only, CPU; quantized at the first load and cached in "
-                             "the model store (DFLASH2_QUANT_CACHE=off: never cached) (default: %(default)s)")
+                             "channel) or int4 (groups of 32), weight-only, quantized at the first load; or gguf: the "
+                             "GGUF file's own 4/5/6/8-bit blocks as they are, with activations quantized to int8 per 32 "
+                             "like llama.cpp; CPU only, cached in the model store (DFLASH2_QUANT_CACHE=off: never "
+                             "cached) (default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     parser.add_argument("--pipeline", default=None,

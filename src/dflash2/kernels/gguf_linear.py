@@ -266,12 +266,15 @@ class GgufLinear(_bf16.CpuLinear):
     have different block types, e.g. Q4_K q/k and Q6_K v), each a :class:`PackedBlocks`; outputs concatenated,
     then the fp32 bias added.  See the module docstring for the arithmetic."""
 
-    def __init__(self, parts: list[PackedBlocks], bias: torch.Tensor | None, in_features: int, backend: str) -> None:
+    def __init__(self, parts: list[PackedBlocks], bias: torch.Tensor | None, backend: str) -> None:
         super().__init__()
         if backend not in (KERNEL, TORCH):
             raise ValueError(f"unknown backend {backend!r} (expected {KERNEL!r} or {TORCH!r})")
+        widths = {p.weight.shape[1] * BLOCK for p in parts}
+        if len(widths) != 1:
+            raise ValueError(f"the runs of a GgufLinear must have the same input width, got {sorted(widths)}")
         self.parts = parts
-        self.in_features = int(in_features)
+        self.in_features = widths.pop()
         self.out_features = sum(p.out_features for p in parts)
         self.backend = backend
         self.bias_data = bias  # fp32 [N] or None

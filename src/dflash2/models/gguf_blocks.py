@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["BLOCK", "SUPPORTED_TYPES", "BlockTensor", "GGUFBlockError", "concat_rows", "decode_blocks",
-           "dequantize", "integer_weights", "random_blocks", "take_rows"]
+           "dequantize", "integer_weights", "random_blocks", "random_raw", "take_rows"]
 
 BLOCK = 32  # inputs per activation block and per kernel block
 SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
@@ -199,13 +199,18 @@ def concat_rows(parts: list[BlockTensor]) -> BlockTensor:
 _F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
-def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> BlockTensor:
-    """An [N, K] tensor of ``qtype`` with random codes, scales and minimums (for tests and self-checks): random
-    bytes, with finite fp16 values of either sign in the fp16 fields."""
+def random_raw(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw bytes of an [N, K] tensor of ``qtype`` with random codes, scales and minimums (for tests and
+    self-checks): uint8 [N * K / block, bytes per block], random bytes with finite fp16 values in the fp16 fields."""
     per_block, nbytes, _ = _TYPES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n * (k // per_block), nbytes), dtype=np.uint8)
     for offset in _F16_FIELDS[qtype]:
         values = (rng.standard_normal(raw.shape[0]) * 0.01).astype(np.float16)
         raw[:, offset : offset + 2] = values.view(np.uint8).reshape(-1, 2)
-    return decode_blocks(qtype, raw, n, k)
+    return raw
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> BlockTensor:
+    """:func:`random_raw` decoded."""
+    return decode_blocks(qtype, random_raw(qtype, n, k, seed), n, k)

@@ -22,9 +22,11 @@ from dflash2.models.state_dict import (
 
 # Weight formats of the linear layers: "bf16" = not quantized (weights in the model dtype, the packed bf16 kernel
 # for bf16/fp16 on a CPU); "int8" = weight-only int8 with one fp32 scale per output feature, quantized at the first
-# load and cached in the model store (dflash2.models.quant_cache; CPU kernel); "int4" = weight-only 4-bit, one fp32 scale per output and group of 32 inputs (CPU kernel).
+# load and cached in the model store (dflash2.models.quant_cache; CPU kernel); "int4" = weight-only 4-bit, one fp32 scale per output and group of 32 inputs (CPU kernel);
+# "gguf" = the GGUF file's own quantized blocks as they are (models converted from a GGUF; dflash2.models.gguf_weights,
+# kernels/gguf_linear.py: activations quantized to int8 per block of 32, integer dot products).
 # Embeddings and norms stay in the model dtype.
-WEIGHT_FORMATS = ("bf16", "int8", "int4")
+WEIGHT_FORMATS = ("bf16", "int8", "int4", "gguf")
 
 
 def load_transformer(
@@ -48,6 +50,10 @@ def load_transformer(
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = parse_dtype(dtype)
+    if weights == "gguf":
+        from dflash2.models.gguf_weights import load_gguf_transformer  # below this module, imported when needed
+
+        return own_memory(load_gguf_transformer(model_dir, config, torch_dtype))
     if weights != "bf16":
         from dflash2.models.quant_cache import load_quantized_transformer  # below this module, imported when needed
 
@@ -103,7 +109,8 @@ def pack_linear_layers(model: Transformer, *, include_head: bool = True) -> None
 
 
 def weight_format(model: Transformer) -> str:
-    """The weight format of ``model``'s head as loaded: "int8" / "int4" for a quantized model, else "bf16"."""
+    """The weight format of ``model``'s head as loaded: "int8" / "int4" / "gguf" for a quantized model, else "bf16"."""
+    from dflash2.kernels.gguf_linear import GgufLinear
     from dflash2.kernels.quant_linear import QuantLinear
 
-    return model.lm_head.weights if isinstance(model.lm_head, QuantLinear) else "bf16"
+    return model.lm_head.weights if isinstance(model.lm_head, (QuantLinear, GgufLinear)) else "bf16"

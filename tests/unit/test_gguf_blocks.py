@@ -1,0 +1,193 @@
+"""--weights gguf: the GGUF's own blocks (models/gguf_blocks.py), their kernel (kernels/gguf_linear.py,
+gemm_gguf_avx2.cpp) and the model store's cache of them (models/gguf_cache.py)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dflash2.kernels import gguf_linear as gl
+from dflash2.models.gguf_blocks import (SUPPORTED_TYPES, GGUFBlockError, concat_rows, decode_blocks, dequantize,
+                                        random_blocks, random_raw, take_rows)
+
+gguf_quants = pytest.importorskip("gguf.quants")
+GGML = pytest.importorskip("gguf").GGMLQuantizationType
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
+def test_dequantize_is_ggufs_bit_for_bit(qtype):
+    n, k = 24, 512
+    raw = random_raw(qtype, n, k, seed=5)
+    ref = gguf_quants.dequantize(raw, GGML[qtype]).reshape(n, k)
+    got = dequantize(decode_blocks(qtype, raw, n, k))
+    assert np.array_equal(_bits(got), _bits(ref))  # signed zeros included
+
+
+def test_store_ggufs_dequantize_bit_for_bit():
+    """The store's SmolLM2 file (Q4_1 and Q8_0), where it has been pulled."""
+    from dflash2.models.store import gguf_path
+
+    path = gguf_path("smollm2-135m-instruct")
+    if not path.is_file():
+        pytest.skip("SmolLM2's GGUF is not in the store")
+    reader = __import__("gguf").GGUFReader(str(path))
+    for tensor in reader.tensors:
+        if tensor.name not in ("blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight"):
+            continue
+        k = int(tensor.shape[0])
+        data = np.asarray(tensor.data)[:40]
+        ref = gguf_quants.dequantize(data, tensor.tensor_type).reshape(40, k)
+        assert np.array_equal(_bits(dequantize(decode_blocks(tensor.tensor_type.name, data, 40, k))), _bits(ref))
+
+
+def test_unsupported_types_and_shapes_are_clear_errors():
+    with pytest.raises(GGUFBlockError, match="Q5_K is not supported"):
+        decode_blocks("Q5_K", np.zeros((1, 176), np.uint8), 1, 256)
+    with pytest.raises(GGUFBlockError, match="multiple of 256"):
+        decode_blocks("Q4_K", np.zeros((1, 144), np.uint8), 1, 128)
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
+def test_pack_unpack_round_trip(qtype):
+    t = random_blocks(qtype, 37, 256, seed=2)  # 37 rows: a partial panel
+    u = gl.unpack_blocks(gl.pack_blocks(t))
+    for name in ("codes", "sub_scales", "scale", "offset", "offset_mult"):
+        a, b = getattr(t, name), getattr(u, name)
+        assert (a is None and b is None) or np.array_equal(a, b), name
+
+
+def test_rows_take_and_concat_are_exact():
+    t = random_blocks("Q4_K", 16, 256, seed=3)
+    perm = np.random.default_rng(0).permutation(16)
+    assert np.array_equal(dequantize(take_rows(t, perm)), dequantize(t)[perm])
+    both = concat_rows([take_rows(t, np.arange(8)), take_rows(t, np.arange(8, 16))])
+    assert np.array_equal(dequantize(both), dequantize(t))
+
+
+def test_quantized_rows_reference():
+    x = torch.randn(3, 64)
+    x[1, :32] = 0  # an all-zero block: scale 0, codes 0
+    xq, dx, bsum = gl.quantize_rows(x)
+    assert dx[1, 0] == 0 and not xq[1, :32].any()
+    assert xq.abs().max() == 127
+    back = (xq.float().view(3, 2, 32) * dx[..., None]).view(3, 64)
+    assert torch.allclose(back, x, atol=float(dx.max()) / 2 + 1e-7)
+    assert torch.equal(bsum, xq.int().view(3, 4, 16).sum(2))
+
+
+def test_reference_is_close_to_the_dequantized_product():
+    t = random_blocks("Q6_K", 40, 512, seed=4)
+    x = torch.randn(5, 512)
+    y = gl.reference_matmul(*gl.quantize_rows(x), t)
+    exact = x.double() @ torch.from_numpy(dequantize(t)).double().T
+    assert ((y.double() - exact).abs().max() / exact.abs().max()) < 0.02  # int8 activations: ~0.5% here
+
+
+needs_kernel = pytest.mark.skipif(not gl.gguf_kernels_available(), reason="the gguf AVX2 kernel is unavailable")
+
+
+def _op():
+    return torch.ops.dflash2_ggufkernels.gguf_matmul.default, torch.ops.dflash2_ggufkernels.gguf_quantize_rows.default
+
+
+@needs_kernel
+def test_kernel_quantizes_rows_like_the_reference():
+    _, quantize = _op()
+    x = torch.randn(9, 320) * torch.logspace(-3, 3, 320)
+    x[2, 64:96] = 0
+    for a, b in zip(quantize(x), gl.quantize_rows(x)):
+        assert torch.equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
+def test_kernel_equals_reference_and_is_row_count_invariant(qtype):
+    op, quantize = _op()
+    k = 512
+    t = random_blocks(qtype, 44, k, seed=7)  # 44 outputs: 5 full panels and a partial one
+    pb = gl.pack_blocks(t)
+    x = torch.randn(40, k)
+    full = gl._matmul(op, quantize(x), pb)
+    assert torch.equal(full, gl.reference_matmul(*gl.quantize_rows(x), t))
+    for m in range(1, 18):  # every row-block split of the kernel (1..4 rows per call)
+        assert torch.equal(gl._matmul(op, quantize(x[:m]), pb), full[:m]), m
+    for r in (0, 13, 39):
+        assert torch.equal(gl._matmul(op, quantize(x[r : r + 1]), pb), full[r : r + 1])
+
+
+@needs_kernel
+def test_kernel_is_thread_count_invariant():
+    op, quantize = _op()
+    pb = gl.pack_blocks(random_blocks("Q4_K", 520, 1024, seed=8))
+    x = torch.randn(9, 1024)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gl._matmul(op, quantize(x), pb)
+        torch.set_num_threads(2)
+        assert torch.equal(gl._matmul(op, quantize(x), pb), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_layer_with_mixed_runs_and_bias_equals_the_torch_backend():
+    parts = [gl.pack_blocks(random_blocks(q, n, 256, seed=i)) for i, (q, n) in
+             enumerate((("Q4_K", 64), ("Q4_K", 16), ("Q6_K", 16)))]
+    bias = torch.randn(96)
+    kernel, torch_layer = gl.GgufLinear(parts, bias, "avx2"), gl.GgufLinear(parts, bias, "torch")
+    x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
+    y = kernel(x)
+    assert y.shape == (2, 7, 96) and y.dtype == torch.bfloat16
+    assert torch.equal(y, torch_layer(x))
+    assert torch.equal(kernel(x[:, :1]), y[:, :1])
+    w = kernel.dequantized_weight()
+    assert w.shape == (96, 256)
+
+
+def test_backend_switch(monkeypatch):
+    monkeypatch.setenv(gl.ENV, "torch")
+    assert gl.gguf_backend() == "torch"
+    monkeypatch.setenv(gl.ENV, "maybe")
+    with pytest.raises(ValueError, match="expected avx2 or torch"):
+        gl.gguf_backend()
+
+
+def test_cache_round_trip_and_invalidation(tmp_path, monkeypatch):
+    from dflash2.models.config import ModelConfig
+    from dflash2.models.gguf_cache import GgufCache
+
+    monkeypatch.setenv("DFLASH2_HOME", str(tmp_path))
+    model_dir = tmp_path / "models" / "tiny" / "bf16"
+    model_dir.mkdir(parents=True)
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"stand-in")
+    config = ModelConfig(vocab_size=16, hidden_size=256, intermediate_size=256, num_layers=1, num_heads=2,
+                         num_kv_heads=1, head_dim=128)
+    layers = {}
+    for i, name in enumerate(("layers.0.attn.wqkv", "layers.0.attn.wo", "layers.0.ffn.w_gate_up",
+                              "layers.0.ffn.w_down", "lm_head")):
+        parts = [gl.pack_blocks(random_blocks(q, 8, 256, seed=i)) for q in ("Q4_K", "Q6_K")]
+        layers[name] = (parts, torch.randn(16) if i == 0 else None)
+    cache = GgufCache.for_model(model_dir, gguf)
+    assert cache is not None and cache.read(config) is None
+    cache.write(layers)
+    back = cache.read(config)
+    for name, (parts, bias) in layers.items():
+        got_parts, got_bias = back[name]
+        assert (bias is None) == (got_bias is None) and (bias is None or torch.equal(bias, got_bias))
+        for a, b in zip(parts, got_parts, strict=True):
+            assert a.meta() == b.meta()
+            assert all(torch.equal(t, b.tensors()[n]) for n, t in a.tensors().items())
+    os.utime(gguf, ns=(1, 1))  # another file: the cache no longer matches
+    with pytest.warns(RuntimeWarning, match="ignoring the gguf block cache"):
+        assert GgufCache.for_model(model_dir, gguf).read(config) is None
+    monkeypatch.setenv("DFLASH2_QUANT_CACHE", "off")
+    assert GgufCache.for_model(model_dir, gguf) is None
