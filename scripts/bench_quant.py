@@ -9,6 +9,7 @@ tokens/s, with the formats interleaved in every round (same process, same prompt
     python scripts/bench_quant.py --threads 1 --cpu-time --agreement 2   # busy machine: CPU seconds, 1 thread
     python scripts/bench_quant.py --rounds 0 --pass-rate 10 --out runs/quant-pass   # accuracy only
     python scripts/bench_quant.py --formats bf16 --rows 1,3,7,13 --cached 200        # verification cost by rows
+    python scripts/bench_quant.py --formats int8,gguf --rows 1,2,4,9,17 --threads 1 --cpu-time   # the GGUF's blocks
 
 --cpu-time times with the process's CPU time instead of the wall clock (use with --threads 1): on a machine
 shared with other jobs it measures what the work costs, not how long the scheduler kept it waiting.
@@ -21,7 +22,7 @@ suite the pass rate, the responses identical to the first format's and where the
 per-prompt rows (texts included) go to --out/pass_rate.jsonl.  --rounds 0 skips the timing.
 
 Roofline: the bytes of linear-layer weights read per decoding step (packed bf16: 2 B per weight; int8: 1 B +
-4 B per output; int4: 0.5 B + 4 B per 32 weights) over --bandwidth GB/s (scripts/bench_kernels.py measures the
+4 B per output; int4: 0.5 B + 4 B per 32 weights; gguf: the packed blocks and their scales) over --bandwidth GB/s (scripts/bench_kernels.py measures the
 machine's read bandwidth); the plain decoding rate is compared with it.  Times are medians over rounds.
 """
 
@@ -40,6 +41,7 @@ from dflash2.bench.accuracy import summarize_pass_rates
 from dflash2.bench.datasets import BenchPrompt, load_suite
 from dflash2.decode.engine import Engine
 from dflash2.kernels import PackedLinear
+from dflash2.kernels.gguf_linear import GgufLinear
 from dflash2.kernels.quant_linear import QuantLinear
 from dflash2.models.loading import load_transformer
 from dflash2.models.store import resolve_model
@@ -57,6 +59,8 @@ def weight_bytes(model) -> int:
         elif isinstance(module, QuantLinear):
             total += module.weight_data.numel() * module.weight_data.element_size()
             total += module.scale_data.numel() * module.scale_data.element_size()
+        elif isinstance(module, GgufLinear):
+            total += module.nbytes
     return total
 
 

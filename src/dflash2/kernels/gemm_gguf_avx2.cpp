@@ -51,7 +51,7 @@ struct Args {
   const float* C;       // [P, G, 8] or null
   const int8_t* s;      // [P, B, H, 8] or null
   const int8_t* cm;     // [P, B, 8] or null
-  const int8_t* xq;     // [M, K]
+  const int8_t* xb;     // [M, 8K]: xq in broadcast layout (xload)
   const float* dx;      // [M, B]
   const int32_t* bs;    // [M, 2B]
   int64_t K, B, G, group, N;
@@ -59,10 +59,10 @@ struct Args {
   float* y;             // [M, N]
 };
 
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
+// The activations of a row in broadcast layout (built once per call): the 4 bytes of inputs k .. k+3 repeated 8
+// times at byte 8k, so that each step's operand is a plain load.
+inline __m256i xload(const int8_t* row, int64_t k) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 8 * k));
 }
 
 // 8 int8 -> 8 int32 lanes whose two int16 halves both hold the value (a _mm256_madd_epi16 multiplier).
@@ -85,25 +85,37 @@ inline void block_integers(const Args& a, int64_t p, int64_t b, const int8_t* co
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (KIND == kNib4) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    __m256i a0[MR], a1[MR];
-    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
     const uint8_t* wp = a.w + (p * a.B + b) * 128;
+    if constexpr (H == 2) {  // two halves with their own sub-scales: two int16 sums per row
+      __m256i a0[MR], a1[MR];
+      for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c));
-      const __m256i lo = _mm256_and_si256(v, low4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      for (int r = 0; r < MR; ++r) {  // <= 4 x 2 x 15 x 127 per int16 lane: no overflow
-        a0[r] = _mm256_add_epi16(a0[r], _mm256_maddubs_epi16(lo, bcast4(xr[r] + 32 * b + 4 * c)));
-        a1[r] = _mm256_add_epi16(a1[r], _mm256_maddubs_epi16(hi, bcast4(xr[r] + 32 * b + 16 + 4 * c)));
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c));
+        const __m256i lo = _mm256_and_si256(v, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int r = 0; r < MR; ++r) {  // <= 4 x 2 x 15 x 127 per int16 lane: no overflow
+          a0[r] = _mm256_add_epi16(a0[r], _mm256_maddubs_epi16(lo, xload(xr[r], 32 * b + 4 * c)));
+          a1[r] = _mm256_add_epi16(a1[r], _mm256_maddubs_epi16(hi, xload(xr[r], 32 * b + 16 + 4 * c)));
+        }
       }
-    }
-    for (int r = 0; r < MR; ++r) {
-      if constexpr (H == 2) {
+      for (int r = 0; r < MR; ++r)
         J[r] = _mm256_add_epi32(_mm256_madd_epi16(a0[r], S0), _mm256_madd_epi16(a1[r], S1));
-      } else {  // a0 + a1 <= 30480: still no overflow
-        J[r] = _mm256_madd_epi16(_mm256_add_epi16(a0[r], a1[r]), S0);
+    } else {  // one sub-scale per block: one int16 sum per row, <= 8 x 2 x 15 x 127 = 30480 (no overflow)
+      __m256i acc[MR];
+      for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c));
+        const __m256i lo = _mm256_and_si256(v, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int r = 0; r < MR; ++r) {
+          acc[r] = _mm256_add_epi16(acc[r], _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, xload(xr[r], 32 * b + 4 * c)),
+              _mm256_maddubs_epi16(hi, xload(xr[r], 32 * b + 16 + 4 * c))));
+        }
       }
+      for (int r = 0; r < MR; ++r) J[r] = _mm256_madd_epi16(acc[r], S0);
     }
   } else if constexpr (KIND == kByte) {  // codes <= 63: two steps per int16 sum (<= 32004)
     for (int r = 0; r < MR; ++r) J[r] = _mm256_setzero_si256();
@@ -114,8 +126,8 @@ inline void block_integers(const Args& a, int64_t p, int64_t b, const int8_t* co
       const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * q + 32));
       const __m256i S = q < 2 ? S0 : S1;
       for (int r = 0; r < MR; ++r) {
-        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(v0, bcast4(xr[r] + 32 * b + 8 * q)),
-                                           _mm256_maddubs_epi16(v1, bcast4(xr[r] + 32 * b + 8 * q + 4)));
+        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(v0, xload(xr[r], 32 * b + 8 * q)),
+                                           _mm256_maddubs_epi16(v1, xload(xr[r], 32 * b + 8 * q + 4)));
         J[r] = _mm256_add_epi32(J[r], _mm256_madd_epi16(t, S));
       }
     }
@@ -127,7 +139,7 @@ inline void block_integers(const Args& a, int64_t p, int64_t b, const int8_t* co
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * t));
       const __m256i av = _mm256_abs_epi8(v);
       for (int r = 0; r < MR; ++r) {
-        const __m256i sx = _mm256_sign_epi8(bcast4(xr[r] + 32 * b + 4 * t), v);
+        const __m256i sx = _mm256_sign_epi8(xload(xr[r], 32 * b + 4 * t), v);
         J[r] = _mm256_add_epi32(J[r], _mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), ones));
       }
     }
@@ -140,7 +152,7 @@ void panel_rows(const Args& a, int64_t p, int64_t m0, int64_t nv) {
   const int8_t* xr[MR];
   for (int r = 0; r < MR; ++r) {
     yv[r] = _mm256_setzero_ps();
-    xr[r] = a.xq + (m0 + r) * a.K;
+    xr[r] = a.xb + (m0 + r) * 8 * a.K;
   }
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < a.B; ++b) {
@@ -277,6 +289,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_rows(const at::Tens
   return {xq, dx, bs};
 }
 
+// xq [M, K] -> [M, 8K]: every 4 bytes repeated 8 times (see xload).
+at::Tensor broadcast_layout(const at::Tensor& xq) {
+  const int64_t M = xq.size(0), K = xq.size(1);
+  at::Tensor xb = at::empty({M, 8 * K}, xq.options());
+  const int32_t* src = reinterpret_cast<const int32_t*>(xq.data_ptr<int8_t>());
+  int32_t* dst = reinterpret_cast<int32_t*>(xb.data_ptr<int8_t>());
+  for (int64_t i = 0; i < M * K / 4; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * i),
+                                                               _mm256_set1_epi32(src[i]));
+  return xb;
+}
+
 const float* opt_float(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() && t->numel() > 0 ? t->data_ptr<float>() : nullptr;
 }
@@ -318,7 +341,8 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
   const int off = C == nullptr ? 0 : (cm == nullptr ? 1 : 2);
   at::Tensor y = at::empty({M, n_out}, dx.options());
   if (M == 0) return y;
-  Args a{packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), C, s, cm, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
+  at::Tensor xb = broadcast_layout(xq);
+  Args a{packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), C, s, cm, xb.data_ptr<int8_t>(), dx.data_ptr<float>(),
          bsum.data_ptr<int32_t>(), K, B, G, group, n_out,
          zero == 0 ? -1 : (zero == 8 ? 3 : (zero == 16 ? 4 : 5)), y.data_ptr<float>()};
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K));
