@@ -18,7 +18,10 @@
 //
 // Packed layouts (kernels/gguf_linear.py), P = ceil(N / 8) panels of 8 outputs, B = K / 32 blocks:
 //   4-bit codes: uint8 [P, B, 4, 32]: chunk c, byte 4o + i = u[8p+o, 32b+4c+i] | u[8p+o, 32b+16+4c+i] << 4
-//   wider codes: uint8 [P, B, 8, 32]: step t, byte 4o + i = u[8p+o, 32b+4t+i] (Q8_0: the signed byte)
+//     (chunk c holds step c in its low nibbles and step c + 4 in its high ones; step t = inputs 4t .. 4t+3)
+//   5- and 6-bit codes: uint8 [P, B, 4 + HB, 32] (HB = bits - 4): the low 4 bits as above, then HB planes of the
+//     high bits: step t's sit in plane (t HB) / 8 at bit (t HB) % 8 of byte 4o + i
+//   Q8_0: uint8 [P, B, 8, 32]: step t, byte 4o + i = the signed byte of input 32b+4t+i of output 8p+o
 //   sub-scales int8 [P, B, H, 8] (H = 32 / sub; absent: 1), c int8 [P, B, 8], A / C fp32 [P, B/group, 8].
 // One 32-byte vector holds 4 consecutive inputs of 8 outputs, so _mm256_maddubs_epi16 + _mm256_madd_epi16 leave
 // one int32 per output (no horizontal sums); each row broadcasts its 4 activation bytes.  A block's weights are
@@ -43,7 +46,7 @@ namespace {
 constexpr int64_t kPanel = 8;
 constexpr int kMaxRows = 4;
 
-enum Kind { kNib4 = 0, kByte = 1, kSigned = 2 };
+enum Kind { kNib4 = 0, kNib5 = 1, kNib6 = 2, kSigned = 3 };
 
 struct Args {
   const uint8_t* w;
@@ -117,18 +120,35 @@ inline void block_integers(const Args& a, int64_t p, int64_t b, const int8_t* co
       }
       for (int r = 0; r < MR; ++r) J[r] = _mm256_madd_epi16(acc[r], S0);
     }
-  } else if constexpr (KIND == kByte) {  // codes <= 63: two steps per int16 sum (<= 32004)
+  } else if constexpr (KIND == kNib5 || KIND == kNib6) {  // low nibbles + a plane of the high bits (<= 63)
+    constexpr int HB = KIND == kNib5 ? 1 : 2;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i hmask = _mm256_set1_epi8(HB == 1 ? 1 : 3);
+    const uint8_t* wp = a.w + (p * a.B + b) * (128 + 32 * HB);
+    const __m256i plane0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 128));
+    const __m256i plane1 =
+        HB == 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 160)) : plane0;
+    // step t's high bits: plane (t * HB) / 8, shifted right by (t * HB) % 8, moved to bits 4..
+    auto high = [&](int t) {
+      const __m256i plane = (t * HB) / 8 == 0 ? plane0 : plane1;
+      const __m256i h = _mm256_and_si256(_mm256_srli_epi16(plane, (t * HB) % 8), hmask);
+      return _mm256_slli_epi16(h, 4);
+    };
     for (int r = 0; r < MR; ++r) J[r] = _mm256_setzero_si256();
-    const uint8_t* wp = a.w + (p * a.B + b) * 256;
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) {
-      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * q));
-      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 64 * q + 32));
-      const __m256i S = q < 2 ? S0 : S1;
-      for (int r = 0; r < MR; ++r) {
-        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(v0, xload(xr[r], 32 * b + 8 * q)),
-                                           _mm256_maddubs_epi16(v1, xload(xr[r], 32 * b + 8 * q + 4)));
-        J[r] = _mm256_add_epi32(J[r], _mm256_madd_epi16(t, S));
+#pragma GCC unroll 2
+    for (int c = 0; c < 4; c += 2) {  // chunks c, c + 1: steps c, c + 1 (first half) and c + 4, c + 5 (second)
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c + 32));
+      const __m256i lo0 = _mm256_or_si256(_mm256_and_si256(v0, low4), high(c));
+      const __m256i lo1 = _mm256_or_si256(_mm256_and_si256(v1, low4), high(c + 1));
+      const __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low4), high(c + 4));
+      const __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low4), high(c + 5));
+      for (int r = 0; r < MR; ++r) {  // two steps per int16 sum: <= 2 x 2 x 63 x 127 = 32004
+        const __m256i t0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xload(xr[r], 32 * b + 4 * c)),
+                                            _mm256_maddubs_epi16(lo1, xload(xr[r], 32 * b + 4 * c + 4)));
+        const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, xload(xr[r], 32 * b + 16 + 4 * c)),
+                                            _mm256_maddubs_epi16(hi1, xload(xr[r], 32 * b + 16 + 4 * c + 4)));
+        J[r] = _mm256_add_epi32(J[r], _mm256_add_epi32(_mm256_madd_epi16(t0, S0), _mm256_madd_epi16(t1, S1)));
       }
     }
   } else {  // signed bytes: |w| * sign(x, w), <= 2 x 128 x 127 per step
@@ -243,7 +263,8 @@ PanelFn pick_h(int h, int off, int mr) {
 PanelFn pick(int kind, int h, int off, int mr) {
   switch (kind) {
     case kNib4: return pick_h<kNib4>(h, off, mr);
-    case kByte: return pick_h<kByte>(h, off, mr);
+    case kNib5: return pick_h<kNib5>(h, off, mr);
+    case kNib6: return pick_h<kNib6>(h, off, mr);
     default: return pick_h<kSigned>(h, off, mr);
   }
 }
@@ -318,11 +339,11 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
                   bsum.is_contiguous() && dx.scalar_type() == at::kFloat && bsum.scalar_type() == at::kInt,
               "gguf_matmul: dx / bsum do not match xq");
   TORCH_CHECK(group >= 1 && B % group == 0, "gguf_matmul: blocks ", B, " not a multiple of group ", group);
-  const int kind = bits == 4 ? kNib4 : (is_signed ? kSigned : kByte);
-  TORCH_CHECK(!(is_signed && bits != 8) && (bits == 4 || bits <= 6 || is_signed), "gguf_matmul: unsupported bits ",
-              bits, is_signed ? " (signed)" : "");
+  TORCH_CHECK(is_signed ? bits == 8 : (bits >= 4 && bits <= 6), "gguf_matmul: unsupported codes: ", bits,
+              is_signed ? " bits, signed" : " bits");
+  const int kind = is_signed ? kSigned : (bits == 4 ? kNib4 : (bits == 5 ? kNib5 : kNib6));
   const int64_t P = packed.size(0), G = B / group;
-  const int64_t per_block = kind == kNib4 ? 128 : 256;
+  const int64_t per_block = is_signed ? 256 : 128 + 32 * (bits - 4);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == P * B * per_block,
               "gguf_matmul: packed weight must be a contiguous uint8 [P, B, ", per_block / 32, ", 32] tensor");
   TORCH_CHECK(n_out > (P - 1) * kPanel && n_out <= P * kPanel, "gguf_matmul: ", n_out, " outputs in ", P, " panels");

@@ -56,7 +56,7 @@ _state: dict[str, object] = {}
 class PackedBlocks:
     """One run of rows of the same kind in the kernel layout (see gemm_gguf_avx2.cpp); P = ceil(N / 8)."""
 
-    weight: torch.Tensor  # uint8 [P, B, 4, 32] (4-bit codes) or [P, B, 8, 32]
+    weight: torch.Tensor  # uint8 [P, B, 4 + bits - 4, 32] (nibbles, then high-bit planes) or [P, B, 8, 32] (Q8_0)
     scale: torch.Tensor  # fp32 [P, B/group, 8]
     offset: torch.Tensor | None  # fp32 [P, B/group, 8]
     sub_scales: torch.Tensor | None  # int8 [P, B, 32/sub, 8]
@@ -106,12 +106,12 @@ def pack_blocks(t: BlockTensor) -> PackedBlocks:
     n, k = t.shape
     p, b = -(-n // PANEL), k // BLOCK
     codes = _panels(t.codes, p).reshape(p, PANEL, b, 32)  # [P, 8, B, 32]
-    if t.bits == 4:
-        steps = codes.reshape(p, PANEL, b, 2, 4, 4)  # [P, o, B, half, c, i]
-        nib = steps[:, :, :, 0] | (steps[:, :, :, 1] << 4)  # [P, o, B, c, i]
-        weight = nib.transpose(0, 2, 3, 1, 4).reshape(p, b, 4, 32)
-    else:
+    if t.signed:
         weight = codes.reshape(p, PANEL, b, 8, 4).transpose(0, 2, 3, 1, 4).reshape(p, b, 8, 32)
+    else:
+        steps = codes.reshape(p, PANEL, b, 8, 4).transpose(0, 2, 3, 1, 4).reshape(p, b, 8, 32)  # [P, B, t, 32]
+        nib = (steps[:, :, :4] & 0x0F) | ((steps[:, :, 4:] & 0x0F) << 4)  # [P, B, 4, 32]
+        weight = np.concatenate([nib, _high_planes(steps >> 4, t.bits - 4)], axis=2)
     sub_scales = None
     if t.sub_scales is not None:
         h = BLOCK // t.sub
@@ -121,6 +121,22 @@ def pack_blocks(t: BlockTensor) -> PackedBlocks:
         scale=_per_panel(t.scale, p, np.float32), offset=_per_panel(t.offset, p, np.float32),
         sub_scales=sub_scales, offset_mult=_per_panel(t.offset_mult, p, np.int8),
         bits=t.bits, signed=t.signed, zero=t.zero, sub=t.sub, group=t.group, out_features=n, qtype=t.qtype)
+
+
+def _high_planes(high: np.ndarray, hb: int) -> np.ndarray:
+    """[P, B, 8 steps, 32] high parts (< 2**hb) -> [P, B, hb, 32] planes: step t at plane t*hb // 8, bit t*hb % 8."""
+    planes = np.zeros((*high.shape[:2], hb, 32), np.uint8)
+    for t in range(8 if hb else 0):
+        planes[:, :, t * hb // 8] |= (high[:, :, t] << (t * hb % 8)).astype(np.uint8)
+    return planes
+
+
+def _high_bits(planes: np.ndarray, hb: int) -> np.ndarray:
+    """Inverse of :func:`_high_planes` ([P, B, 8, 32]; zeros for hb = 0)."""
+    high = np.zeros((*planes.shape[:2], 8, 32), np.uint8)
+    for t in range(8 if hb else 0):
+        high[:, :, t] = (planes[:, :, t * hb // 8] >> (t * hb % 8)) & ((1 << hb) - 1)
+    return high
 
 
 def _unpanel(values: torch.Tensor | None, n: int) -> np.ndarray | None:
@@ -141,11 +157,12 @@ def unpack_blocks(pb: PackedBlocks, rows: slice | None = None) -> BlockTensor:
 
     w = pb.weight[p0:p1].numpy()
     p, b = w.shape[0], w.shape[1]
-    if pb.bits == 4:
-        nib = w.reshape(p, b, 4, PANEL, 4).transpose(0, 3, 1, 2, 4)  # [P, o, B, c, i]
-        codes = np.stack([nib & 0x0F, nib >> 4], axis=3).reshape(p * PANEL, b * 32)
+    if pb.signed:
+        steps = w
     else:
-        codes = w.reshape(p, b, 8, PANEL, 4).transpose(0, 3, 1, 2, 4).reshape(p * PANEL, b * 32)
+        nib = w[:, :, :4]
+        steps = np.concatenate([nib & 0x0F, nib >> 4], axis=2) | (_high_bits(w[:, :, 4:], pb.bits - 4) << 4)
+    codes = steps.reshape(p, b, 8, PANEL, 4).transpose(0, 3, 1, 2, 4).reshape(p * PANEL, b * 32)
     sub = part(pb.sub_scales)
     sub_np = None if sub is None else _unpanel(sub.reshape(p, -1, PANEL), n)
     return BlockTensor(pb.qtype, np.ascontiguousarray(codes[:n]), pb.signed, pb.bits, pb.zero, pb.sub, sub_np,
