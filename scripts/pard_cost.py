@@ -21,7 +21,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--target-weights", default="bf16", choices=("bf16", "int8", "int4"))
-    parser.add_argument("--drafter-weights", default="bf16,int8", help="comma-separated: bf16, int8, int4")
+    parser.add_argument("--drafter-weights", default="bf16,int8",
+                        help="comma-separated: bf16, int8, int4; a suffix :vocab uses the adapter's draft vocabulary")
     parser.add_argument("--adapter", default="", help="adapter directory ('' = shipped if any, else untrained)")
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=8)
     parser.add_argument("--context", type=int, default=300, help="ids in the caches before the timed passes")
@@ -44,10 +45,11 @@ def main() -> None:
     target = load_transformer(resolve_model(args.target, "bf16"), "bf16", weights=args.target_weights)
     base = resolve_model("qwen2.5-coder-0.5b-instruct", "bf16")
     drafters = {}
-    for weights in args.drafter_weights.split(","):
-        model, config = load_pard_model(adapter, base, "bf16", weights=weights)
-        drafters[weights] = PardDrafter(model, config.mask_token_id, k)
-        drafters[weights].reset(args.context + 64)
+    for variant in args.drafter_weights.split(","):
+        weights, _, vocab = variant.partition(":")
+        model, config = load_pard_model(adapter, base, "bf16", weights=weights, draft_vocab=vocab == "vocab")
+        drafters[variant] = PardDrafter(model, config.mask_token_id, k)
+        drafters[variant].reset(args.context + 64)
     cache = target.new_cache(args.context + 64)
     times: dict[str, list[float]] = {name: [] for name in ["verify", *drafters]}
     with torch.inference_mode():

@@ -201,6 +201,18 @@ def test_training_learns_and_resumes(tiny_model_dirs, tmp_path):
     assert last["tau"] > first["tau"]  # it learned the target's continuations
     model, config = load_pard_model(drafter_dir, tiny_model_dirs["qwen2_other"], "fp32")
     assert config.num_draft_tokens == 4 and config.extra["steps"] == 30
+    # the adapter of a checkpoint (what `ship` takes while a run goes on) is the run's own at that step
+    from safetensors.torch import load_file
+
+    from dflash2.drafters.pard import ADAPTER_FILE, PardConfig
+    from dflash2.train.pard_trainer import adapter_from_checkpoint
+
+    shipped = adapter_from_checkpoint(tmp_path / "run", tmp_path / "ship", step=30)
+    expected, got = load_file(str(drafter_dir / ADAPTER_FILE)), load_file(str(shipped / ADAPTER_FILE))
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    record = PardConfig.load(shipped)
+    assert record.mask_token_id == MASK and record.lora_rank == 4 and record.extra["steps"] == 30
+    assert record.extra["heldout"]["regenerated"] == evals[-1]["regenerated"]
 
 
 def test_for_request_shares_weights_not_the_cache(models):

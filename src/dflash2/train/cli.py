@@ -314,6 +314,13 @@ def _add_export_pard_parser(sub) -> None:
     export.add_argument("--num-draft-tokens", type=int, default=None, help="block size (default: the adapter's)")
     export.set_defaults(handler=run_export_pard)
 
+    adapter = sub.add_parser("pard-adapter", help="write the shippable adapter of a PARD run's checkpoint (the latest "
+                                                  "or --step) without stopping the run")
+    adapter.add_argument("--run", required=True, help="the run directory (--out of `dflash2 train pard`)")
+    adapter.add_argument("--out", required=True, help="the adapter directory to write")
+    adapter.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the latest)")
+    adapter.set_defaults(handler=run_pard_adapter)
+
     vocab = sub.add_parser("pard-vocab", help="give a PARD adapter a draft vocabulary (the head computes only the ids "
                                               "most frequent in the target's responses)")
     vocab.add_argument("--adapter", required=True, help="the adapter directory (pard_config.json)")
@@ -338,4 +345,11 @@ def run_export_pard(args: argparse.Namespace) -> int:
     base = args.base or (PardConfig.load(adapter).base_model if adapter is not None else "qwen2.5-coder-0.5b-instruct")
     print(export_pard(adapter, resolve_model(base, args.dtype), args.out, args.dtype,
                       num_draft_tokens=args.num_draft_tokens))
+    return 0
+
+
+def run_pard_adapter(args: argparse.Namespace) -> int:
+    from dflash2.train.pard_trainer import adapter_from_checkpoint
+
+    print(adapter_from_checkpoint(args.run, args.out, args.step))
     return 0

@@ -248,6 +248,43 @@ def save_adapter(directory: Path, model: Transformer, mask_embedding: torch.Tens
     return directory
 
 
+def adapter_from_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
+                            dtype: str = "bf16") -> Path:
+    """``out_dir/{pard_config.json, adapter.safetensors}`` from a checkpoint of a run (the latest, or ``step``),
+    without stopping the run; the record names the step, the checkpoint and that step's held-out numbers
+    (``eval.jsonl``) when it was evaluated."""
+    from dflash2.models.config import ModelConfig
+    from dflash2.models.loading import parse_dtype
+    from dflash2.models.store import resolve_model
+
+    run_dir = Path(run_dir)
+    path = latest_checkpoint(run_dir) if step is None else run_dir / CHECKPOINTS / f"step_{step:07d}"
+    if path is None or not (path / STATE_JSON).exists():
+        raise FileNotFoundError(f"no checkpoint {'' if step is None else step} in {run_dir}")
+    state = json.loads((path / STATE_JSON).read_text())
+    recipe, step = state["recipe"], int(state["step"])
+    with safe_open(str(path / STATE_TENSORS), framework="pt") as handle:
+        adapter = {name.removeprefix("adapter."): handle.get_tensor(name).to(parse_dtype(dtype)).contiguous()
+                   for name in handle.keys() if name.startswith("adapter.")}
+    mask_id = recipe["mask_token_id"]
+    if mask_id is None:
+        base = resolve_model(recipe["base_model"], "bf16", pull=False)
+        mask_id = default_mask_token_id(ModelConfig.from_dir(base).vocab_size)
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()] \
+        if (run_dir / "eval.jsonl").exists() else []
+    heldout = next((e for e in reversed(evals) if e["step"] == step), None)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(adapter, str(out_dir / ADAPTER_FILE))
+    PardConfig(base_model=recipe["base_model"], mask_token_id=mask_id, num_draft_tokens=recipe["num_draft_tokens"],
+               lora_rank=recipe["lora_rank"], lora_alpha=recipe["lora_alpha"], lora_targets=LORA_TARGETS,
+               target_model=recipe["target_model"],
+               extra={"steps": step, "checkpoint": str(path), "recipe": recipe,
+                      "heldout": {k: v for k, v in heldout.items() if k != "step"} if heldout else None}
+               ).save(out_dir)
+    return out_dir
+
+
 def write_draft_vocab(adapter_dir: str | Path, token_dirs: str, size: int, heldout_sequences: int = 16) -> Path:
     """``adapter_dir/draft_vocab.safetensors``: the ``size`` ids most frequent in the target's own responses (the
     regenerated token shards ``token_dirs``, comma-separated, without their held-out sequences; ties toward the
@@ -335,4 +372,5 @@ def _load_checkpoint(path: Path, config: PardTrainConfig, model, mask_embedding,
     return int(state["step"])
 
 
-__all__ = ["PardTrainConfig", "latest_checkpoint", "save_adapter", "save_checkpoint", "train_pard", "write_draft_vocab"]
+__all__ = ["PardTrainConfig", "latest_checkpoint", "save_adapter", "save_checkpoint", "train_pard", "write_draft_vocab",
+           "adapter_from_checkpoint"]
