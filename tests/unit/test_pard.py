@@ -313,3 +313,17 @@ def test_draft_vocab_and_int8_weights_stay_lossless(tiny_model_dirs, tmp_path):
         stats = DecodeStats()
         spec = run(speculative_steps("sync", target, drafter, ids, GREEDY, None, capacity, stats))
         assert spec == plain
+
+
+def test_pard_with_prompt_lookup_is_lossless(models):
+    """``pard+ngram``: a long prompt-lookup match when there is one, the PARD block otherwise (HybridDrafter)."""
+    from dflash2.drafters.hybrid import HybridDrafter
+
+    target = models["qwen2"]
+    ids = torch.tensor(prompt().tolist() * 3)  # repeated text: lookup matches exist
+    capacity = len(ids) + NEW_TOKENS + 9
+    plain = run(plain_decode(target, ids, GREEDY, None, capacity, DecodeStats()))
+    drafter = HybridDrafter(PardDrafter(models["qwen2_other"], MASK, 4), 8)
+    assert drafter.name == "pard+ngram"
+    spec = run(speculative_steps("sync", target, drafter, ids, GREEDY, None, capacity, DecodeStats()))
+    assert spec == plain and drafter.block_steps > 0

@@ -73,12 +73,17 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
             raise ValueError(f"draft model {ref!r} has a different tokenizer from the target; it cannot draft for it")
         model = load_transformer(draft_dir, dtype, target.target.device, weights=weights)
         return ModelDrafter(model, k, target_vocab_size=target.target.config.vocab_size)
-    if name == "pard":  # a trained adapter directory or a store model (untrained) as draft_model; docs/pard.md
+    from dflash2.drafters.hybrid import HybridDrafter
+
+    if name in ("pard", "pard+ngram"):  # a trained adapter directory or a store model (untrained); docs/pard.md
         from dflash2.drafters.pard import build_pard_drafter
 
-        return build_pard_drafter(target, draft_model, k, dtype=dtype, weights=weights, pull=pull)
+        pard = build_pard_drafter(target, draft_model, k, dtype=dtype, weights=weights, pull=pull)
+        if name == "pard":
+            return pard
+        lookup = max(pard.num_draft_tokens, default_num_draft_tokens("ngram"))
+        return HybridDrafter(pard, lookup, stop_ids=target.tokenizer.eos_token_ids)
     from dflash2.drafters.dflash import load_dflash_drafter
-    from dflash2.drafters.hybrid import HybridDrafter
 
     kind = name.partition("+")[0]  # a block drafter (BLOCK_DRAFTERS)
     directory = draft_model or shipped_dflash_drafter(target.name, kind)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-DRAFTER_NAMES = ("auto", "none", "ngram", "model", "dflash", "dflash+ngram", "dflash2", "dflash2+ngram", "pard")
+DRAFTER_NAMES = ("auto", "none", "ngram", "model", "dflash", "dflash+ngram", "dflash2", "dflash2+ngram", "pard",
+                 "pard+ngram")
 BLOCK_DRAFTERS = ("dflash", "dflash+ngram", "dflash2", "dflash2+ngram")  # read the target's hidden states
 
 # Default draft length k per drafter, the one table. None: the length recorded in the drafter directory's
@@ -27,6 +28,7 @@ DEFAULT_NUM_DRAFT_TOKENS: dict[str, int | None] = {
     "dflash2": None,
     "dflash2+ngram": None,
     "pard": None,  # pard_config.json's num_draft_tokens (drafters/pard.py)
+    "pard+ngram": None,  # the same; a prompt-lookup match may run up to max(k, the ngram default)
 }
 
 # "auto": the drafter measured fastest for the target with `dflash2 bench` (docs/results.md); ngram elsewhere.
