@@ -85,7 +85,7 @@ def test_quantized_rows_reference():
 def test_reference_is_close_to_the_dequantized_product():
     t = random_blocks("Q6_K", 40, 512, seed=4)
     x = torch.randn(5, 512)
-    y = gl.reference_matmul(*gl.quantize_rows(x), t)
+    y = gl.reference_rows(x, t)
     exact = x.double() @ torch.from_numpy(dequantize(t)).double().T
     assert ((y.double() - exact).abs().max() / exact.abs().max()) < 0.02  # int8 activations: ~0.5% here
 
@@ -100,10 +100,11 @@ def _op():
 @needs_kernel
 def test_kernel_quantizes_rows_like_the_reference():
     _, quantize = _op()
-    x = torch.randn(9, 320) * torch.logspace(-3, 3, 320)
-    x[2, 64:96] = 0
-    for a, b in zip(quantize(x), gl.quantize_rows(x)):
-        assert torch.equal(a, b)
+    x = torch.randn(9, 512) * torch.logspace(-3, 3, 512)
+    x[2, 256:512] = 0
+    for block in (32, 256):
+        for a, b in zip(quantize(x, block), gl.quantize_rows(x, block)):
+            assert torch.equal(a, b)
 
 
 @needs_kernel
@@ -113,13 +114,14 @@ def test_kernel_equals_reference_and_is_row_count_invariant(qtype):
     k = 512
     t = random_blocks(qtype, 44, k, seed=7)  # 44 outputs: 5 full panels and a partial one
     pb = gl.pack_blocks(t)
+    block = gl.activation_block(t)
     x = torch.randn(40, k)
-    full = gl._matmul(op, quantize(x), pb)
-    assert torch.equal(full, gl.reference_matmul(*gl.quantize_rows(x), t))
+    full = gl._matmul(op, quantize(x, block), pb)
+    assert torch.equal(full, gl.reference_rows(x, t))
     for m in range(1, 18):  # every row-block split of the kernel (1..4 rows per call)
-        assert torch.equal(gl._matmul(op, quantize(x[:m]), pb), full[:m]), m
+        assert torch.equal(gl._matmul(op, quantize(x[:m], block), pb), full[:m]), m
     for r in (0, 13, 39):
-        assert torch.equal(gl._matmul(op, quantize(x[r : r + 1]), pb), full[r : r + 1])
+        assert torch.equal(gl._matmul(op, quantize(x[r : r + 1], block), pb), full[r : r + 1])
 
 
 @needs_kernel
@@ -130,9 +132,9 @@ def test_kernel_is_thread_count_invariant():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = gl._matmul(op, quantize(x), pb)
+        one = gl._matmul(op, quantize(x, 256), pb)
         torch.set_num_threads(2)
-        assert torch.equal(gl._matmul(op, quantize(x), pb), one)
+        assert torch.equal(gl._matmul(op, quantize(x, 256), pb), one)
     finally:
         torch.set_num_threads(threads)
 
@@ -140,7 +142,7 @@ def test_kernel_is_thread_count_invariant():
 @needs_kernel
 def test_layer_with_mixed_runs_and_bias_equals_the_torch_backend():
     parts = [gl.pack_blocks(random_blocks(q, n, 256, seed=i)) for i, (q, n) in
-             enumerate((("Q4_K", 64), ("Q4_K", 16), ("Q6_K", 16)))]
+             enumerate((("Q4_K", 64), ("Q8_0", 16), ("Q6_K", 16)))]  # activations per 256 and per 32
     bias = torch.randn(96)
     kernel, torch_layer = gl.GgufLinear(parts, bias, "avx2"), gl.GgufLinear(parts, bias, "torch")
     x = torch.randn(2, 7, 256, dtype=torch.bfloat16)

@@ -1,15 +1,15 @@
 // dflash2 CPU kernels for a GGUF file's own quantized blocks (models/gguf_blocks.py: Q4_0, Q4_1, Q5_0, Q8_0,
 // Q4_K, Q6_K in one integer form), with activations quantized per row and block of 32 inputs, AVX2:
 //
-//   gguf_quantize_rows(x fp32 [M, K]) -> xq int8 [M, K], dx fp32 [M, K/32], bsum int32 [M, K/16]
-//       per row m and block b of 32: amax = max |x|, dx = amax / 127 (fp32 division); xq = nearbyint(x / dx)
-//       (round half to even; 0 where amax == 0); bsum[h] = sum of xq over each half of 16.
+//   gguf_quantize_rows(x fp32 [M, K], block) -> xq int8 [M, K], dx fp32 [M, K/block], bsum int32 [M, K/16]
+//       per row m and block g of `block` inputs (32, or 256 for K-quants): amax = max |x|, dx = amax / 127 (fp32
+//       division); xq = nearbyint(x / dx) (round half to even; 0 where amax == 0); bsum = sums of xq per 16.
 //   gguf_matmul(xq, dx, bsum, packed weights ...) -> y fp32 [M, N]
-//       per row m, output n, in block order b = 0 .. K/32 - 1, starting from y = 0:
-//         J = sum_k s[n, k/sub] * (u[n, k] - zero) * xq[m, k]       (int32, exact)
-//         y = y + (A[n, b/group] * dx[m, b]) * float(J)            (three fp32 roundings, no FMA)
-//         with an offset:  T = c[n, b] * (bsum[m, 2b] + bsum[m, 2b+1])  (int32, exact; c = 1 when absent)
-//                          y = y + (C[n, b/group] * dx[m, b]) * float(T)
+//       per row m, output n, in order over the scale groups g (group blocks of 32: 1, or 8 for K-quants), from 0:
+//         J = sum_{k in g} s[n, k/sub] * (u[n, k] - zero) * xq[m, k]     (int32, exact)
+//         y = y + (A[n, g] * dx[m, g]) * float(J)                        (three fp32 roundings, no FMA)
+//         with an offset:  T = sum_{b in g} c[n, b] * (sum of xq over b)  (int32, exact; c = 1 when absent)
+//                          y = y + (C[n, g] * dx[m, g]) * float(T)
 //
 // ROW-COUNT INVARIANCE: the integer parts are exact, so their order is free; the fp32 part of each output is the
 // fixed sequence above, whatever the number of rows in the call, the micro-kernel or the thread.  Row m of a
@@ -55,7 +55,7 @@ struct Args {
   const int8_t* s;      // [P, B, H, 8] or null
   const int8_t* cm;     // [P, B, 8] or null
   const int8_t* xb;     // [M, 8K]: xq in broadcast layout (xload)
-  const float* dx;      // [M, B]
+  const float* dx;      // [M, G]: one activation scale per scale group (32 or 256 inputs)
   const int32_t* bs;    // [M, 2B]
   int64_t K, B, G, group, N;
   int zshift;           // log2(zero), -1 for zero == 0
@@ -175,47 +175,51 @@ void panel_rows(const Args& a, int64_t p, int64_t m0, int64_t nv) {
     xr[r] = a.xb + (m0 + r) * 8 * a.K;
   }
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < a.B; ++b) {
-    const int64_t g = b / a.group;
-    __m256i S0 = ones, S1 = ones, Spair = ones;
-    if constexpr (H == 1) {
-      S0 = S1 = Spair = dup16(a.s + (p * a.B + b) * 8);
-    } else if constexpr (H == 2) {
-      const int8_t* sp = a.s + (p * a.B + b) * 16;
-      S0 = dup16(sp);
-      S1 = dup16(sp + 8);
-      Spair = pair16(sp, sp + 8);
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m256i Jg[MR], Tg[MR];
+    for (int r = 0; r < MR; ++r) Jg[r] = Tg[r] = _mm256_setzero_si256();
+    for (int64_t b = g * a.group; b < (g + 1) * a.group; ++b) {
+      __m256i S0 = ones, S1 = ones, Spair = ones;
+      if constexpr (H == 1) {
+        S0 = S1 = Spair = dup16(a.s + (p * a.B + b) * 8);
+      } else if constexpr (H == 2) {
+        const int8_t* sp = a.s + (p * a.B + b) * 16;
+        S0 = dup16(sp);
+        S1 = dup16(sp + 8);
+        Spair = pair16(sp, sp + 8);
+      }
+      __m256i J[MR];
+      block_integers<MR, KIND, H>(a, p, b, xr, S0, S1, J);
+      __m256i CM = _mm256_setzero_si256();
+      if constexpr (OFF == 2) CM = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (p * a.B + b) * 8)));
+      for (int r = 0; r < MR; ++r) {
+        const int32_t* bsr = a.bs + (m0 + r) * 2 * a.B + 2 * b;
+        const int32_t bs32 = bsr[0] + bsr[1];
+        if (a.zshift >= 0) {  // J -= zero * sum_h s_h * bsum_h
+          __m256i Z;
+          if constexpr (H == 0) {
+            Z = _mm256_set1_epi32(bs32);
+          } else {
+            Z = _mm256_madd_epi16(Spair, _mm256_set1_epi32((bsr[0] & 0xFFFF) | (bsr[1] << 16)));
+          }
+          J[r] = _mm256_sub_epi32(J[r], _mm256_sll_epi32(Z, _mm_cvtsi32_si128(a.zshift)));
+        }
+        Jg[r] = _mm256_add_epi32(Jg[r], J[r]);
+        if constexpr (OFF == 1) {
+          Tg[r] = _mm256_add_epi32(Tg[r], _mm256_set1_epi32(bs32));
+        } else if constexpr (OFF == 2) {  // c (0 .. 63, high int16 half 0) times (bs32, 0)
+          Tg[r] = _mm256_add_epi32(Tg[r], _mm256_madd_epi16(CM, _mm256_set1_epi32(bs32 & 0xFFFF)));
+        }
+      }
     }
-    __m256i J[MR];
-    block_integers<MR, KIND, H>(a, p, b, xr, S0, S1, J);
     const __m256 Av = _mm256_loadu_ps(a.A + (p * a.G + g) * kPanel);
     __m256 Cv = _mm256_setzero_ps();
-    __m256i CM = _mm256_setzero_si256();
     if constexpr (OFF != 0) Cv = _mm256_loadu_ps(a.C + (p * a.G + g) * kPanel);
-    if constexpr (OFF == 2) CM = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (p * a.B + b) * 8)));
     for (int r = 0; r < MR; ++r) {
-      const int32_t* bsr = a.bs + (m0 + r) * 2 * a.B + 2 * b;
-      const int32_t bs32 = bsr[0] + bsr[1];
-      if (a.zshift >= 0) {  // J -= zero * sum_h s_h * bsum_h
-        __m256i Z;
-        if constexpr (H == 0) {
-          Z = _mm256_set1_epi32(bs32);
-        } else {
-          Z = _mm256_madd_epi16(Spair, _mm256_set1_epi32((bsr[0] & 0xFFFF) | (bsr[1] << 16)));
-        }
-        J[r] = _mm256_sub_epi32(J[r], _mm256_sll_epi32(Z, _mm_cvtsi32_si128(a.zshift)));
-      }
-      const __m256 d = _mm256_set1_ps(a.dx[(m0 + r) * a.B + b]);
-      yv[r] = _mm256_add_ps(yv[r], _mm256_mul_ps(_mm256_mul_ps(Av, d), _mm256_cvtepi32_ps(J[r])));
-      if constexpr (OFF != 0) {
-        __m256i T;
-        if constexpr (OFF == 1) {
-          T = _mm256_set1_epi32(bs32);
-        } else {  // c (0 .. 127, high int16 half 0) times (bs32, 0)
-          T = _mm256_madd_epi16(CM, _mm256_set1_epi32(bs32 & 0xFFFF));
-        }
-        yv[r] = _mm256_add_ps(yv[r], _mm256_mul_ps(_mm256_mul_ps(Cv, d), _mm256_cvtepi32_ps(T)));
-      }
+      const __m256 d = _mm256_set1_ps(a.dx[(m0 + r) * a.G + g]);
+      yv[r] = _mm256_add_ps(yv[r], _mm256_mul_ps(_mm256_mul_ps(Av, d), _mm256_cvtepi32_ps(Jg[r])));
+      if constexpr (OFF != 0)
+        yv[r] = _mm256_add_ps(yv[r], _mm256_mul_ps(_mm256_mul_ps(Cv, d), _mm256_cvtepi32_ps(Tg[r])));
     }
   }
   for (int r = 0; r < MR; ++r) {
@@ -275,36 +279,36 @@ inline int rows_for_call(int64_t remaining) {
   return static_cast<int>((remaining + calls - 1) / calls);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_rows(const at::Tensor& x) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_rows(const at::Tensor& x, int64_t block) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "gguf_quantize_rows: x must be a contiguous fp32 CPU [M, K] tensor");
+  TORCH_CHECK(block == 32 || block == 256, "gguf_quantize_rows: block must be 32 or 256, got ", block);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0, "gguf_quantize_rows: K must be a multiple of 32, got ", K);
-  const int64_t B = K / 32;
+  TORCH_CHECK(K % block == 0, "gguf_quantize_rows: K must be a multiple of ", block, ", got ", K);
+  const int64_t G = K / block;
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({M, B}, x.options());
-  at::Tensor bs = at::empty({M, 2 * B}, x.options().dtype(at::kInt));
+  at::Tensor dx = at::empty({M, G}, x.options());
+  at::Tensor bs = at::empty({M, K / 16}, x.options().dtype(at::kInt));
   const float* xp = x.data_ptr<float>();
   int8_t* qp = xq.data_ptr<int8_t>();
   float* dp = dx.data_ptr<float>();
   int32_t* bp = bs.data_ptr<int32_t>();
-  at::parallel_for(0, M * B, 256, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, M * G, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float* src = xp + i * 32;
-      int8_t* dst = qp + i * 32;
+      const float* src = xp + i * block;
+      int8_t* dst = qp + i * block;
       float amax = 0.0f;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
+      for (int64_t j = 0; j < block; ++j) amax = std::max(amax, std::fabs(src[j]));
       const float d = amax / 127.0f;
       dp[i] = d;
-      int32_t sums[2] = {0, 0};
-      for (int j = 0; j < 32; ++j) {
+      int32_t* sums = bp + i * (block / 16);
+      for (int64_t h = 0; h < block / 16; ++h) sums[h] = 0;
+      for (int64_t j = 0; j < block; ++j) {
         const float q = amax == 0.0f ? 0.0f : std::nearbyint(src[j] / d);
         const int32_t v = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, q)));
         dst[j] = static_cast<int8_t>(v);
         sums[j / 16] += v;
       }
-      bp[2 * i] = sums[0];
-      bp[2 * i + 1] = sums[1];
     }
   });
   return {xq, dx, bs};
@@ -335,10 +339,10 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
                        int64_t bits, bool is_signed, int64_t zero, int64_t sub, int64_t group, int64_t n_out) {
   TORCH_CHECK(xq.scalar_type() == at::kChar && xq.dim() == 2 && xq.is_contiguous(), "gguf_matmul: bad xq");
   const int64_t M = xq.size(0), K = xq.size(1), B = K / 32;
-  TORCH_CHECK(K % 32 == 0 && dx.numel() == M * B && bsum.numel() == M * 2 * B && dx.is_contiguous() &&
-                  bsum.is_contiguous() && dx.scalar_type() == at::kFloat && bsum.scalar_type() == at::kInt,
-              "gguf_matmul: dx / bsum do not match xq");
   TORCH_CHECK(group >= 1 && B % group == 0, "gguf_matmul: blocks ", B, " not a multiple of group ", group);
+  TORCH_CHECK(K % 32 == 0 && dx.numel() == M * (B / group) && bsum.numel() == M * 2 * B && dx.is_contiguous() &&
+                  bsum.is_contiguous() && dx.scalar_type() == at::kFloat && bsum.scalar_type() == at::kInt,
+              "gguf_matmul: dx / bsum do not match xq (dx: one scale per group of ", group, " blocks)");
   TORCH_CHECK(is_signed ? bits == 8 : (bits >= 4 && bits <= 6), "gguf_matmul: unsupported codes: ", bits,
               is_signed ? " bits, signed" : " bits");
   const int kind = is_signed ? kSigned : (bits == 4 ? kNib4 : (bits == 5 ? kNib5 : kNib6));
@@ -383,7 +387,7 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY(dflash2_ggufkernels, m) {
-  m.def("gguf_quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)", &gguf_quantize_rows);
+  m.def("gguf_quantize_rows(Tensor x, int block) -> (Tensor, Tensor, Tensor)", &gguf_quantize_rows);
   m.def("gguf_matmul(Tensor xq, Tensor dx, Tensor bsum, Tensor packed, Tensor scale, Tensor? offset, "
         "Tensor? sub_scales, Tensor? offset_mult, int bits, bool is_signed, int zero, int sub, int group, "
         "int n_out) -> Tensor",

@@ -2,19 +2,20 @@
 
 What the layer computes (the *quantized target*; the same for every row count, both backends, every thread):
 
-1. each row of x (fp32) is quantized per block of 32 inputs: ``dx = max|x| / 127`` (fp32 division),
-   ``xq = round_half_even(x / dx)`` (int8; 0 where the block is 0), ``bsum`` = the sums of xq per 16;
-2. per row m, output n and block b in order, from y = 0, with the weight's integer form
+1. each row of x (fp32) is quantized per scale group of the weights (:func:`activation_block`: 32 inputs, or the
+   256 of a K-quant super-block): ``dx = max|x| / 127`` (fp32 division), ``xq = round_half_even(x / dx)`` (int8;
+   0 where the group is 0), ``bsum`` = the sums of xq per 16;
+2. per row m, output n and scale group g in order, from y = 0, with the weight's integer form
    (:mod:`dflash2.models.gguf_blocks`: ``w = A * s * (u - zero) + C * c``)::
 
-       J = sum_k s * (u - zero) * xq               (int32, exact)
-       y = y + (A * dx) * float(J)                 (fp32, separate roundings)
-       y = y + (C * dx) * float(c * (bsum_lo + bsum_hi))      (formats with an offset: Q4_1, Q4_K)
+       J = sum_{k in g} s * (u - zero) * xq                  (int32, exact)
+       y = y + (A * dx) * float(J)                           (fp32, separate roundings)
+       y = y + (C * dx) * float(sum_{b in g} c_b * sum_{k in b} xq)   (formats with an offset: Q4_1, Q4_K)
 
 3. ``y + bias`` (fp32).
 
-This is llama.cpp's scheme (integer dot products on activations quantized to 8 bits) with one activation scale per
-32 inputs for every block type.  The AVX2 kernel (``gemm_gguf_avx2.cpp``) and :func:`reference_matmul` evaluate
+This is llama.cpp's scheme (integer dot products on activations quantized to 8 bits, one scale per 32 inputs for
+32-blocks and per 256 for K-quants, as its Q8_0 / Q8_K).  The AVX2 kernel (``gemm_gguf_avx2.cpp``) and :func:`reference_matmul` evaluate
 exactly these operations, so they agree bit for bit, and a row's result never depends on the other rows.
 
 Backends: ``"avx2"`` (the JIT-built kernel) and ``"torch"`` (:func:`reference_matmul`: portable, slow; float64
@@ -38,8 +39,9 @@ from dflash2.kernels import jit
 from dflash2.kernels import packed_linear as _bf16
 from dflash2.models.gguf_blocks import BLOCK, BlockTensor
 
-__all__ = ["ENV", "GgufLinear", "PackedBlocks", "gguf_backend", "gguf_kernel_status", "gguf_kernels_available",
-           "pack_blocks", "quantize_rows", "reference_matmul", "unpack_blocks"]
+__all__ = ["ENV", "GgufLinear", "PackedBlocks", "activation_block", "gguf_backend", "gguf_kernel_status",
+           "gguf_kernels_available", "pack_blocks", "quantize_rows", "reference_matmul", "reference_rows",
+           "unpack_blocks"]
 
 ENV = "DFLASH2_GGUF_KERNEL"
 PANEL = 8  # outputs per packed panel (kPanel in gemm_gguf_avx2.cpp)
@@ -173,48 +175,59 @@ def unpack_blocks(pb: PackedBlocks, rows: slice | None = None) -> BlockTensor:
 # ------------------------------------------------------------------------------------------------ reference
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x fp32 [M, K] -> (xq int8 [M, K], dx fp32 [M, K/32], bsum int32 [M, K/16]), step 1 of the module docstring."""
+def quantize_rows(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x fp32 [M, K] -> (xq int8 [M, K], dx fp32 [M, K/block], bsum int32 [M, K/16]): step 1 of the module
+    docstring, one scale per ``block`` inputs (32, or 256 for K-quants)."""
     m, k = x.shape
-    blocks = x.reshape(m, k // BLOCK, BLOCK)  # [M, B, 32]
-    amax = blocks.abs().amax(dim=2)  # [M, B]
+    blocks = x.reshape(m, k // block, block)  # [M, G, block]
+    amax = blocks.abs().amax(dim=2)  # [M, G]
     dx = amax / torch.tensor(127.0, dtype=torch.float32)
     safe = torch.where(amax > 0, dx, torch.ones_like(dx))
     q = torch.where(amax[..., None] > 0, torch.round(blocks / safe[..., None]), torch.zeros_like(blocks))
-    xq = q.clamp_(-127, 127).to(torch.int8)  # [M, B, 32]
-    bsum = xq.to(torch.int32).view(m, -1, 16).sum(dim=2, dtype=torch.int32)  # [M, 2B]
+    xq = q.clamp_(-127, 127).to(torch.int8)  # [M, G, block]
+    bsum = xq.to(torch.int32).view(m, -1, 16).sum(dim=2, dtype=torch.int32)  # [M, K/16]
     return xq.view(m, k), dx, bsum
 
 
-def _block_rows(t: BlockTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(s * (u - zero) float64 [N, B, 32], A fp32 [N, B], C fp32 [N, B] or None, c float64 [N, B] or None)."""
+def activation_block(t: BlockTensor | PackedBlocks) -> int:
+    """Inputs per activation scale for these weights: one scale group (32, or 256 for K-quants)."""
+    return BLOCK * t.group
+
+
+def _group_integers(xq: torch.Tensor, bsum: torch.Tensor, t: BlockTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(J fp32 [G, M, N], T fp32 [G, M, N] or None): the exact integer sums per scale group, rounded once."""
     from dflash2.models.gguf_blocks import integer_weights
 
     n, k = t.shape
-    w = torch.from_numpy(integer_weights(t)).to(torch.float64).view(n, k // BLOCK, BLOCK)
-    a = torch.from_numpy(np.repeat(t.scale, t.group, axis=1))
-    c = None if t.offset is None else torch.from_numpy(np.repeat(t.offset, t.group, axis=1))
-    mult = None
-    if c is not None:
-        mult = torch.ones(n, k // BLOCK, dtype=torch.float64) if t.offset_mult is None else \
-            torch.from_numpy(t.offset_mult.astype(np.float64))
-    return w, a, c, mult
+    m, groups = xq.shape[0], k // (BLOCK * t.group)
+    w = torch.from_numpy(integer_weights(t)).to(torch.float64).view(n, groups, -1)  # [N, G, 32 group]
+    j = torch.einsum("mgk,ngk->gmn", xq.to(torch.float64).view(m, groups, -1), w).to(torch.float32)
+    if t.offset is None:
+        return j, None
+    b32 = bsum.view(m, k // BLOCK, 2).sum(dim=2).to(torch.float64)  # [M, B]
+    mult = torch.ones(n, k // BLOCK, dtype=torch.float64) if t.offset_mult is None else \
+        torch.from_numpy(t.offset_mult.astype(np.float64))  # [N, B]
+    tsum = torch.einsum("mgb,ngb->gmn", b32.view(m, groups, -1), mult.view(n, groups, -1)).to(torch.float32)
+    return j, tsum
 
 
 def reference_matmul(xq: torch.Tensor, dx: torch.Tensor, bsum: torch.Tensor, t: BlockTensor) -> torch.Tensor:
-    """Step 2 of the module docstring in PyTorch: fp32 [M, N], bit for bit the kernel's."""
-    m = xq.shape[0]
-    w, a, c, mult = _block_rows(t)  # [N, B, 32], [N, B], ...
-    nb = w.shape[1]
-    x64 = xq.to(torch.float64).view(m, nb, BLOCK)  # [M, B, 32]
-    j = torch.einsum("mbk,nbk->bmn", x64, w).to(torch.float32)  # [B, M, N], exact integers then one rounding
-    y = torch.zeros(m, w.shape[0], dtype=torch.float32)
-    b32 = bsum.view(m, nb, 2).sum(dim=2).to(torch.float64)  # [M, B]
-    for b in range(nb):
-        y = y + (a[None, :, b] * dx[:, b, None]) * j[b]
+    """Step 2 of the module docstring in PyTorch (activations from :func:`quantize_rows` with
+    :func:`activation_block`): fp32 [M, N], bit for bit the kernel's."""
+    j, tsum = _group_integers(xq, bsum, t)  # [G, M, N]
+    a = torch.from_numpy(t.scale)  # [N, G]
+    c = None if t.offset is None else torch.from_numpy(t.offset)
+    y = torch.zeros(xq.shape[0], t.shape[0], dtype=torch.float32)
+    for g in range(j.shape[0]):
+        y = y + (a[None, :, g] * dx[:, g, None]) * j[g]
         if c is not None:
-            y = y + (c[None, :, b] * dx[:, b, None]) * (mult[None, :, b] * b32[:, b, None]).to(torch.float32)
+            y = y + (c[None, :, g] * dx[:, g, None]) * tsum[g]
     return y
+
+
+def reference_rows(x: torch.Tensor, t: BlockTensor) -> torch.Tensor:
+    """x fp32 [M, K] through ``t`` as the quantized target computes it (PyTorch)."""
+    return reference_matmul(*quantize_rows(x, activation_block(t)), t)
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -233,9 +246,8 @@ def _self_check(op) -> str:
     for qtype in SUPPORTED_TYPES:
         t = random_blocks(qtype, 20, 512, seed=1)
         x = torch.randn(5, 512, generator=g)
-        xq, dx, bsum = quantize(x)
-        got = _matmul(op, (xq, dx, bsum), pack_blocks(t))
-        ref = reference_matmul(*quantize_rows(x), t)
+        got = _matmul(op, quantize(x, activation_block(t)), pack_blocks(t))
+        ref = reference_rows(x, t)
         if not torch.equal(got, ref):
             return f"gguf self-check failed for {qtype} (max abs diff {(got - ref).abs().max().item():.3g})"
     return ""
@@ -300,12 +312,13 @@ class GgufLinear(_bf16.CpuLinear):
         self._quantize = torch.ops.dflash2_ggufkernels.gguf_quantize_rows.default if backend == KERNEL else None
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
-        quantized = self._quantize(x)
-        return self._finish([_matmul(self._op, quantized, p) for p in self.parts])
+        quantized = {block: self._quantize(x, block) for block in {activation_block(p) for p in self.parts}}
+        return self._finish([_matmul(self._op, quantized[activation_block(p)], p) for p in self.parts])
 
     def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:
-        quantized = quantize_rows(x.contiguous())
-        return self._finish([_chunked_reference(quantized, p) for p in self.parts])
+        x = x.contiguous()
+        quantized = {block: quantize_rows(x, block) for block in {activation_block(p) for p in self.parts}}
+        return self._finish([_chunked_reference(quantized[activation_block(p)], p) for p in self.parts])
 
     def _finish(self, ys: list[torch.Tensor]) -> torch.Tensor:
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
