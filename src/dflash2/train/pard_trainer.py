@@ -66,6 +66,7 @@ class PardTrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     eval_every: int = 50  # held-out acceptance every this many steps (and at step 0 and the end)
+    initial_eval: bool = True  # the untrained drafter's held-out acceptance at step 0 of a fresh run
     eval_anchors: int = 8  # blocks per held-out sequence
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
@@ -180,7 +181,7 @@ def train_pard(config: PardTrainConfig) -> Path:
     heldout = data.heldout
     print(f"data: {data.describe()}" + (f"; resuming at step {step}" if step else ""), flush=True)
     end = min(config.num_steps, config.stop_at_step or config.num_steps)
-    if latest is None:  # the untrained drafter's acceptance, once
+    if latest is None and config.initial_eval:  # the untrained drafter's acceptance, once
         _report_eval(model, heldout, config, mask_id, 0, out_dir)
     bar = tqdm(total=config.num_steps, initial=step, desc="training pard", unit="step", disable=not config.progress,
                dynamic_ncols=True)
