@@ -50,9 +50,10 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 
 
 def document(tokens: int) -> str:
-    """About ``tokens`` tokens of source code to talk about (this repository's batch engine; ~3.5 chars a token)."""
+    """About ``tokens`` tokens of source code to talk about (this repository's batch engine; Qwen2.5's tokenizer
+    reads it at about 4.3 characters a token)."""
     text = (ROOT / "src/dflash2/decode/batch.py").read_text()
-    return text[: int(tokens * 3.5)]
+    return text[: int(tokens * 4.3)]
 
 
 def first_turn(tokens: int) -> list[dict[str, str]]:
@@ -90,7 +91,9 @@ def ask(client, model: str, messages: list[dict[str, str]], max_tokens: int) -> 
     details = usage.prompt_tokens_details
     return {"ttft_s": round(first or total, 3), "total_s": round(total, 3), "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": 0 if details is None else details.cached_tokens,
-            "completion_tokens": usage.completion_tokens, "text": "".join(parts)}
+            "completion_tokens": usage.completion_tokens,
+            "decode_tokens_per_s": round((usage.completion_tokens - 1) / (total - first), 2) if first else 0.0,
+            "text": "".join(parts)}
 
 
 def run_round(client, args: argparse.Namespace) -> dict:
@@ -99,8 +102,8 @@ def run_round(client, args: argparse.Namespace) -> dict:
     turn_2 = [*turn_1, {"role": "assistant", "content": one.pop("text")}, {"role": "user", "content": FOLLOW_UP}]
     two = ask(client, args.model, turn_2, args.max_tokens)
     cold = ask(client, args.model, retagged(turn_2), args.max_tokens)
-    same = two.pop("text") == cold.pop("text")
-    return {"turn_1": one, "turn_2": two, "cold_same_length": cold, "same_reply": same,
+    two.pop("text"), cold.pop("text")  # different session tags: the replies may differ (exactness: the tests)
+    return {"turn_1": one, "turn_2": two, "cold_same_length": cold,
             "ttft_ratio": round(two["ttft_s"] / cold["ttft_s"], 4)}
 
 
@@ -121,7 +124,10 @@ def main() -> int:
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="ttft", max_retries=0, timeout=600)
         ask(client, args.model, [{"role": "user", "content": "Say hi."}], 4)  # warm-up (kernels, allocator)
-        rounds = [run_round(client, args) for _ in range(args.rounds)]
+        rounds = []
+        for _ in range(args.rounds):
+            rounds.append(run_round(client, args))
+            print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)  # progress on a slow machine
     finally:
         process.terminate()
         process.wait(30)

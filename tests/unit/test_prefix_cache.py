@@ -123,8 +123,8 @@ def test_taps_are_kept_per_slot_and_read_back():
     pool = make_pool(tap_layers=(1, 3), tap_width=2)
     table = pool.new_table(8)
     taps = (torch.arange(10.0).view(1, 5, 2), -torch.arange(10.0).view(1, 5, 2))  # layers 1 and 3, [1, 5, 2]
+    fill(table, list(range(5)))  # the forward allocates the slots before the taps are written
     table.write_taps(0, taps)
-    fill(table, list(range(5)))
     three, one = table.read_taps(5, (3, 1))
     assert torch.equal(three, taps[1]) and torch.equal(one, taps[0])
     with pytest.raises(ValueError, match="not kept"):

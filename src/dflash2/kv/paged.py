@@ -60,11 +60,11 @@ class PagedKVPool:
         self.reserved = 0  # blocks promised to live block tables (allocated or not yet, shared ones included)
         self.cache = PrefixCache(block_size) if prefix_cache else None
         self.tap_layers = tuple(tap_layers) if prefix_cache else ()
-        self.taps = None  # [N_blocks * bs, n_taps, D]: tapped hidden states of every slot (prefix cache only)
+        self.taps = None  # [n_taps, N_blocks * bs, D]: tapped hidden states of every slot (prefix cache only)
         if self.tap_layers:
             if tap_width <= 0:
                 raise ValueError(f"tap_width must be > 0 with tap layers, got {tap_width}")
-            self.taps = torch.zeros(num_blocks * block_size, len(self.tap_layers), tap_width, dtype=dtype,
+            self.taps = torch.zeros(len(self.tap_layers), num_blocks * block_size, tap_width, dtype=dtype,
                                     device=device)
 
     @staticmethod
@@ -175,9 +175,27 @@ class BlockTable:
         [1, n, D]); a no-op when the pool keeps none."""
         if self.pool.taps is None:
             return
-        n = taps[0].shape[1]
-        slots = self.slots(start, start + n).to(self.pool.taps.device)
-        self.pool.taps.index_copy_(0, slots, torch.stack([t[0] for t in taps], dim=1))  # [n, n_taps, D]
+        for pool_start, offset, n in self._runs(start, start + taps[0].shape[1]):
+            for rows, tap in zip(self.pool.taps, taps):
+                rows[pool_start : pool_start + n] = tap[0, offset : offset + n]  # [n, D]
+
+    def _runs(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """Slots ``[start, end)`` (allocated) as runs of consecutive pool slots: (pool slot, offset from start,
+        length); slice copies, where an index copy of a long prompt chunk is slow on a CPU."""
+        size = self.pool.block_size
+        if end > len(self.blocks) * size:
+            raise ValueError(f"slot {end - 1} is not allocated")
+        runs: list[tuple[int, int, int]] = []
+        position = start
+        while position < end:
+            n = min(end, (position // size + 1) * size) - position
+            pool_slot = self.blocks[position // size] * size + position % size
+            if runs and runs[-1][0] + runs[-1][2] == pool_slot:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+            else:
+                runs.append((pool_slot, position - start, n))
+            position += n
+        return runs
 
     def read_taps(self, end: int, layers: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """The stored hidden states of slots ``[0, end)`` at ``layers`` (each a pool tap layer): [1, end, D] each."""
@@ -186,8 +204,8 @@ class BlockTable:
         missing = [layer for layer in layers if layer not in self.pool.tap_layers]
         if missing:
             raise ValueError(f"layers {missing} are not kept by the pool (it keeps {self.pool.tap_layers})")
-        rows = self.pool.taps.index_select(0, self._pool_slots(torch.arange(end)).to(self.pool.taps.device))
-        return tuple(rows[None, :, self.pool.tap_layers.index(layer)] for layer in layers)
+        slots = self._pool_slots(torch.arange(end)).to(self.pool.taps.device)  # [end]
+        return tuple(self.pool.taps[self.pool.tap_layers.index(layer)].index_select(0, slots)[None] for layer in layers)
 
     @property
     def capacity(self) -> int:
@@ -219,10 +237,13 @@ class BlockTable:
     def _pool_slots(self, positions: torch.Tensor) -> torch.Tensor:
         """Pool slots of allocated positions [n] -> [n]."""
         size = self.pool.block_size
-        if positions.numel() and int(positions.max()) >= len(self.blocks) * size:
+        if not positions.numel():
+            return positions.to(torch.int64)
+        if int(positions.max()) >= len(self.blocks) * size:
             raise ValueError(f"slot {int(positions.max())} is not allocated")
-        blocks = torch.tensor(self.blocks, dtype=torch.int64)
-        return blocks[positions // size] * size + positions % size
+        first = int(positions.min()) // size  # only the blocks the positions fall in
+        blocks = torch.tensor(self.blocks[first : int(positions.max()) // size + 1], dtype=torch.int64)
+        return blocks[positions // size - first] * size + positions % size
 
     def rollback(self, length: int) -> None:
         """Keep slots ``[0, length)``; blocks wholly past ``length`` go back to the pool."""

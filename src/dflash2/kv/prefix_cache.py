@@ -15,6 +15,7 @@ least recently used first, only when the free list is empty.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ ROOT = b""  # the digest before the first block
 def chain_digest(parent: bytes, ids: tuple[int, ...]) -> bytes:
     """The key of a block holding ``ids`` after the prefix keyed ``parent``."""
     h = hashlib.blake2b(parent, digest_size=16)
-    h.update(b"".join(i.to_bytes(8, "little", signed=True) for i in ids))
+    h.update(array("q", ids).tobytes())  # 8 bytes an id
     return h.digest()
 
 
