@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -411,7 +411,7 @@ class BatchEngine:
         if not seq.prefilled:
             start = seq.table.length
             seq.table.rollback(start + len(row.tokens))
-            self._keep(seq, start, hidden, len(row.tokens), seq.sequence)
+            self._keep(seq, start, hidden, len(row.tokens), lambda: seq.sequence)
             emitted = [] if seq.table.length < len(seq.sequence) else [int(choose_token(logits[-1], params, generator))]
             if seq.drafter is not None and seq.drafter.hidden_layers:
                 # A prompt chunk [start, end): observe() expects the id after the tapped positions to be pending.
@@ -425,7 +425,7 @@ class BatchEngine:
             outcome = tree_outcome(compile_tree(draft.parents), draft.tokens, logits, params, generator)
         start = seq.table.length
         commit_kept(seq.table, start, outcome.kept_positions)  # the pending token + accepted drafts
-        self._keep(seq, start, hidden, outcome.kept_positions, seq.sequence + outcome.emitted)
+        self._keep(seq, start, hidden, outcome.kept_positions, lambda: seq.sequence + outcome.emitted)
         record_step(seq.stats, None, draft, outcome)
         accepted = len(outcome.emitted) - 1
         seq.acceptance.update(draft.depth, accepted)
@@ -435,12 +435,17 @@ class BatchEngine:
         return outcome.emitted
 
     def _keep(self, seq: _Sequence, start: int, hidden: dict[int, torch.Tensor], kept: int | list[int],
-              ids: list[int]) -> None:
+              ids: Callable[[], list[int]]) -> None:
         """After a commit from ``start``: store the kept positions' hidden states the pool keeps (for a later
-        request's block drafter) and offer the newly full blocks (ids ``ids``) to the prefix cache."""
+        request's block drafter) and offer the newly full blocks (``ids()``: the ids of the committed slots at
+        least) to the prefix cache."""
+        table = self.pool.cache is not None and seq.table
+        if not table:
+            return
         if self.pool.taps is not None:
-            seq.table.write_taps(start, _select_taps(self.pool.tap_layers, hidden, kept))
-        seq.table.publish(ids)
+            table.write_taps(start, _select_taps(self.pool.tap_layers, hidden, kept))
+        if table.length - table.frozen >= self.pool.block_size:  # a block was filled: build the ids only then
+            table.publish(ids())
 
     def _emit(self, seq: _Sequence, emitted: list[int]) -> None:
         """Append committed tokens, send the new text, finish on EOS / stop string / max tokens / full context."""
