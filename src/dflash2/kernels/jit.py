@@ -10,19 +10,23 @@ Nothing here imports a kernel module, so the backends import this module and nev
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
 import shutil
 import sys
 import threading
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 __all__ = [
     "build_dir",
+    "build_lock",
     "cpu_flags",
     "ensure_loaded",
     "jit_load",
@@ -145,15 +149,16 @@ def jit_load(name: str, source: Path, cflags: list[str], directory: Path, op_nam
         from torch.utils import cpp_extension
 
         directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=name,
-            sources=[str(source)],
-            extra_cflags=cflags,
-            extra_ldflags=LDFLAGS,
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
+        with build_lock(directory):
+            cpp_extension.load(
+                name=name,
+                sources=[str(source)],
+                extra_cflags=cflags,
+                extra_ldflags=LDFLAGS,
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
         namespace, op = op_name.split(".")
         op = getattr(getattr(torch.ops, namespace), op).default
     except Exception as e:  # noqa: BLE001 - any build/load failure means: use the fallback
@@ -164,6 +169,45 @@ def jit_load(name: str, source: Path, cflags: list[str], directory: Path, op_nam
     if bad:
         return False, bad, None
     return True, f"{label}AVX2/FMA kernel loaded from {directory}", op
+
+
+BUILD_LOCK_TIMEOUT_ENV = "DFLASH2_BUILD_LOCK_TIMEOUT"
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path, timeout_s: float | None = None) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``directory`` while torch builds or loads the extension there.
+
+    torch's own guard (a ``lock`` file created by ``FileBaton``) outlives a process killed mid-build, and every later
+    process then waits for it forever. An ``flock`` is released by the kernel when its holder dies, so whoever holds
+    this one knows that no live dflash2 process is building here and deletes a ``lock`` file left behind. Raises
+    TimeoutError after ``timeout_s`` (``$DFLASH2_BUILD_LOCK_TIMEOUT``, default 1800 s) of waiting for a live build.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX: torch's FileBaton alone
+        yield
+        return
+    timeout = timeout_s if timeout_s is not None else float(os.environ.get(BUILD_LOCK_TIMEOUT_ENV) or 1800)
+    with open(directory / "dflash2-build.lock", "w") as handle:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building in {directory} for over {timeout:.0f} s "
+                                       f"(${BUILD_LOCK_TIMEOUT_ENV} sets the wait)") from None
+                time.sleep(0.1)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a kernel build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def ensure_loaded(state: dict[str, object], lock: threading.Lock, load, what: str, warn: bool = True) -> None:
