@@ -27,7 +27,7 @@ demo: models
 	$(DFLASH2) generate "$(PROMPT)"
 
 test: setup
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -q --durations=25
 
 test-all: setup
 	$(PY) -m pytest -q

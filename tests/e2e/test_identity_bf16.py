@@ -95,3 +95,42 @@ def test_the_overlap_pipeline_gives_plain_greedy_tokens(spec) -> None:
 @pytest.mark.parametrize("spec", _slow("ngram", "dflash2"))
 def test_int8_weights_give_their_plain_greedy_tokens(spec) -> None:
     assert drafted_ids("int8", spec) == plain_ids("int8")
+
+
+COMPANIONS = [
+    "Write a Python function that merges two sorted lists.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips "
+    "did Natalia sell altogether in April and May?",
+    "Give three tips for staying focused while studying.",
+]
+
+
+def _batch_ids(requests: list) -> list[list[int]]:
+    from dflash2.decode.batch import BatchConfig, BatchEngine, request_drafters, run_to_completion
+
+    target = engine("bf16")
+    batch = BatchEngine(target, BatchConfig(num_blocks=64, block_size=16, adaptive_drafts=False),
+                        request_drafters(target))
+    return [result.token_ids for result in run_to_completion(batch, requests, join_every=1)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded-sampling"])
+def test_a_request_in_the_server_batch_gives_its_tokens_alone(temperature) -> None:
+    """The server's batch engine in bf16: a request drafted by n-gram lookup gives the same tokens alone and in a
+    crowd of three other prompts joining one step apart (different lengths, so the ragged rows, padding and paged
+    layouts differ); greedy, it also gives plain decoding's tokens."""
+    from dflash2.decode.batch import BatchRequest
+    from dflash2.verify import SamplingParams
+
+    target = engine("bf16")
+    params = SamplingParams(temperature=temperature, seed=11)
+    request = BatchRequest(target.encode_prompt(prompt_text()), NEW_TOKENS, params=params, drafter="ngram",
+                           num_draft_tokens=4)
+    crowd = [BatchRequest(target.encode_prompt(text), NEW_TOKENS, params=SamplingParams(temperature=1.0, seed=i),
+                          drafter="ngram" if i % 2 else "none", num_draft_tokens=3 if i % 2 else 0)
+             for i, text in enumerate(COMPANIONS)]
+    (alone,) = _batch_ids([request])
+    crowded = _batch_ids(crowd[:1] + [request] + crowd[1:])[1]
+    assert crowded == alone
+    if temperature == 0.0:
+        assert alone == plain_ids("bf16")
