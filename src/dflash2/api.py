@@ -42,8 +42,10 @@ def load(
     give one and disagree); unset, k is the drafter's default (``dflash2.drafters.spec.DEFAULT_NUM_DRAFT_TOKENS``)
     and W is 1, a chain. W > 1 makes the n-gram drafter verify a tree of W continuations, and a block drafter a
     tree of k * W nodes (its chain and the likeliest branches through the block's top candidates).
-    weights: "bf16" (not quantized, the default), "int8" or "int4" (weight-only, quantized at load time, CPU), for the
-    target and the ``model`` drafter; speculation is lossless with respect to the quantized target.
+    weights: "bf16" (not quantized, the default), "int8" or "int4" (weight-only, quantized at load time, CPU), or
+    "gguf" (the model file's own 4/5/6/8-bit blocks as they are, activations quantized per row as llama.cpp does;
+    CPU with AVX2), for the target and the ``model`` drafter; speculation is lossless with respect to the quantized
+    target.
     pipeline: "sync" or "overlap" (the drafter drafts the next block while the target verifies; None: the
     default for the device, see ``dflash2.decode.overlap.default_pipeline``); ``adaptive_draft`` picks the draft
     length per step from observed acceptance; ``draft_threads``: intra-op threads of the overlap drafter thread.
