@@ -17,12 +17,13 @@ import platform
 import shutil
 import sys
 import threading
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from dflash2.locking import LockTimeout, exclusive_flock
 
 __all__ = [
     "build_dir",
@@ -183,31 +184,17 @@ def build_lock(directory: Path, timeout_s: float | None = None) -> Iterator[None
     this one knows that no live dflash2 process is building here and deletes a ``lock`` file left behind. Raises
     TimeoutError after ``timeout_s`` (``$DFLASH2_BUILD_LOCK_TIMEOUT``, default 1800 s) of waiting for a live build.
     """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX: torch's FileBaton alone
-        yield
-        return
     timeout = timeout_s if timeout_s is not None else float(os.environ.get(BUILD_LOCK_TIMEOUT_ENV) or 1800)
-    with open(directory / "dflash2-build.lock", "w") as handle:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"another process has been building in {directory} for over {timeout:.0f} s "
-                                       f"(${BUILD_LOCK_TIMEOUT_ENV} sets the wait)") from None
-                time.sleep(0.1)
-        try:
+    try:
+        with exclusive_flock(directory / "dflash2-build.lock", timeout, f"waiting for a kernel build in {directory}"):
             stale = directory / "lock"
             if stale.exists():
                 log.warning("removing %s, left by a kernel build that was killed", stale)
                 stale.unlink(missing_ok=True)
             yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    except LockTimeout:
+        raise TimeoutError(f"another process has been building in {directory} for over {timeout:.0f} s "
+                           f"(${BUILD_LOCK_TIMEOUT_ENV} sets the wait)") from None
 
 
 def ensure_loaded(state: dict[str, object], lock: threading.Lock, load, what: str, warn: bool = True) -> None:

@@ -51,7 +51,7 @@ def load_transformer(
     config = ModelConfig.from_dir(model_dir)
     torch_dtype = parse_dtype(dtype)
     if weights == "gguf":
-        from dflash2.models.gguf_weights import load_gguf_transformer  # below this module, imported when needed
+        from dflash2.models.gguf_model import load_gguf_transformer  # below this module, imported when needed
 
         return own_memory(load_gguf_transformer(model_dir, config, torch_dtype))
     if weights != "bf16":

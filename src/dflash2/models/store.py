@@ -33,11 +33,11 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from dflash2.locking import LockTimeout, exclusive_flock
 from dflash2.models.chunks import (
     READ_BLOCK_BYTES,
     ModelStoreError,
@@ -175,34 +175,16 @@ def _packages_summary(spec: ModelSpec) -> str:
 @contextlib.contextmanager
 def _locked(name: str) -> Iterator[None]:
     """Hold an exclusive lock on ``name`` across processes (no-op where fcntl is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
-        yield
-        return
     lock_dir = home() / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
     timeout = float(os.environ.get(LOCK_TIMEOUT_ENV) or 1800)
     path = lock_dir / f"{name}.lock"
-    with open(path, "w") as handle:
-        deadline, said = time.monotonic() + timeout, False
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ModelStoreError(f"another process has held {path} for over {timeout:.0f} s; if no "
-                                          f"dflash2 pull is running, delete the file (${LOCK_TIMEOUT_ENV} sets the "
-                                          "wait)") from None
-                if not said:
-                    log.warning("waiting for another process to finish pulling %s (%s)", name, path)
-                    said = True
-                time.sleep(0.2)
-        try:
+    try:
+        with exclusive_flock(path, timeout, f"waiting for another process to finish pulling {name} ({path})"):
             yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    except LockTimeout:
+        raise ModelStoreError(f"another process has held {path} for over {timeout:.0f} s; if no dflash2 pull is "
+                              f"running, delete the file (${LOCK_TIMEOUT_ENV} sets the wait)") from None
 
 
 def _remove_leftovers(*directories: Path, prefix: str = ".") -> None:
