@@ -114,7 +114,7 @@ def _batch_ids(requests: list) -> list[list[int]]:
     return [result.token_ids for result in run_to_completion(batch, requests, join_every=1)]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded-sampling"])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(0.8, marks=pytest.mark.slow)], ids=["greedy", "seeded-sampling"])
 def test_a_request_in_the_server_batch_gives_its_tokens_alone(temperature) -> None:
     """The server's batch engine in bf16: a request drafted by n-gram lookup gives the same tokens alone and in a
     crowd of three other prompts joining one step apart (different lengths, so the ragged rows, padding and paged
