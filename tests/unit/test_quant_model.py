@@ -61,9 +61,10 @@ def test_speculation_is_lossless_with_respect_to_the_quantized_target(quantized,
 
 
 def test_weight_format_checks():
-    assert WEIGHT_FORMATS == ("bf16", "int8", "int4")
+    assert WEIGHT_FORMATS == ("bf16", "int8", "int4", "gguf")
     with pytest.raises(ValueError, match="unknown weight format 'int3'"):
         check_weight_format("int3", "cpu")
-    with pytest.raises(ValueError, match="CPU only"):
-        check_weight_format("int8", "cuda")
+    for quantized in ("int8", "int4", "gguf"):
+        with pytest.raises(ValueError, match="CPU only"):
+            check_weight_format(quantized, "cuda")
     check_weight_format("bf16", "cuda")
