@@ -7,6 +7,7 @@ import torch
 
 from dflash2.decode.batch import BatchConfig, BatchEngine, BatchRequest, QueueFullError, request_drafters, run_to_completion
 from dflash2.decode.engine import Engine
+from dflash2.decode.ragged import WorkspaceCost
 from dflash2.drafters.dflash import DFlashDrafter
 from dflash2.drafters.ngram import NgramDrafter
 from dflash2.models.loading import load_transformer
@@ -245,8 +246,10 @@ def test_drafter_memory_stays_within_its_budget(engine):
     requests = [BatchRequest(long_prompt, 8, drafter="dflash", num_draft_tokens=3)] + [
         BatchRequest(p, 8 + i % 5, drafter="dflash", num_draft_tokens=3) for i, p in enumerate(prompts(15))]
     budget = probe.state_bytes(len(long_prompt) + 8 + 4) + 4 * probe.state_bytes(40)  # the long one + about 4
-    batch = BatchEngine(engine, BatchConfig(num_blocks=256, block_size=8, drafter_memory_bytes=budget),
-                        {"dflash": factory})
+    # attention's padded workspace: room for the long prompt and one more such row, not for the batch padded to it
+    workspace = WorkspaceCost.of(engine.target).bytes(2, len(long_prompt), len(long_prompt) + 16)
+    batch = BatchEngine(engine, BatchConfig(num_blocks=256, block_size=8, drafter_memory_bytes=budget,
+                                            attention_workspace_bytes=workspace), {"dflash": factory})
     events: list[list] = [[] for _ in requests]
     for request, sink in zip(requests, events):
         batch.submit(request, sink.append)
@@ -257,6 +260,7 @@ def test_drafter_memory_stays_within_its_budget(engine):
         peak, waited = max(peak, held), waited or bool(batch._waiting)
     assert peak > budget // 2 and waited  # the budget was used and some requests had to wait for it
     assert batch._drafter_bytes == 0 and batch.pool.reserved == 0
+    assert 0 < batch.snapshot().attention_workspace_peak <= workspace
     for request, sink in zip(requests, events):
         assert sink[-1].token_ids == single(engine, request.prompt_ids, BatchRequest(request.prompt_ids,
                                                                                     request.max_new_tokens))

@@ -9,7 +9,7 @@ import torch
 
 from dflash2.decode.batch import BatchConfig, BatchEngine, BatchRequest, request_drafters, run_to_completion
 from dflash2.decode.engine import Engine
-from dflash2.decode.ragged import RaggedRow, ragged_forward
+from dflash2.decode.ragged import RaggedRow, WorkspaceCost, build_layout, ragged_forward
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.model import ModelDrafter
 from dflash2.drafters.ngram import NgramDrafter
@@ -108,6 +108,39 @@ def test_ragged_batch_rows_equal_each_row_alone_and_plain_decoding(models) -> No
         cache = model.new_cache(64)
         model(torch.tensor([prompt]), cache=cache, logits="none")
         assert torch.equal(alone, _one_at_a_time(model, cache, news[r])), f"row {r} vs the decoder"
+
+
+def test_attention_groups_bound_the_padded_workspace_and_change_no_bit(models) -> None:
+    """A long prompt chunk next to short rows: with a small workspace budget the rows attend in several groups,
+    each within the budget (unless a row alone exceeds it), and every row's logits and hidden states are bitwise
+    those of one padded group."""
+    model = models["llama"]
+    c = model.config
+    pool = PagedKVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=256, block_size=4, dtype=model.dtype)
+    prompts = [_prompt(n).tolist() for n in (9, 23, 14, 31, 5)]
+    tables = [pool.new_table(96) for _ in prompts]
+    for table, prompt in zip(tables, prompts):
+        ragged_forward(model, pool, [RaggedRow(table, prompt, all_logits=False)])
+        table.rollback(len(prompt))
+    news = [_prompt(5).tolist(), _prompt(1).tolist(), _prompt(3).tolist(), _prompt(47).tolist(), _prompt(1).tolist()]
+    rows = [RaggedRow(table, new, all_logits=True) for table, new in zip(tables, news)]
+    rows.append(RaggedRow(pool.new_table(64), _prompt(40).tolist(), all_logits=False))  # a fresh prompt
+    cost = WorkspaceCost.of(model)
+    whole = build_layout(rows, model.device, cost, workspace_bytes=2**40)
+    assert len(whole.groups) == 1
+    budget = whole.workspace_bytes // 4
+    split = build_layout(rows, model.device, cost, workspace_bytes=budget)
+    assert len(split.groups) >= 3
+    for group in split.groups:
+        assert group.workspace_bytes <= budget or len(group.query_valid) == 1
+    assert sorted(torch.cat([g.flat_index for g in split.groups]).tolist()) == list(range(len(whole.input_ids)))
+    one = ragged_forward(model, pool, rows, hidden_layers=(0, 2), workspace_bytes=2**40)
+    grouped = ragged_forward(model, pool, rows, hidden_layers=(0, 2), workspace_bytes=budget)
+    assert grouped.workspace_bytes < one.workspace_bytes
+    for r in range(len(rows)):
+        assert torch.equal(grouped.logits[r], one.logits[r]), f"row {r}"
+        for layer in (0, 2):
+            assert torch.equal(grouped.hidden[r][layer], one.hidden[r][layer]), f"row {r} layer {layer}"
 
 
 @pytest.mark.parametrize("k", range(1, 9))

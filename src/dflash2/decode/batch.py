@@ -115,6 +115,7 @@ class BatchEngine:
         self._rejected = 0
         self._totals = DecodeStats()
         self._steps = 0
+        self._workspace_peak = 0  # bytes: the largest padded attention workspace of a step (RaggedOutput)
         self.cost = ForwardCost()
 
     # ---- the caller's side -------------------------------------------------------------------------------------
@@ -188,7 +189,8 @@ class BatchEngine:
             return BatchSnapshot(dict(self._finished), self._rejected, totals.prompt_tokens, totals.new_tokens,
                                  self._steps, totals, len(self._incoming) + len(self._waiting), len(self._running),
                                  pool.blocks_used, pool.num_blocks, self._drafter_bytes,
-                                 self.config.drafter_memory_bytes, prefix)
+                                 self.config.drafter_memory_bytes, self._workspace_peak,
+                                 self.config.attention_workspace_bytes, prefix)
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -333,7 +335,8 @@ class BatchEngine:
                             | set(self.pool.tap_layers)))
         started = time.perf_counter()
         try:
-            out = ragged_forward(self.engine.target, self.pool, rows, hidden_layers=taps)
+            out = ragged_forward(self.engine.target, self.pool, rows, hidden_layers=taps,
+                                 workspace_bytes=self.config.attention_workspace_bytes)
         except Exception as error:
             if len(rows) == 1:
                 self._fail(planned[0][0], "the target forward", error)
@@ -344,6 +347,7 @@ class BatchEngine:
         self.cost.record(sum(len(row.tokens) for row in rows), time.perf_counter() - started)
         with self._lock:
             self._steps += 1
+            self._workspace_peak = max(self._workspace_peak, out.workspace_bytes)
         return list(zip(out.logits, out.hidden))
 
     @contextlib.contextmanager

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dflash2.decode.output import GenerationResult, StreamChunk
+from dflash2.decode.ragged import DEFAULT_WORKSPACE_BYTES
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Drafter
 from dflash2.verify import SamplingParams
@@ -43,9 +44,12 @@ class BatchConfig:
     # request's (Drafter.state_bytes) and a request waits while it does not fit. None: not bounded.
     drafter_memory_bytes: int | None = None
     prefix_cache: bool = True  # keep full KV blocks by the ids they hold; a request starts from its cached prefix
+    # Attention's padded transient tensors per layer in one step (decode/ragged.py): rows are attended in groups
+    # that stay within it (a row alone above it gets its own group).
+    attention_workspace_bytes: int = DEFAULT_WORKSPACE_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "num_blocks", "block_size", "max_prefill_tokens"):
+        for name in ("max_batch_size", "num_blocks", "block_size", "max_prefill_tokens", "attention_workspace_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.drafter_memory_bytes is not None and self.drafter_memory_bytes < 0:
@@ -91,6 +95,8 @@ class BatchSnapshot:
     kv_blocks_total: int
     drafter_bytes_reserved: int
     drafter_bytes_budget: int | None
+    attention_workspace_peak: int = 0  # the largest padded attention workspace of a step so far (bytes per layer)
+    attention_workspace_budget: int = 0
     prefix_cache: PrefixCacheSnapshot | None = None  # None: the prefix cache is off
 
 

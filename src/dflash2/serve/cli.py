@@ -24,6 +24,9 @@ def add_serve_parser(commands) -> None:
     p.add_argument("--drafter-memory-mb", type=float, default=None,
                    help="budget of the drafters' per-request caches (a model / block drafter keeps its own KV "
                         "cache per request; default: the --kv-memory-mb value)")
+    p.add_argument("--attention-workspace-mb", type=float, default=64.0,
+                   help="attention's padded transient memory per layer in one step: the batch's rows attend in "
+                        "groups that fit (a longer row alone gets its own group) (default: %(default)s MiB)")
     p.add_argument("--block-size", type=int, default=16, help="KV slots per block (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default: %(default)s)")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for KV before 503")
@@ -70,6 +73,7 @@ def build_server(args: argparse.Namespace):
     config = BatchConfig(max_batch_size=args.max_batch_size, num_blocks=num_blocks, block_size=args.block_size,
                          max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                          adaptive_drafts=not args.fixed_draft_length, max_prefill_tokens=args.max_prefill_tokens,
+                         attention_workspace_bytes=max(1, int(args.attention_workspace_mb * 2**20)),
                          drafter_memory_bytes=int(_or(args.drafter_memory_mb, args.kv_memory_mb) * 2**20),
                          prefix_cache=not args.no_prefix_cache)
     batch = BatchEngine(engine, config, request_drafters(engine, spec.num_draft_tokens))

@@ -54,6 +54,11 @@ def render(snapshot: BatchSnapshot, http: HttpCounters) -> str:
            [("", snapshot.kv_blocks_total)])
     metric("drafter_memory_bytes", "gauge", "Memory reserved for the running requests' drafter caches.",
            [("", snapshot.drafter_bytes_reserved)])
+    metric("attention_workspace_peak_bytes", "gauge",
+           "The largest padded attention workspace of one step so far (per layer, transient).",
+           [("", snapshot.attention_workspace_peak)])
+    metric("attention_workspace_budget_bytes", "gauge", "The per-step attention workspace budget.",
+           [("", snapshot.attention_workspace_budget)])
     prefix = snapshot.prefix_cache
     if prefix is not None:
         metric("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.",
