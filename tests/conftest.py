@@ -47,3 +47,61 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class PeakMemoryReport:
+    """DFLASH2_TEST_MEMORY=1 (or =path.json): the peak resident memory of the test process and its children (the
+    servers tests start) during each test, sampled every 0.2 s; the largest are printed at the end (and all are
+    written to the path). `make test` keeps the whole run's peak under ~12 GB (CI and laptops must not swap)."""
+
+    def __init__(self, out_path: str | None):
+        import threading
+
+        import psutil
+
+        self.out_path = out_path
+        self.process = psutil.Process()
+        self.peaks: dict[str, float] = {}
+        self.current_peak = 0
+        self.stop = threading.Event()
+        threading.Thread(target=self.sample, daemon=True, name="peak-memory").start()
+
+    def tree_rss(self) -> int:
+        total = 0
+        for process in [self.process, *self.process.children(recursive=True)]:
+            try:
+                total += process.memory_info().rss
+            except Exception:  # a child that ended between the listing and the read
+                pass
+        return total
+
+    def sample(self) -> None:
+        while not self.stop.wait(0.2):
+            self.current_peak = max(self.current_peak, self.tree_rss())
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.current_peak = self.tree_rss()
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self.peaks[nodeid] = max(self.current_peak, self.tree_rss()) / 2**30
+
+    def pytest_terminal_summary(self, terminalreporter):
+        self.stop.set()
+        if not self.peaks:
+            return
+        terminalreporter.write_sep("=", "peak resident memory by test (GiB, process tree)")
+        for nodeid, gib in sorted(self.peaks.items(), key=lambda item: -item[1])[:15]:
+            terminalreporter.write_line(f"{gib:6.2f}  {nodeid}")
+        if self.out_path:
+            import json
+
+            with open(self.out_path, "w") as out:
+                json.dump(self.peaks, out, indent=1)
+
+
+def pytest_configure(config):
+    import os
+
+    setting = os.environ.get("DFLASH2_TEST_MEMORY", "")
+    if setting and setting != "0":
+        config.pluginmanager.register(PeakMemoryReport(None if setting == "1" else setting), "dflash2-peak-memory")
