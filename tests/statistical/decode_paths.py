@@ -137,6 +137,15 @@ def engine_samples(engine: Engine, prompt: list[int], params: SamplingParams, ru
     return torch.tensor(out)
 
 
+def closing_engine_samples(engine: Engine, prompt: list[int], params: SamplingParams, runs: int) -> torch.Tensor:
+    """:func:`engine_samples`, then the engine's overlap worker (if any) is closed: the engine was built for them."""
+    try:
+        return engine_samples(engine, prompt, params, runs)
+    finally:
+        if engine._worker is not None:
+            engine._worker.close()
+
+
 @dataclass
 class Fit:
     p_values: dict[str, float]  # check -> chi-square p-value
@@ -248,6 +257,6 @@ def unwarped(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 __all__ = [
     "DEPTH", "DRAFT_VOCAB", "MIN_P_VALUE", "VOCAB", "IdTokenizer", "assert_caught", "broken", "assert_lossless",
-    "engine_samples", "exact_joint", "fit", "tiny_drafter_model", "tiny_engine", "tiny_target", "accept_the_argmax",
+    "closing_engine_samples", "engine_samples", "exact_joint", "fit", "tiny_drafter_model", "tiny_engine", "tiny_target", "accept_the_argmax",
     "drop_the_residual", "swap_p_and_q", "follow_the_argmax_child", "unwarped",
 ]

@@ -22,8 +22,8 @@ from tests.statistical.decode_paths import (
     assert_caught,
     assert_lossless,
     broken,
+    closing_engine_samples,
     drop_the_residual,
-    engine_samples,
     exact_joint,
     follow_the_argmax_child,
     swap_p_and_q,
@@ -71,12 +71,7 @@ def engine_for(target, case: Case, duplicate_draft_id: bool = False):
 
 
 def samples_of(target, case: Case, runs: int, duplicate_draft_id: bool = False) -> torch.Tensor:
-    engine = engine_for(target, case, duplicate_draft_id)
-    try:
-        return engine_samples(engine, PROMPT, case.params, runs)
-    finally:
-        if engine._worker is not None:
-            engine._worker.close()
+    return closing_engine_samples(engine_for(target, case, duplicate_draft_id), PROMPT, case.params, runs)
 
 
 @pytest.mark.parametrize("runs", [RUNS, pytest.param(SLOW_RUNS, marks=pytest.mark.slow)])

@@ -14,7 +14,7 @@ import torch
 from dflash2.drafters.pard import PardDrafter, VocabSubsetHead
 from dflash2.verify import SamplingParams
 from tests.statistical.decode_paths import (DRAFT_VOCAB, VOCAB, assert_caught, assert_lossless, broken,
-                                            engine_samples, exact_joint, swap_p_and_q, tiny_engine, tiny_target)
+                                            closing_engine_samples, exact_joint, swap_p_and_q, tiny_engine, tiny_target)
 
 RUNS = 1000
 SLOW_RUNS = 10_000
@@ -50,12 +50,8 @@ def samples_of(models, case: Case, runs: int) -> torch.Tensor:
         head = torch.nn.Linear(draft.config.hidden_size, len(DRAFT_VOCAB), bias=False)
         head.weight.data = draft.lm_head.weight.data[DRAFT_VOCAB].clone()
         draft.lm_head = VocabSubsetHead(head, DRAFT_VOCAB, VOCAB)
-    engine = tiny_engine(target, PardDrafter(draft, MASK, 3), case.pipeline)
-    try:
-        return engine_samples(engine, PROMPT, case.params, runs)
-    finally:
-        if engine._worker is not None:
-            engine._worker.close()
+    return closing_engine_samples(tiny_engine(target, PardDrafter(draft, MASK, 3), case.pipeline), PROMPT, case.params,
+                                  runs)
 
 
 @pytest.mark.parametrize("runs", [RUNS, pytest.param(SLOW_RUNS, marks=pytest.mark.slow)])
