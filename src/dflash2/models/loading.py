@@ -58,8 +58,12 @@ def load_transformer(
         from dflash2.models.quant_cache import load_quantized_transformer  # below this module, imported when needed
 
         return own_memory(load_quantized_transformer(model_dir, config, torch_dtype, weights))
-    model = build_transformer(config, hf_to_lean_state_dict(read_safetensors(model_dir), config), torch_dtype, device)
-    if packed if packed is not None else should_pack(device, torch_dtype):
+    pack = packed if packed is not None else should_pack(device, torch_dtype)
+    # Tensors that the CPU model uses as read get their own memory (a view of the map would pin the file's pages).
+    mapped = pack or torch.device(device).type != "cpu"
+    state = hf_to_lean_state_dict(read_safetensors(model_dir, mapped=mapped), config)
+    model = build_transformer(config, state, torch_dtype, device)
+    if pack:
         pack_linear_layers(model)
         own_memory(model)
     return model
