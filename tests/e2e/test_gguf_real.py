@@ -64,3 +64,21 @@ def test_smollm2_gguf_logits_close_to_the_bf16_conversion():
     b = reference(ids, cache=reference.new_cache(40), logits="all").logits[0]
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     assert (a - b).abs().max() < 0.1 * b.abs().max()
+
+
+@pytest.mark.model
+@pytest.mark.qwen
+@pytest.mark.slow
+def test_qwen_gguf_default_drafter_gives_plain_tokens():
+    """The default target on its Q4_K_M blocks with `auto` (the DFlash2 drafter over a draft vocabulary, whose head
+    is the target head's rows as they are: GgufLinear.select_rows) gives plain gguf decoding's tokens."""
+    from tests.e2e.conftest import QWEN_TARGET, lean_engine
+
+    lean_engine.cache_clear()
+    engine = dflash2.load(QWEN_TARGET, drafter="auto", dtype="bf16", weights="gguf", device="cpu")
+    drafter, engine.drafter = engine.drafter, None
+    plain = engine.generate(CODE_PROMPT, max_new_tokens=32)
+    engine.drafter = drafter
+    speculative = engine.generate(CODE_PROMPT, max_new_tokens=32)
+    assert speculative.token_ids == plain.token_ids
+    assert speculative.stats.tau > 1.0

@@ -154,6 +154,23 @@ def test_layer_with_mixed_runs_and_bias_equals_the_torch_backend():
     assert w.shape == (96, 256)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("avx2", marks=needs_kernel)])
+def test_selected_rows_give_those_outputs_bitwise(backend):
+    """A drafter's head over a draft vocabulary: any rows, in any order, across runs of different block types."""
+    parts = [gl.pack_blocks(random_blocks(q, n, 256, seed=i)) for i, (q, n) in
+             enumerate((("Q4_K", 40), ("Q8_0", 16), ("Q6_K", 20)))]
+    bias = torch.randn(76)
+    layer = gl.GgufLinear(parts, bias, backend)
+    rows = torch.tensor([3, 0, 39, 45, 41, 70, 56, 2, 75, 44])  # crosses runs, out of order, a partial panel
+    sub = layer.select_rows(rows)
+    x = torch.randn(5, 256)
+    assert sub.out_features == len(rows)
+    assert torch.equal(sub(x), layer(x)[:, rows])
+    assert torch.equal(sub.dequantized_weight(), layer.dequantized_weight()[rows])
+    with pytest.raises(ValueError, match="rows must lie"):
+        layer.select_rows(torch.tensor([76]))
+
+
 def test_backend_switch(monkeypatch):
     monkeypatch.setenv(gl.ENV, "torch")
     assert gl.gguf_backend() == "torch"

@@ -227,6 +227,8 @@ class DFlashDraftModel(nn.Module):
             from dflash2.kernels import PackedLinear
 
             sub = PackedLinear.from_weight(head.unpacked_weight()[rows], backend=head.backend)
+        elif hasattr(head, "select_rows"):  # the GGUF's own blocks: the rows' blocks as they are
+            sub = head.select_rows(rows)
         elif hasattr(head, "dequantized_weight"):  # a quantized head: its rows re-quantize to the same values
             sub = type(head).from_weight(head.dequantized_weight()[rows], weights=head.weights)
         else:

@@ -37,7 +37,7 @@ import torch
 
 from dflash2.kernels import jit
 from dflash2.kernels import packed_linear as _bf16
-from dflash2.models.gguf_blocks import BLOCK, BlockTensor
+from dflash2.models.gguf_blocks import BLOCK, BlockTensor, take_rows
 
 __all__ = ["ENV", "GgufLinear", "PackedBlocks", "activation_block", "gguf_backend", "gguf_kernel_status",
            "gguf_kernels_available", "pack_blocks", "quantize_rows", "reference_matmul", "reference_rows",
@@ -329,6 +329,27 @@ class GgufLinear(_bf16.CpuLinear):
         from dflash2.models.gguf_blocks import dequantize
 
         return torch.cat([torch.from_numpy(dequantize(unpack_blocks(p))) for p in self.parts])
+
+    def select_rows(self, rows: torch.Tensor) -> "GgufLinear":
+        """A layer whose outputs are the outputs ``rows`` [N'] of this one, in that order, on the same blocks (no
+        re-quantization: each output row's blocks and scales are its own, so they are copied as they are; used
+        for a drafter's head over a draft vocabulary)."""
+        rows = rows.to("cpu", torch.int64)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.out_features):
+            raise ValueError(f"rows must lie in [0, {self.out_features}); got {int(rows.min())}..{int(rows.max())}")
+        starts = np.cumsum([0] + [p.out_features for p in self.parts])
+        owner = np.searchsorted(starts, rows.numpy(), side="right") - 1  # the part of each row
+        runs: list[PackedBlocks] = []
+        full = [unpack_blocks(p) for p in self.parts]
+        cut = np.flatnonzero(np.diff(owner)) + 1  # consecutive rows of the same part form one run
+        for run in np.split(np.arange(len(owner)), cut):
+            if len(run) == 0:
+                continue
+            part = int(owner[run[0]])
+            local = rows.numpy()[run] - starts[part]
+            runs.append(pack_blocks(take_rows(full[part], local)))
+        bias = None if self.bias_data is None else self.bias_data[rows].clone()
+        return GgufLinear(runs, bias, self.backend)
 
     @property
     def nbytes(self) -> int:
