@@ -36,8 +36,10 @@ case "${1:-}" in
       --anchors 48 --sequences-per-step 2 --max-seq-len 768 --steps "${STEPS:-1000}" --lr 3e-4 --mask-lr 2e-3 \
       --warmup 20 --heldout 16 --heldout-every 40 --eval-every "${EVAL_EVERY:-0}" --eval-anchors 8 --checkpoint-every 5 ${EXTRA:-}
     ;;
-  ship)  # the adapter of the run's checkpoint STEP (default: the latest; the run may go on) + a draft vocabulary
-    rm -rf "$SHIPPED" && .venv/bin/dflash2 train pard-adapter --run "$RUN" --out "$SHIPPED" ${STEP:+--step "$STEP"}
+  ship)  # the adapter of the run's checkpoint STEP (default: the latest; the run may go on) + a draft vocabulary;
+         # DEFAULT_K: the draft length users get (measured fastest with `dflash2 bench`, docs/pard.md)
+    rm -rf "$SHIPPED" && .venv/bin/dflash2 train pard-adapter --run "$RUN" --out "$SHIPPED" ${STEP:+--step "$STEP"} \
+      --default-num-draft-tokens "${DEFAULT_K:-3}"
     .venv/bin/dflash2 train pard-vocab --adapter "$SHIPPED" --data "$REGEN" --size "${DRAFT_VOCAB:-32768}"
     cp "$RUN/eval.jsonl" "$SHIPPED/eval.jsonl"
     ;;

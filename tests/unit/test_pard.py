@@ -213,6 +213,12 @@ def test_training_learns_and_resumes(tiny_model_dirs, tmp_path):
     record = PardConfig.load(shipped)
     assert record.mask_token_id == MASK and record.lora_rank == 4 and record.extra["steps"] == 30
     assert record.extra["heldout"]["regenerated"] == evals[-1]["regenerated"]
+    assert record.default_num_draft_tokens is None  # users get the trained k unless a measured one is recorded
+    measured = PardConfig.load(adapter_from_checkpoint(tmp_path / "run", tmp_path / "ship2", 30,
+                                                       default_num_draft_tokens=2))
+    assert measured.default_num_draft_tokens == 2 and measured.num_draft_tokens == 4
+    with pytest.raises(ValueError, match="1..4"):
+        adapter_from_checkpoint(tmp_path / "run", tmp_path / "ship3", 30, default_num_draft_tokens=5)
 
 
 def test_for_request_shares_weights_not_the_cache(models):

@@ -51,6 +51,7 @@ class PardConfig:
     base_model: str  # the store name (or directory) of the drafter's base network
     mask_token_id: int  # the id at the mask positions (its embedding row is replaced by ``mask_embedding``)
     num_draft_tokens: int = 8  # trained draft length k (k - 1 mask positions)
+    default_num_draft_tokens: int | None = None  # the k measured fastest (`dflash2 bench`); None: the trained k
     lora_rank: int = 16  # 0 = no adapters (only the mask embedding)
     lora_alpha: float = 32.0  # the adapter's update is (alpha / rank) * B @ A
     lora_targets: tuple[str, ...] = LORA_TARGETS
@@ -262,7 +263,8 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
         raise ValueError(f"pard base {base!r} has a different tokenizer from the target; it cannot draft for it")
     device = str(target.target.device)
     model, config = load_pard_model(adapter, base_dir, dtype, device, weights=pard_weights(weights, device, dtype))
-    return PardDrafter(model, config.mask_token_id, num_draft_tokens or config.num_draft_tokens,
+    k = num_draft_tokens or config.default_num_draft_tokens or config.num_draft_tokens
+    return PardDrafter(model, config.mask_token_id, k,
                        target_vocab_size=target.target.config.vocab_size)
 
 

@@ -322,6 +322,9 @@ def _add_export_pard_parser(sub) -> None:
     adapter.add_argument("--run", required=True, help="the run directory (--out of `dflash2 train pard`)")
     adapter.add_argument("--out", required=True, help="the adapter directory to write")
     adapter.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the latest)")
+    adapter.add_argument("--default-num-draft-tokens", type=int, default=None,
+                         help="the draft length users get by default (the one `dflash2 bench` measured fastest; "
+                              "default: the trained one)")
     adapter.set_defaults(handler=run_pard_adapter)
 
     vocab = sub.add_parser("pard-vocab", help="give a PARD adapter a draft vocabulary (the head computes only the ids "
@@ -354,5 +357,6 @@ def run_export_pard(args: argparse.Namespace) -> int:
 def run_pard_adapter(args: argparse.Namespace) -> int:
     from dflash2.train.pard_trainer import adapter_from_checkpoint
 
-    print(adapter_from_checkpoint(args.run, args.out, args.step))
+    print(adapter_from_checkpoint(args.run, args.out, args.step,
+                                  default_num_draft_tokens=args.default_num_draft_tokens))
     return 0

@@ -250,10 +250,11 @@ def save_adapter(directory: Path, model: Transformer, mask_embedding: torch.Tens
 
 
 def adapter_from_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
-                            dtype: str = "bf16") -> Path:
+                            dtype: str = "bf16", default_num_draft_tokens: int | None = None) -> Path:
     """``out_dir/{pard_config.json, adapter.safetensors}`` from a checkpoint of a run (the latest, or ``step``),
     without stopping the run; the record names the step, the checkpoint and that step's held-out numbers
-    (``eval.jsonl``) when it was evaluated."""
+    (``eval.jsonl``) when it was evaluated. ``default_num_draft_tokens``: the draft length users get (measured
+    fastest with `dflash2 bench`; at most the trained one)."""
     from dflash2.models.config import ModelConfig
     from dflash2.models.loading import parse_dtype
     from dflash2.models.store import resolve_model
@@ -264,6 +265,9 @@ def adapter_from_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int 
         raise FileNotFoundError(f"no checkpoint {'' if step is None else step} in {run_dir}")
     state = json.loads((path / STATE_JSON).read_text())
     recipe, step = state["recipe"], int(state["step"])
+    if default_num_draft_tokens is not None and not 1 <= default_num_draft_tokens <= recipe["num_draft_tokens"]:
+        raise ValueError(f"the default draft length must lie in 1..{recipe['num_draft_tokens']} (the trained one); "
+                         f"got {default_num_draft_tokens}")
     with safe_open(str(path / STATE_TENSORS), framework="pt") as handle:
         adapter = {name.removeprefix("adapter."): handle.get_tensor(name).to(parse_dtype(dtype)).contiguous()
                    for name in handle.keys() if name.startswith("adapter.")}
@@ -278,7 +282,7 @@ def adapter_from_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int 
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(adapter, str(out_dir / ADAPTER_FILE))
     PardConfig(base_model=recipe["base_model"], mask_token_id=mask_id, num_draft_tokens=recipe["num_draft_tokens"],
-               lora_rank=recipe["lora_rank"], lora_alpha=recipe["lora_alpha"], lora_targets=LORA_TARGETS,
+               default_num_draft_tokens=default_num_draft_tokens, lora_rank=recipe["lora_rank"], lora_alpha=recipe["lora_alpha"], lora_targets=LORA_TARGETS,
                target_model=recipe["target_model"],
                extra={"steps": step, "checkpoint": str(path), "recipe": recipe,
                       "heldout": {k: v for k, v in heldout.items() if k != "step"} if heldout else None}
