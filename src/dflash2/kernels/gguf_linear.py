@@ -337,17 +337,16 @@ class GgufLinear(_bf16.CpuLinear):
         rows = rows.to("cpu", torch.int64)
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.out_features):
             raise ValueError(f"rows must lie in [0, {self.out_features}); got {int(rows.min())}..{int(rows.max())}")
+        ids = rows.numpy()
         starts = np.cumsum([0] + [p.out_features for p in self.parts])
-        owner = np.searchsorted(starts, rows.numpy(), side="right") - 1  # the part of each row
-        runs: list[PackedBlocks] = []
+        owner = np.searchsorted(starts, ids, side="right") - 1  # the part of each row
         full = [unpack_blocks(p) for p in self.parts]
         cut = np.flatnonzero(np.diff(owner)) + 1  # consecutive rows of the same part form one run
-        for run in np.split(np.arange(len(owner)), cut):
-            if len(run) == 0:
-                continue
-            part = int(owner[run[0]])
-            local = rows.numpy()[run] - starts[part]
-            runs.append(pack_blocks(take_rows(full[part], local)))
+        runs: list[PackedBlocks] = []
+        for run in np.split(np.arange(len(ids)), cut):
+            if len(run):  # (no rows: one empty run)
+                part = owner[run[0]]
+                runs.append(pack_blocks(take_rows(full[part], ids[run] - starts[part])))
         bias = None if self.bias_data is None else self.bias_data[rows].clone()
         return GgufLinear(runs, bias, self.backend)
 

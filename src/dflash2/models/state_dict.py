@@ -94,36 +94,25 @@ def hf_to_lean_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig, *, l
     """Rename Hugging Face Llama/Qwen2 tensors to this decoder's names, fusing q/k/v and gate/up.
 
     linear=False: only the embedding and the norms (the projections and the head come from elsewhere).
-    ``hf`` is consumed: each tensor leaves it as it is taken, so a fused source is freed as soon as it is copied.
+    ``hf`` is consumed: each tensor is popped as it is taken, so a fused source is freed as soon as it is copied.
     """
-    hf = _Consumed(hf)
-    state = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    state = {"embed.weight": hf.pop("model.embed_tokens.weight"), "norm.weight": hf.pop("model.norm.weight")}
     if linear and not config.tie_word_embeddings:
-        state["lm_head.weight"] = hf["lm_head.weight"]
+        state["lm_head.weight"] = hf.pop("lm_head.weight")
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
-        state[dst + "attn_norm.weight"] = hf[src + "input_layernorm.weight"]
-        state[dst + "ffn_norm.weight"] = hf[src + "post_attention_layernorm.weight"]
+        state[dst + "attn_norm.weight"] = hf.pop(src + "input_layernorm.weight")
+        state[dst + "ffn_norm.weight"] = hf.pop(src + "post_attention_layernorm.weight")
         if not linear:
             continue
         attn = src + "self_attn."
-        state[dst + "attn.wqkv.weight"] = torch.cat([hf[attn + f"{p}_proj.weight"] for p in "qkv"])
+        state[dst + "attn.wqkv.weight"] = torch.cat([hf.pop(attn + f"{p}_proj.weight") for p in "qkv"])
         if config.qkv_bias:
-            state[dst + "attn.wqkv.bias"] = torch.cat([hf[attn + f"{p}_proj.bias"] for p in "qkv"])
-        state[dst + "attn.wo.weight"] = hf[attn + "o_proj.weight"]
-        state[dst + "ffn.w_gate_up.weight"] = torch.cat([hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]])
-        state[dst + "ffn.w_down.weight"] = hf[src + "mlp.down_proj.weight"]
+            state[dst + "attn.wqkv.bias"] = torch.cat([hf.pop(attn + f"{p}_proj.bias") for p in "qkv"])
+        state[dst + "attn.wo.weight"] = hf.pop(attn + "o_proj.weight")
+        state[dst + "ffn.w_gate_up.weight"] = torch.cat([hf.pop(src + f"mlp.{p}_proj.weight") for p in ("gate", "up")])
+        state[dst + "ffn.w_down.weight"] = hf.pop(src + "mlp.down_proj.weight")
     return state
-
-
-class _Consumed:
-    """A dict whose reads remove the entry (``hf_to_lean_state_dict`` takes each tensor once)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.tensors.pop(name)
 
 
 def build_transformer(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
