@@ -118,6 +118,12 @@ class SpeculationCache:
         return hit
 
 
+def _read_prompt(drafter: Drafter, sequence: list[int], hidden: tuple[torch.Tensor, ...]) -> None:
+    """After the target's prefill (on the drafter's thread): the prompt's states, then the draft model's prefill."""
+    drafter.observe(sequence, -1, hidden)
+    drafter.prefill(sequence[:-1])
+
+
 @torch.inference_mode()
 def overlap_decode(
     target: Transformer,
@@ -142,7 +148,7 @@ def overlap_decode(
         taps = drafter.hidden_layers
         out = target(prompt_ids[None].to(target.device), cache=cache, logits="last", hidden_layers=taps)
         sequence = prompt_ids.tolist() + [int(choose_token(out.logits[0, -1], params, generator))]
-        pending = worker.submit(drafter.observe, list(sequence), -1, out.hidden_states)
+        pending = worker.submit(_read_prompt, drafter, list(sequence), out.hidden_states)
         yield sequence[-1:]
         draft: Draft | None = None  # the next block, when pre-drafted for the outcome that happened
         draft_seconds = 0.0  # the drafter's time for that block

@@ -64,6 +64,7 @@ def speculative_decode(
     token = int(choose_token(out.logits[0, -1], params, generator))
     sequence = prompt_ids.tolist() + [token]  # the last id is pending: committed, not yet in the target cache
     drafter.observe(sequence, -1, cache.read_taps(cache.length) if reused and taps else out.hidden_states)
+    drafter.prefill(sequence[:-1])  # a draft model reads the prompt now: prefill time, not the first step's
     yield [token]
     while cache.length < capacity:
         room = capacity - cache.length - 1  # slots left after the pending token

@@ -95,6 +95,13 @@ class Drafter(ABC):
         draft = self.propose(sequence + block, num_draft_tokens + 1, params, generator)
         return None if draft.parents is not None or len(draft.tokens) == 0 else draft
 
+    def prefill(self, prompt_ids: list[int]) -> None:
+        """During the target's prefill: committed prompt ids (a prefix of every later ``sequence``) that a drafter
+        with its own context cache may read now, so that its first draft pass reads only the pending token and
+        the prompt's cost counts as prefill (time to first token), as in every engine that runs a draft model.
+        Optional: ``propose`` reads whatever the drafter has not seen, so skipping this changes only timing.
+        The default reads nothing (a drafter without a cache, or one fed the target's hidden states)."""
+
     def observe(self, sequence: list[int], num_accepted: int, target_hidden: tuple[torch.Tensor, ...]) -> None:
         """After prefill (num_accepted = -1) or a verification: ``sequence`` is the new committed sequence.
 

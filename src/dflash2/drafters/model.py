@@ -59,15 +59,15 @@ class ModelDrafter(Drafter):
         q_draft = torch.stack(dists) if dists else None
         return Draft(tokens=torch.tensor(tokens, dtype=torch.int64), q_draft=q_draft)
 
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int]) -> None:
+        """Read the prompt into the draft cache now (one forward, no logits)."""
+        read_into_cache(self, prompt_ids)
+
     def _sync(self, sequence: list[int]) -> None:
-        """Roll the draft cache back to the longest prefix it shares with the committed sequence (O(1))."""
-        common = 0
-        limit = min(len(self.cached_tokens), len(sequence) - 1)  # keep >= 1 id to feed
-        while common < limit and self.cached_tokens[common] == sequence[common]:
-            common += 1
-        if common < len(self.cached_tokens):
-            self.cache.rollback(common)
-            del self.cached_tokens[common:]
+        """Roll the draft cache back to the longest prefix it shares with the committed sequence, keeping at
+        least one id of ``sequence`` to feed."""
+        rollback_to_shared_prefix(self, sequence, len(sequence) - 1)
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Pad (with -inf) or trim the drafter's logits [V_draft] to the target's vocabulary size."""
@@ -75,3 +75,28 @@ class ModelDrafter(Drafter):
         if extra > 0:
             return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
         return logits[: self.target_vocab_size]
+
+
+# ---- the draft cache of a small-model drafter (ModelDrafter, PardDrafter) --------------------------------
+# Both keep ``model``, ``cache`` (a StaticKVCache) and ``cached_tokens`` (the ids whose K/V it holds).
+
+
+def rollback_to_shared_prefix(drafter, ids: list[int], limit: int) -> None:
+    """Roll ``drafter.cache`` back to the longest prefix (at most ``limit`` ids) it shares with ``ids``."""
+    cached = drafter.cached_tokens
+    common, limit = 0, min(len(cached), limit)
+    while common < limit and cached[common] == ids[common]:
+        common += 1
+    if common < len(cached):
+        drafter.cache.rollback(common)
+        del cached[common:]
+
+
+def read_into_cache(drafter, ids: list[int]) -> None:
+    """Append the K/V of the ids the draft cache lacks (after rolling back to the prefix it shares with ``ids``)."""
+    assert drafter.cache is not None, "reset() must be called before prefill()"
+    rollback_to_shared_prefix(drafter, ids, len(ids))
+    new = ids[len(drafter.cached_tokens) :]
+    if new:
+        drafter.model(torch.tensor([new], device=drafter.model.device), cache=drafter.cache, logits="none")
+        drafter.cached_tokens.extend(new)
