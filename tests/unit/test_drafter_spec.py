@@ -63,6 +63,8 @@ def test_one_table_holds_every_drafters_default_length():
     assert build_drafter(DrafterSpec("ngram"), target, num_draft_tokens=3).num_draft_tokens == 3
     with pytest.raises(ValueError, match="num_draft_tokens"):
         build_drafter("ngram:5", target, num_draft_tokens=3)
+    with pytest.raises(ValueError, match="drafts a chain"):  # a tree width is refused, not silently dropped
+        build_drafter("model:4x2", target)
 
 
 def test_stateless_drafters_are_shared_and_stateful_ones_copied(tiny_model_dirs):

@@ -10,6 +10,7 @@ import torch
 
 from dflash2.decode.plain import plain_decode
 from dflash2.decode.stats import DecodeStats
+from dflash2.drafters.model import ModelDrafter
 from dflash2.drafters.pard import (PardDrafter, adapter_state, add_lora, load_pard_model, merge_lora)
 from dflash2.models.loading import load_transformer
 from dflash2.train.data import TrainingSequence, write_token_shards
@@ -67,6 +68,29 @@ def test_one_forward_drafts_k_and_the_cache_keeps_committed_ids_only(models):
     assert drafter.cached_tokens == other
 
 
+@pytest.mark.parametrize("kind", ["pard", "model"])
+def test_prefill_reads_the_prompt_so_the_first_pass_reads_only_the_pending_id(models, kind):
+    """The prompt read during prefill: same drafts as reading it lazily, and the first draft pass feeds 1 id."""
+    model = models["qwen2_other"]
+    make = (lambda: PardDrafter(model, MASK, num_draft_tokens=3)) if kind == "pard" else (
+        lambda: ModelDrafter(model, num_draft_tokens=3))
+    sequence = prompt().tolist() + [17]  # the last id is pending (sampled from the target's prefill)
+    lazy, eager = make(), make()
+    lazy.reset(64), eager.reset(64)
+    eager.prefill(sequence[:-1])
+    assert eager.cached_tokens == sequence[:-1] and eager.cache.length == len(sequence) - 1
+    fed: list[int] = []
+    hook = model.embed.register_forward_hook(lambda module, args, out: fed.append(args[0].shape[1]))
+    try:
+        drafted = eager.propose(sequence, 3, GREEDY, None)
+    finally:
+        hook.remove()
+    assert fed[0] == (3 if kind == "pard" else 1)  # the pending id (+ 2 masks for pard), not the prompt again
+    assert drafted.tokens.tolist() == lazy.propose(sequence, 3, GREEDY, None).tokens.tolist()
+    eager.prefill(sequence[:4] + [1, 2])  # another prompt sharing 4 ids: rolled back to them, then extended
+    assert eager.cached_tokens == sequence[:4] + [1, 2] and eager.cache.length == 6
+
+
 def test_q_draft_is_each_positions_distribution(models):
     drafter = PardDrafter(models["qwen2_other"], MASK, num_draft_tokens=5)
     drafter.reset(64)
@@ -93,6 +117,29 @@ def test_greedy_identity(models, k, drafter_key, pipeline):
     assert spec == plain
     if drafter_key == "qwen2":  # the target itself drafts: draft 1 is its own greedy token, always accepted
         assert stats.accepted_by_position[0] == stats.drafted_by_position[0]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
+def test_tree_drafts_keep_the_chain_and_stay_lossless(models, params):
+    """pard:kxW: a deterministic tree of k * W nodes whose first k nodes are the greedy chain; greedy output equal to
+    plain decoding's; at T > 0 the same seed gives the same tokens (the exact tree rule; distribution: the
+    statistical tests of trees)."""
+    target, drafter_model, ids = models["qwen2"], models["qwen2_other"], prompt()
+    chain, tree = PardDrafter(drafter_model, MASK, 3), PardDrafter(drafter_model, MASK, 3, num_paths=2)
+    assert tree.max_draft_tokens == 6 and tree.for_request().num_paths == 2
+    chain.reset(64), tree.reset(64)
+    sequence = ids.tolist()
+    drafted = tree.propose(sequence, 3, GREEDY, None)
+    assert len(drafted.tokens) == 6 and drafted.parents[:3] == [-1, 0, 1]
+    assert drafted.tokens[:3].tolist() == chain.propose(sequence, 3, GREEDY, None).tokens.tolist()
+    capacity = len(ids) + NEW_TOKENS + tree.max_draft_tokens + 1
+    if params.greedy:
+        plain = run(plain_decode(target, ids, GREEDY, None, capacity, DecodeStats()))
+        assert run(speculative_steps("sync", target, tree, ids, GREEDY, None, capacity, DecodeStats())) == plain
+        return
+    runs = [run(speculative_steps("sync", target, tree.for_request(), ids, params, params.make_generator("cpu"),
+                                  capacity, DecodeStats())) for _ in range(2)]
+    assert runs[0] == runs[1]
 
 
 def test_sampling_is_reproducible_with_a_seed(models):

@@ -59,6 +59,9 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
 
         return NgramDrafter(k, stop_ids=target.tokenizer.eos_token_ids, num_candidates=width)
     if name == "model":
+        if width > 1:
+            raise ValueError(f"drafter {str(spec)!r}: the model drafter drafts a chain (one token per pass); it takes no "
+                             f"tree width W")
         from dflash2.drafters.model import ModelDrafter
         from dflash2.models.loading import load_transformer
         from dflash2.models.store import DEFAULT_DRAFT, DEFAULT_TARGET, canonical_name, resolve_model
@@ -78,7 +81,7 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
     if name in ("pard", "pard+ngram"):  # a trained adapter directory or a store model (untrained); docs/pard.md
         from dflash2.drafters.pard import build_pard_drafter
 
-        pard = build_pard_drafter(target, draft_model, k, dtype=dtype, weights=weights, pull=pull)
+        pard = build_pard_drafter(target, draft_model, k, dtype=dtype, weights=weights, pull=pull, num_paths=width)
         if name == "pard":
             return pard
         lookup = max(pard.num_draft_tokens, default_num_draft_tokens("ngram"))

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.dflash2_parts import best_tree
 from dflash2.drafters.model import ModelDrafter
 from dflash2.kv.static import StaticKVCache
 from dflash2.models.decoder import Transformer
@@ -243,7 +244,7 @@ class VocabSubsetHead(nn.Module):
 
 
 def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens: int | None, *, dtype: str = "bf16",
-                       weights: str | None = None, pull: bool = True) -> PardDrafter:
+                       weights: str | None = None, pull: bool = True, num_paths: int = 1) -> PardDrafter:
     """The PARD drafter for ``target`` (a :class:`~dflash2.drafters.DraftTarget`): ``draft_model`` is a trained
     adapter directory (``pard_config.json``), or a store model / model directory drafting untrained (mask embedding
     = the mean embedding: only draft 1 is useful); None = the adapter shipped for the target
@@ -264,8 +265,8 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
     device = str(target.target.device)
     model, config = load_pard_model(adapter, base_dir, dtype, device, weights=pard_weights(weights, device, dtype))
     k = num_draft_tokens or config.default_num_draft_tokens or config.num_draft_tokens
-    return PardDrafter(model, config.mask_token_id, k,
-                       target_vocab_size=target.target.config.vocab_size)
+    return PardDrafter(model, config.mask_token_id, k, target_vocab_size=target.target.config.vocab_size,
+                       num_paths=num_paths)
 
 
 def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
@@ -295,17 +296,26 @@ class PardDrafter(Drafter):
     name = "pard"
 
     def __init__(self, model: Transformer, mask_token_id: int, num_draft_tokens: int = 8,
-                 target_vocab_size: int | None = None) -> None:
+                 target_vocab_size: int | None = None, num_paths: int = 1) -> None:
         super().__init__(num_draft_tokens)
+        if num_paths < 1:
+            raise ValueError(f"num_paths must be >= 1, got {num_paths}")
         self.model = model
         self.mask_token_id = mask_token_id
         self.target_vocab_size = target_vocab_size or model.config.vocab_size
+        self.num_paths = num_paths  # W > 1: a deterministic tree of k * W nodes (pard:kxW)
         self.cache: StaticKVCache | None = None
         self.cached_tokens: list[int] = []  # the ids whose K/V are in ``cache`` (mirrors cache.length)
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """Nodes of the largest draft: one chain, or a tree of ``num_paths`` times its draft length."""
+        return self.num_draft_tokens * self.num_paths
+
     def for_request(self) -> PardDrafter:
         """The same network (weights shared), its own KV cache."""
-        return PardDrafter(self.model, self.mask_token_id, self.num_draft_tokens, self.target_vocab_size)
+        return PardDrafter(self.model, self.mask_token_id, self.num_draft_tokens, self.target_vocab_size,
+                           self.num_paths)
 
     def state_bytes(self, capacity: int) -> int:
         c = self.model.config
@@ -340,12 +350,16 @@ class PardDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, sequence, num_draft_tokens, params: SamplingParams, generator) -> Draft:
         logits = self.draft_logits(sequence, num_draft_tokens)  # [k, V]
+        if self.num_paths > 1:  # deterministic nodes (verified by the exact tree rule at T > 0: lossless)
+            rows, parents = best_tree(None, logits, logits, 0, len(logits) * self.num_paths)
+            return Draft(tokens=torch.tensor(rows, dtype=torch.int64), q_draft=None, parents=parents)
         if params.greedy:
             return Draft(tokens=logits.argmax(dim=-1).to(torch.int64).cpu(), q_draft=None)
         q_draft = logits_to_probs(logits, params)  # [k, V]: each position's own distribution
         return Draft(tokens=sample(q_draft, generator).to(torch.int64).cpu(), q_draft=q_draft)
 
     _sync = ModelDrafter._sync  # roll the draft cache back to the prefix it shares with the committed sequence
+    prefill = ModelDrafter.prefill  # read the prompt into the draft cache during the target's prefill
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Pad (with -inf) or trim the drafter's logits [k, V_draft] to the target's vocabulary size."""
