@@ -5,11 +5,17 @@ loop), through the same loop thread ``dflash2 serve`` runs (no HTTP in the measu
 interleaved round by round so that machine noise hits them alike. Raw runs go to --out as JSONL.
 
     PYTHONPATH=src python scripts/bench_serve.py --model smollm2-135m-instruct --dtype fp32 --streams 1,8
+    .venv/bin/python scripts/bench_serve.py --model qwen2.5-coder-1.5b-instruct --dtype bf16 --drafter auto \
+        --streams 8 --modes plain,spec --requests 8 --max-tokens 128 --rounds 1
+
+``--drafter`` is what ``dflash2 serve --drafter`` takes (a spec: ``auto``, ``pard+ngram:3``, ``ngram:8``...);
+mode ``spec`` drafts its default length k, ``adaptive`` lets the scheduler pick up to k per step.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import threading
 import time
@@ -22,14 +28,14 @@ from dflash2.bench.datasets import load_suite
 from dflash2.decode.batch import BatchConfig, BatchEngine, BatchRequest, request_drafters
 from dflash2.decode.engine import GenerationResult
 
-MODES = {  # name -> (draft length, adaptive scheduler)
+MODES = {  # name -> (drafts per step, adaptive scheduler); None = the drafter's own k
     "plain": (0, False),
-    "spec": (8, False),
-    "adaptive": (8, True),
+    "spec": (None, False),
+    "adaptive": (None, True),
 }
 
 
-def run_streams(batch: BatchEngine, prompts: list[list[int]], streams: int, num_draft_tokens: int,
+def run_streams(batch: BatchEngine, prompts: list[list[int]], streams: int, drafter: str, num_draft_tokens: int,
                 max_tokens: int) -> dict:
     """``streams`` client threads share ``prompts`` (each taken once); returns tokens, seconds, tau."""
     queue = list(prompts)
@@ -50,8 +56,8 @@ def run_streams(batch: BatchEngine, prompts: list[list[int]], streams: int, num_
                 if isinstance(event, (GenerationResult, Exception)):
                     done.set()
 
-            drafter = "ngram" if num_draft_tokens else "none"
-            batch.submit(BatchRequest(prompt, max_tokens, drafter=drafter, num_draft_tokens=num_draft_tokens), sink)
+            name = drafter if num_draft_tokens else "none"
+            batch.submit(BatchRequest(prompt, max_tokens, drafter=name, num_draft_tokens=num_draft_tokens), sink)
             if not done.wait(600):
                 raise TimeoutError("a request did not finish within 600 s")
             if isinstance(events[-1], Exception):
@@ -77,6 +83,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--drafter", default="ngram", help="the server's drafter spec (auto: the target's default)")
+    parser.add_argument("--suite", default="humaneval", help="prompts: comma-separated bench suites, interleaved (humaneval, gsm8k, mt_bench...)")
     parser.add_argument("--streams", default="1,8", help="comma-separated concurrent streams")
     parser.add_argument("--modes", default="plain,spec,adaptive", help=f"of {', '.join(MODES)}")
     parser.add_argument("--requests", type=int, default=8, help="requests per run (spread over the streams)")
@@ -87,8 +95,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = dflash2.load(args.model, drafter="none", dtype=args.dtype, device="cpu")
-    prompts = [engine.encode_prompt(p.text) for p in load_suite("humaneval", limit=args.requests)]
+    engine = dflash2.load(args.model, drafter=args.drafter, dtype=args.dtype, device="cpu")
+    drafter, k = engine.drafter.name, engine.drafter.num_draft_tokens
+    print(f"drafter {args.drafter} = {drafter}, k = {k}", flush=True)
+    per_suite = [load_suite(name, limit=args.requests) for name in args.suite.split(",")]
+    mixed = [p for group in itertools.zip_longest(*per_suite) for p in group if p is not None][: args.requests]
+    prompts = [engine.encode_prompt(p.text) for p in mixed]  # suites interleaved: a mixed load
     streams = [int(s) for s in args.streams.split(",")]
     modes = args.modes.split(",")
     batches = {mode: BatchEngine(engine, BatchConfig(max_batch_size=max(streams), num_blocks=2048,
@@ -97,14 +109,16 @@ def main() -> None:
     for batch in batches.values():
         batch.start()
     warm = batches[modes[0]]
-    run_streams(warm, prompts[:1], 1, 0, 8)  # warm-up, not measured
+    run_streams(warm, prompts[:1], 1, drafter, 0, 8)  # warm-up, not measured
     totals: dict[tuple[int, str], list[dict]] = defaultdict(list)
     out = open(args.out, "a") if args.out else None
     for round_index in range(args.rounds):
         for s in streams:
             for mode in modes:
-                run = run_streams(batches[mode], prompts, s, MODES[mode][0], args.max_tokens)
-                run.update(round=round_index, streams=s, mode=mode, model=args.model, dtype=args.dtype)
+                num_draft_tokens = k if MODES[mode][0] is None else MODES[mode][0]
+                run = run_streams(batches[mode], prompts, s, drafter, num_draft_tokens, args.max_tokens)
+                run.update(round=round_index, streams=s, mode=mode, model=args.model, dtype=args.dtype,
+                           drafter=drafter, k=num_draft_tokens, suite=args.suite)
                 totals[(s, mode)].append(run)
                 print(json.dumps(run), flush=True)
                 if out:

@@ -24,7 +24,11 @@ def main() -> None:
     parser.add_argument("--drafter-weights", default="bf16,int8",
                         help="comma-separated: bf16, int8, int4; a suffix :vocab uses the adapter's draft vocabulary")
     parser.add_argument("--adapter", default="", help="adapter directory ('' = shipped if any, else untrained)")
-    parser.add_argument("-k", "--num-draft-tokens", type=int, default=8)
+    parser.add_argument("-k", "--num-draft-tokens", type=int, default=0,
+                        help="drafts per pass (0: the adapter's default_num_draft_tokens, else 8)")
+    parser.add_argument("--accepted", type=int, default=0,
+                        help="ids accepted in the last step, fed to the draft pass before the pending one (a pass "
+                             "after a step that accepted a drafts reads a + 1 ids + k - 1 masks)")
     parser.add_argument("--context", type=int, default=300, help="ids in the caches before the timed passes")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None)
@@ -41,7 +45,11 @@ def main() -> None:
         adapter = shipped_or_given_adapter(args.adapter, args.target)
     except ValueError:
         adapter = None
-    k, prompt = args.num_draft_tokens, list(range(1000, 1000 + args.context))
+    from dflash2.drafters.pard import PardConfig
+
+    k = args.num_draft_tokens or (adapter and PardConfig.load(adapter).default_num_draft_tokens) or 8
+    prompt = list(range(1000, 1000 + args.context))
+    fed = 1 + args.accepted  # ids the draft cache has not seen: the accepted drafts and the pending token
     target = load_transformer(resolve_model(args.target, "bf16"), "bf16", weights=args.target_weights)
     base = resolve_model("qwen2.5-coder-0.5b-instruct", "bf16")
     drafters = {}
@@ -57,9 +65,9 @@ def main() -> None:
         for drafter in drafters.values():
             drafter.draft_logits(prompt, k)
         for i in range(args.repeats + 1):
-            for name, drafter in drafters.items():  # one pending id + k - 1 masks after the cached prompt
-                drafter.cache.rollback(args.context - 1)
-                drafter.cached_tokens = drafter.cached_tokens[: args.context - 1]
+            for name, drafter in drafters.items():  # accepted + pending ids + k - 1 masks after the cached prompt
+                drafter.cache.rollback(args.context - fed)
+                drafter.cached_tokens = drafter.cached_tokens[: args.context - fed]
                 started = time.perf_counter()
                 drafter.draft_logits(prompt, k)
                 times[name].append(time.perf_counter() - started)
@@ -71,7 +79,8 @@ def main() -> None:
     print(f"target {args.target} ({args.target_weights}), verify pass of {k + 1} rows at context {args.context}: "
           f"{median['verify'] * 1e3:.0f} ms (threads {torch.get_num_threads()}, adapter {adapter or 'untrained'})")
     for name in drafters:
-        print(f"pard drafter ({name}), draft pass of {k} rows: {median[name] * 1e3:.0f} ms = "
+        print(f"pard drafter ({name}), draft pass of {fed + k - 1} rows ({fed} ids + {k - 1} masks): "
+              f"{median[name] * 1e3:.0f} ms = "
               f"{median[name] / median['verify']:.2f} x verify")
 
 

@@ -31,6 +31,19 @@ def test_summary_is_ratio_of_means_with_pooled_acceptance_per_category_and_overa
     assert "overall" in format_summary(list(summary.values()))
 
 
+def test_summary_shows_what_decode_speed_leaves_out_time_to_first_token_and_end_to_end(tmp_path):
+    """A drafter that reads the prompt during prefill raises TTFT: the summary shows it and the end-to-end ratio."""
+    rows = [dict(row("a", "1", "none", 10.0), prefill_seconds=1.0, tokens_per_s=8.0),
+            dict(row("a", "1", "pard", 20.0, 2.0), prefill_seconds=2.0, tokens_per_s=12.0),
+            dict(row("a", "2", "none", 10.0), prefill_seconds=3.0, tokens_per_s=6.0),
+            dict(row("a", "2", "pard", 20.0, 2.0), prefill_seconds=4.0, tokens_per_s=8.0)]
+    raw = tmp_path / "requests.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pard = {(s["category"], s["method"]): s for s in summarize(raw)}[("a", "pard")]
+    assert pard["speedup"] == 2.0 and pard["ttft_s"] == 3.0 and pard["end_to_end_speedup"] == pytest.approx(10 / 7)
+    assert "1.43x" in format_summary([pard])
+
+
 @pytest.mark.parametrize("suite, first_category", [("humaneval", "humaneval"), ("gsm8k", "gsm8k"),
                                                   ("mt_bench", "mt_bench"), ("spec_bench", "mt_bench")])
 def test_suites_load_with_their_prompt_formats_and_limits(suite, first_category):

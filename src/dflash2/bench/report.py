@@ -48,18 +48,20 @@ def _fmt(value, pattern: str = "{:.2f}") -> str:
 
 def headline_rows(run: Run, category: str = "overall") -> list[list[str]]:
     """One row per method of ``category``: tok/s, speedup vs dflash2 plain and vs the tool's own plain, tau,
-    outputs identical to dflash2 plain and to the tool's own plain decoding."""
+    outputs identical to dflash2 plain and to the tool's own plain decoding, mean time to first token and
+    end-to-end speedup (prefill included)."""
     rows = []
     for s in (s for s in run.summary if s["category"] == category):
         rows.append([s["category"], label(s["method"]), str(s["requests"]), _fmt(s["tokens_per_s"]),
                      _fmt(s["speedup"], "{:.2f}x"), _fmt(s.get("speedup_vs_own_plain"), "{:.2f}x"),
                      _fmt(s["tau"]), _fmt(s["identical_to_ar"], "{:.0%}"),
-                     _fmt(s.get("identical_to_own_plain"), "{:.0%}")])
+                     _fmt(s.get("identical_to_own_plain"), "{:.0%}"), _fmt(s.get("ttft_s")),
+                     _fmt(s.get("end_to_end_speedup"), "{:.2f}x")])
     return rows
 
 
 HEADLINE_HEADER = ["category", "method", "n", "decode tok/s", "vs dflash2 plain", "vs own plain", "tau",
-                   "= dflash2 plain", "= own plain"]
+                   "= dflash2 plain", "= own plain", "TTFT s", "end to end vs plain"]
 
 
 def best_vs_peers(run: Run) -> tuple[list[str], list[list[str]]]:

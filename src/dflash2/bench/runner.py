@@ -146,7 +146,9 @@ def _request_row(prompt: BenchPrompt, method: str, result, baseline_ids: list[in
 
 def summarize(raw_path: Path) -> list[dict]:
     """Per category and overall, per method: mean decode tokens/s, the baseline's on the same prompts, speedup
-    (ratio of means, Spec-Bench style), tau, pooled acceptance by position, share of outputs identical to plain."""
+    (ratio of means, Spec-Bench style), tau, pooled acceptance by position, share of outputs identical to plain;
+    and what decode speed leaves out: the mean time to first token (prefill, a draft model's included) and the
+    end-to-end speedup (tokens over prefill + decode seconds, ratio of means against the baseline's)."""
     rows = [json.loads(line) for line in raw_path.read_text().splitlines() if line.strip()]
     baseline = {(r["category"], r["prompt_id"]): r for r in rows if r["method"] == BASELINE}
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -160,6 +162,8 @@ def summarize(raw_path: Path) -> list[dict]:
         ar_tokens_per_s = mean(baseline[(r["category"], r["prompt_id"])]["decode_tokens_per_s"] for r in paired) \
             if paired else None
         matches = [r["matches_baseline"] for r in group if r["matches_baseline"] is not None]
+        end_to_end = _mean_known(r.get("tokens_per_s") for r in group)
+        ar_end_to_end = _mean_known(baseline[(r["category"], r["prompt_id"])].get("tokens_per_s") for r in paired)
         summary.append({
             "category": category, "method": method, "requests": len(group),
             "tokens_per_s": tokens_per_s, "ar_tokens_per_s": ar_tokens_per_s,
@@ -167,6 +171,8 @@ def summarize(raw_path: Path) -> list[dict]:
             "tau": _mean_known(r["tau"] for r in group),
             "acceptance_by_position": _pooled_acceptance(group),
             "identical_to_ar": (sum(matches) / len(matches)) if matches else None,
+            "ttft_s": _mean_known(r.get("prefill_seconds") for r in group),
+            "end_to_end_speedup": end_to_end / ar_end_to_end if end_to_end and ar_end_to_end else None,
             **_bubble_summary(group),
             "peer": bool(group[0].get("peer")), **own_plain_columns(group, rows),
         })
@@ -208,7 +214,7 @@ def _pooled_acceptance(rows: list[dict]) -> list[float]:
 
 def format_summary(summary: list[dict]) -> str:
     lines = [f"{'category':16s} {'method':21s} {'n':>4s} {'tok/s':>8s} {'AR tok/s':>8s} {'speedup':>8s} {'tau':>6s} "
-             f"{'identical':>9s} {'idle T/D':>9s} {'hits':>5s}"]
+             f"{'identical':>9s} {'idle T/D':>9s} {'hits':>5s} {'TTFT s':>7s} {'e2e':>6s}"]
     for s in summary:
         speedup = f"{s['speedup']:.2f}x" if s["speedup"] is not None else "-"
         ar = f"{s['ar_tokens_per_s']:.2f}" if s["ar_tokens_per_s"] is not None else "-"
@@ -216,8 +222,10 @@ def format_summary(summary: list[dict]) -> str:
         tau = f"{s['tau']:6.2f}" if s["tau"] is not None else f"{'-':>6s}"
         idle = f"{s['target_idle']:.0%}/{s['drafter_idle']:.0%}" if "target_idle" in s else "-"
         hits = f"{s['predraft_hit_rate']:.0%}" if s.get("predraft_hit_rate") is not None else "-"
+        ttft = f"{s['ttft_s']:.2f}" if s.get("ttft_s") is not None else "-"
+        end_to_end = f"{s['end_to_end_speedup']:.2f}x" if s.get("end_to_end_speedup") is not None else "-"
         lines.append(f"{s['category']:16s} {s['method']:21s} {s['requests']:4d} {s['tokens_per_s']:8.2f} {ar:>8s} "
-                     f"{speedup:>8s} {tau} {identical:>9s} {idle:>9s} {hits:>5s}")
+                     f"{speedup:>8s} {tau} {identical:>9s} {idle:>9s} {hits:>5s} {ttft:>7s} {end_to_end:>6s}")
     return "\n".join(lines)
 
 
