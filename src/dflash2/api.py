@@ -34,7 +34,7 @@ def load(
 
     drafter: a spec ``name[:k[xW]]`` (:class:`~dflash2.drafters.spec.DrafterSpec`; e.g. ``"dflash2:2x3"``: draft
     length k = 2, a tree of width W = 3). Names: "auto" (the default: the drafter measured fastest for the target,
-    ``dflash2+ngram`` for the default target, else ``ngram``), "ngram" (prompt lookup), None / "none" (plain
+    ``pard+ngram`` for the default target, else ``ngram``; the server's is ``dflash2+ngram``), "ngram" (prompt lookup), None / "none" (plain
     decoding), "model" (an independent small model of the same tokenizer, ``draft_model``; default: the store's
     pairing for the target), "dflash" (a trained block drafter: the one shipped for the target, or a directory in
     ``draft_model``), "dflash+ngram", "dflash2", "dflash2+ngram" (the shipped DFlash2 drafter). Every drafter is

@@ -45,7 +45,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
         parser.add_argument("--drafter", type=drafter_option, default="auto", metavar="NAME[:K[xW]]",
                             help=f"draft method, one of {', '.join(DRAFTER_NAMES)}, optionally with its draft length "
                                  "K and tree width W (e.g. dflash2:2x3); every one is lossless (default: auto, the one "
-                                 "measured fastest for the target: dflash2+ngram for the default target, else ngram)")
+                                 "measured fastest for the target: pard+ngram for the default target, dflash2+ngram "
+                                 "when serving it, else ngram)")
     parser.add_argument("--draft-model", default=None, help="small model for --drafter model (default: the pairing)")
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=None,
                         help="drafts per step (the K of --drafter NAME:K; give it once; default: the drafter's)")
@@ -71,13 +72,14 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
                         help="choose the draft length per step from observed acceptance (0 = speculation off)")
 
 
-def load_engine(args: argparse.Namespace):
-    """The engine of the parsed model options (``--drafter`` merged with ``-k`` / ``--num-candidates``)."""
+def load_engine(args: argparse.Namespace, spec=None):
+    """The engine of the parsed model options (``--drafter`` merged with ``-k`` / ``--num-candidates``, unless the
+    caller passes the spec, e.g. with ``auto`` already resolved)."""
     import torch
 
     import dflash2
 
-    spec = drafter_spec(args)
+    spec = spec if spec is not None else drafter_spec(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     return dflash2.load(

@@ -68,5 +68,7 @@ def test_a_tree_drafting_block_keeps_the_hybrid_lossless_and_sized_for_its_tree(
 def test_auto_means_the_drafter_measured_fastest_for_the_target():
     from dflash2.drafters import default_drafter
 
-    assert default_drafter("qwen2.5-coder-1.5b-instruct") == "dflash2+ngram" == default_drafter("qwen-1.5b")
+    assert default_drafter("qwen2.5-coder-1.5b-instruct") == "pard+ngram" == default_drafter("qwen-1.5b")
+    assert default_drafter("qwen2.5-coder-1.5b-instruct", serving=True) == "dflash2+ngram"
+    assert default_drafter("smollm2", serving=True) == "ngram"
     assert default_drafter("smollm2") == "ngram" and default_drafter("/some/local/dir") == "ngram"

@@ -380,3 +380,16 @@ def test_pard_with_prompt_lookup_is_lossless(models):
     assert drafter.name == "pard+ngram"
     spec = run(speculative_steps("sync", target, drafter, ids, GREEDY, None, capacity, DecodeStats()))
     assert spec == plain and drafter.block_steps > 0
+
+
+def test_the_drafters_weight_format(monkeypatch):
+    """int8 by default for bf16 on a CPU, also under a gguf target (no GGUF holds the merged weights); the
+    quantized formats asked for are kept; fp32 and CUDA stay unquantized; the environment overrides the default."""
+    from dflash2.drafters.pard import DEFAULT_PARD_WEIGHTS, pard_weights
+
+    monkeypatch.delenv("DFLASH2_PARD_WEIGHTS", raising=False)
+    assert pard_weights(None, "cpu") == pard_weights("gguf", "cpu") == DEFAULT_PARD_WEIGHTS == "int8"
+    assert pard_weights("int4", "cpu") == "int4"
+    assert pard_weights(None, "cpu", "fp32") == pard_weights(None, "cuda") == "bf16"
+    monkeypatch.setenv("DFLASH2_PARD_WEIGHTS", "bf16")
+    assert pard_weights("gguf", "cpu") == "bf16"

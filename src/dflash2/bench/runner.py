@@ -76,7 +76,8 @@ def method_pipeline(method: str) -> str:
 
 METHOD_LABELS = {BASELINE: "dflash2 plain", "ngram": "dflash2 ngram", "model": "dflash2 model (0.5B)",
                  "dflash": "dflash2 DFlash", "dflash+ngram": "dflash2 DFlash + ngram", "dflash2": "dflash2 DFlash2",
-                 "dflash2+ngram": "dflash2 DFlash2 + ngram", "transformers": "transformers generate",
+                 "dflash2+ngram": "dflash2 DFlash2 + ngram", "pard": "dflash2 PARD (0.5B)",
+                 "pard+ngram": "dflash2 PARD + ngram", "transformers": "transformers generate",
                  "transformers-assisted": "transformers assisted (0.5B)",
                  "transformers-pld": "transformers prompt lookup", "llamacpp": "llama.cpp 4-bit",
                  "llamacpp-spec": "llama.cpp 4-bit speculative (0.5B)"}

@@ -31,15 +31,21 @@ DEFAULT_NUM_DRAFT_TOKENS: dict[str, int | None] = {
     "pard+ngram": None,  # the same; a prompt-lookup match may run up to max(k, the ngram default)
 }
 
-# "auto": the drafter measured fastest for the target with `dflash2 bench` (docs/results.md); ngram elsewhere.
-MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash2+ngram"}
+# "auto": the drafter measured fastest for the target (docs/pard.md, "auto"); ngram elsewhere. One request at a
+# time (generate, the Python API, bench): `dflash2 bench` on HumanEval, GSM8K, MT-bench and Spec-Bench. The
+# server (continuous batching, `serving=True`): scripts/bench_serve.py with 8 concurrent clients, where a drafter
+# with its own model pass per request (pard) costs more than a batched plain step saves.
+MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram"}
+MEASURED_SERVING_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash2+ngram"}
 
 
-def default_drafter(target_name: str) -> str:
-    """What ``drafter="auto"`` means for a target (store name, alias or path)."""
+def default_drafter(target_name: str, serving: bool = False) -> str:
+    """What ``drafter="auto"`` means for a target (store name, alias or path), for one request at a time or for
+    the batch server (``serving``)."""
     from dflash2.models.store import canonical_name
 
-    return MEASURED_DEFAULT_DRAFTERS.get(canonical_name(target_name) or target_name, "ngram")
+    table = MEASURED_SERVING_DRAFTERS if serving else MEASURED_DEFAULT_DRAFTERS
+    return table.get(canonical_name(target_name) or target_name, "ngram")
 
 
 def default_num_draft_tokens(name: str) -> int | None:
@@ -101,9 +107,10 @@ class DrafterSpec:
         return replace(self, num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
                        num_candidates=self.num_candidates if num_candidates is None else num_candidates)
 
-    def resolved(self, target_name: str) -> "DrafterSpec":
-        """``auto`` replaced by the drafter it means for ``target_name`` (other names unchanged)."""
-        return replace(self, name=default_drafter(target_name)) if self.name == "auto" else self
+    def resolved(self, target_name: str, serving: bool = False) -> "DrafterSpec":
+        """``auto`` replaced by the drafter it means for ``target_name`` (other names unchanged); ``serving``: in
+        the batch server (see :func:`default_drafter`)."""
+        return replace(self, name=default_drafter(target_name, serving)) if self.name == "auto" else self
 
     @property
     def drafts(self) -> bool:
