@@ -101,11 +101,12 @@ class LoRALinear(nn.Module):
     def merged(self) -> nn.Linear:
         """A plain linear layer with the update added to the base weight (in the base's dtype)."""
         weight = self.base.weight
-        linear = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None,
-                           device=weight.device, dtype=weight.dtype)
-        linear.weight.data = (weight.float() + self.delta()).to(weight.dtype)
+        with torch.device("meta"):  # no random initialisation of a weight replaced at once (2 s for the 0.5B)
+            linear = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None,
+                               dtype=weight.dtype)
+        linear.weight = nn.Parameter((weight.float() + self.delta()).to(weight.dtype), requires_grad=False)
         if self.base.bias is not None:
-            linear.bias.data = self.base.bias.data.clone()
+            linear.bias = nn.Parameter(self.base.bias.detach().clone(), requires_grad=False)
         return linear.requires_grad_(False)
 
 
