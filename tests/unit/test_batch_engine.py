@@ -268,3 +268,45 @@ def test_drafter_memory_stays_within_its_budget(engine):
                           {"dflash": factory})
     with pytest.raises(ValueError, match="drafter memory budget"):
         too_big.submit(requests[0], lambda event: None)
+
+
+@pytest.mark.parametrize("width", [1, 2], ids=["chain", "tree"])
+@pytest.mark.parametrize("prefill_chunk", [512, 5], ids=["whole-prompt", "chunked-prefill"])
+def test_pard_in_a_batch_reads_prompt_chunks_in_prefill_and_gives_plain_tokens(engine, tiny_model_dirs, prefill_chunk,
+                                                                               width):
+    """A draft model in the batch (pard+ngram, chain or tree): its cache reads each prompt chunk as the target
+    prefills it (so the first draft pass feeds only the pending id), and every request of a mixed batch gets its
+    plain greedy tokens."""
+    from dflash2.drafters.hybrid import HybridDrafter
+    from dflash2.drafters.pard import PardDrafter
+
+    drafter_model = load_transformer(tiny_model_dirs["qwen2_other"], "fp32", "cpu")
+    made: list[PardDrafter] = []
+
+    def factory():
+        made.append(PardDrafter(drafter_model, 255, 3, num_paths=width))
+        return HybridDrafter(made[-1], 8, stop_ids={0})
+
+    config = BatchConfig(num_blocks=64, block_size=8, adaptive_drafts=False, max_prefill_tokens=prefill_chunk)
+    batch = BatchEngine(engine, config, {"pard+ngram": factory})
+    requests = [BatchRequest(p, 12 + 2 * i, drafter="pard+ngram", num_draft_tokens=8) for i, p in enumerate(prompts(3))]
+    requests.append(BatchRequest(prompts(1, seed=5)[0], 10))  # plain decoding among them
+    cached_at_first_pass: dict[int, int] = {}  # drafter -> ids its cache held when it first drafted
+    original = PardDrafter.draft_logits
+
+    def recording(self, sequence, num_draft_tokens):
+        cached_at_first_pass.setdefault(id(self), self.cache.length)
+        return original(self, sequence, num_draft_tokens)
+
+    PardDrafter.draft_logits = recording
+    try:
+        results = run_to_completion(batch, requests, join_every=2)
+    finally:
+        PardDrafter.draft_logits = original
+    for request, result in zip(requests, results):
+        assert result.token_ids == single(engine, request.prompt_ids, BatchRequest(request.prompt_ids,
+                                                                                  request.max_new_tokens))
+    shortest_prompt = min(len(r.prompt_ids) for r in requests[:3])
+    assert len(made) == 3 and len(cached_at_first_pass) == 3  # each request's own drafter drafted
+    assert min(cached_at_first_pass.values()) >= shortest_prompt  # the prompt was read in prefill, not drafting
+    assert batch.pool.blocks_used == 0 and batch.pool.reserved == 0
