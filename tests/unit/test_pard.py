@@ -393,3 +393,33 @@ def test_the_drafters_weight_format(monkeypatch):
     assert pard_weights(None, "cpu", "fp32") == pard_weights(None, "cuda") == "bf16"
     monkeypatch.setenv("DFLASH2_PARD_WEIGHTS", "bf16")
     assert pard_weights("gguf", "cpu") == "bf16"
+
+
+def test_context_window_reads_the_sink_and_the_recent_ids_of_a_long_prompt(models):
+    """context_window = (sink, recent): a long prompt costs the drafter sink + recent ids; each keeps its own
+    position; drafts equal a forward over exactly those ids; a sequence that diverges inside the left-out part
+    starts the cache over; greedy output stays plain decoding's."""
+    model, target = models["qwen2_other"], models["qwen2"]
+    sequence = prompt().tolist() + [17]  # 13 prompt ids + the pending one
+    drafter = PardDrafter(model, MASK, 3, context_window=(2, 5))
+    drafter.reset(64)
+    drafter.prefill(sequence[:-1])
+    assert (drafter.cache.length, drafter.skipped, drafter.cached_tokens) == (7, 6, sequence[:-1])
+    logits = drafter.draft_logits(sequence, 3)
+    kept = [0, 1, *range(8, 13)]  # the sink, then the recent ids, at their own positions
+    feed = [sequence[i] for i in kept] + [17, MASK, MASK]
+    positions = torch.tensor([kept + [13, 14, 15]])
+    expected = model(torch.tensor([feed]), positions).logits[0, -3:]
+    expected[:, MASK] = float("-inf")
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    drafter.draft_logits(sequence[:10] + [3, 4], 2)  # diverges after id 10 (inside the recent part): rolled back
+    assert drafter.skipped == 6 and drafter.cached_tokens == sequence[:10] + [3, 4]
+    drafter.draft_logits(sequence[:5] + [3, 4], 2)  # diverges inside the left-out ids: read again from scratch
+    assert drafter.skipped == 0 and drafter.cached_tokens == sequence[:5] + [3, 4]
+    with pytest.raises(ValueError, match="recent >= 1"):
+        PardDrafter(model, MASK, 3, context_window=(2, 0))
+    ids = torch.tensor(sequence[:-1])
+    capacity = len(ids) + NEW_TOKENS + 4
+    plain = run(plain_decode(target, ids, GREEDY, None, capacity, DecodeStats()))
+    windowed = PardDrafter(model, MASK, 3, context_window=(2, 5))
+    assert run(speculative_steps("sync", target, windowed, ids, GREEDY, None, capacity, DecodeStats())) == plain

@@ -20,7 +20,9 @@ class ModelDrafter(Drafter):
         self.model = model
         self.target_vocab_size = target_vocab_size or model.config.vocab_size
         self.cache: StaticKVCache | None = None
-        self.cached_tokens: list[int] = []  # the ids whose K/V are in ``cache`` (mirrors cache.length)
+        self.cached_tokens: list[int] = []  # the committed ids ``cache`` accounts for (see read_into_cache)
+        self.context_window: tuple[int, int] | None = None  # (sink, recent) ids of a long prompt it reads; None: all
+        self.skipped = 0
 
     def for_request(self) -> ModelDrafter:
         """The same draft model (weights shared), its own KV cache."""
@@ -35,6 +37,7 @@ class ModelDrafter(Drafter):
             self.cache = self.model.new_cache(capacity)
         self.cache.reset()
         self.cached_tokens = []
+        self.skipped = 0
 
     @torch.inference_mode()
     def propose(self, sequence, num_draft_tokens, params: SamplingParams, generator) -> Draft:
@@ -45,7 +48,8 @@ class ModelDrafter(Drafter):
         dists: list[torch.Tensor] = []
         for _ in range(num_draft_tokens):
             ids = torch.tensor([pending], device=self.model.device)
-            logits = self.model(ids, cache=self.cache, logits="last").logits[0, -1]  # [V_draft]
+            positions = next_positions(self, len(pending))
+            logits = self.model(ids, positions, cache=self.cache, logits="last").logits[0, -1]  # [V_draft]
             self.cached_tokens.extend(pending)
             logits = self._to_target_vocab(logits)
             if params.greedy:
@@ -78,25 +82,54 @@ class ModelDrafter(Drafter):
 
 
 # ---- the draft cache of a small-model drafter (ModelDrafter, PardDrafter) --------------------------------
-# Both keep ``model``, ``cache`` (a StaticKVCache) and ``cached_tokens`` (the ids whose K/V it holds).
+# Both keep ``model``, ``cache`` (a StaticKVCache), ``cached_tokens`` (the committed ids the cache accounts for) and
+# ``skipped`` (ids of a long prompt it left out, see ``context_window``). Slot s of the cache holds id s when
+# s < sink, else id s + skipped; every id keeps its own position (RoPE), so a window only hides context.
 
 
 def rollback_to_shared_prefix(drafter, ids: list[int], limit: int) -> None:
-    """Roll ``drafter.cache`` back to the longest prefix (at most ``limit`` ids) it shares with ``ids``."""
+    """Roll ``drafter.cache`` back to the longest prefix (at most ``limit`` ids) it shares with ``ids``; to empty
+    when that prefix ends inside the part of a prompt the window left out."""
     cached = drafter.cached_tokens
     common, limit = 0, min(len(cached), limit)
     while common < limit and cached[common] == ids[common]:
         common += 1
-    if common < len(cached):
-        drafter.cache.rollback(common)
-        del cached[common:]
+    if common == len(cached):
+        return
+    recent_start = (drafter.context_window[0] + drafter.skipped) if drafter.skipped else 0  # first id after the gap
+    if common < recent_start:  # the shared prefix ends before the window's recent part: start over
+        drafter.cache.reset()
+        cached.clear()
+        drafter.skipped = 0
+        return
+    drafter.cache.rollback(common - drafter.skipped)
+    del cached[common:]
 
 
 def read_into_cache(drafter, ids: list[int]) -> None:
-    """Append the K/V of the ids the draft cache lacks (after rolling back to the prefix it shares with ``ids``)."""
+    """Append the K/V of the ids the draft cache lacks (after rolling back to the prefix it shares with ``ids``).
+    A fresh cache given more ids than ``context_window`` = (sink, recent) allows reads only the first ``sink`` and
+    the last ``recent`` of them (the rest is ``skipped``: a long prompt costs the drafter at most sink + recent ids)."""
     assert drafter.cache is not None, "reset() must be called before prefill()"
     rollback_to_shared_prefix(drafter, ids, len(ids))
     new = ids[len(drafter.cached_tokens) :]
-    if new:
-        drafter.model(torch.tensor([new], device=drafter.model.device), cache=drafter.cache, logits="none")
-        drafter.cached_tokens.extend(new)
+    if not new:
+        return
+    first = len(drafter.cached_tokens)
+    positions = list(range(first, first + len(new)))
+    window = drafter.context_window
+    if window is not None and drafter.cache.length == 0 and len(new) > sum(window):
+        sink, recent = window
+        drafter.skipped = len(new) - sink - recent
+        positions = positions[:sink] + positions[-recent:]
+    feed = [ids[p] for p in positions]
+    device = drafter.model.device
+    drafter.model(torch.tensor([feed], device=device), torch.tensor([positions], device=device), cache=drafter.cache,
+                  logits="none")
+    drafter.cached_tokens.extend(new)
+
+
+def next_positions(drafter, count: int) -> torch.Tensor:
+    """[1, count] int64: the positions of the next ``count`` ids fed after the cached ones."""
+    first = len(drafter.cached_tokens)
+    return torch.arange(first, first + count, device=drafter.model.device)[None]

@@ -33,7 +33,7 @@ from torch import nn
 
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.drafters.dflash2_parts import best_tree
-from dflash2.drafters.model import ModelDrafter
+from dflash2.drafters.model import ModelDrafter, next_positions, read_into_cache
 from dflash2.kv.static import StaticKVCache
 from dflash2.models.decoder import Transformer
 from dflash2.verify.sampling import SamplingParams, logits_to_probs, sample
@@ -267,7 +267,24 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
     model, config = load_pard_model(adapter, base_dir, dtype, device, weights=pard_weights(weights, device, dtype))
     k = num_draft_tokens or config.default_num_draft_tokens or config.num_draft_tokens
     return PardDrafter(model, config.mask_token_id, k, target_vocab_size=target.target.config.vocab_size,
-                       num_paths=num_paths)
+                       num_paths=num_paths, context_window=pard_context_window())
+
+
+def pard_context_window() -> tuple[int, int] | None:
+    """How much of a long prompt the drafter reads: :data:`DEFAULT_CONTEXT_WINDOW`, or ``$DFLASH2_PARD_WINDOW`` =
+    ``SINK,RECENT`` (the first SINK and the last RECENT ids) or ``all``. Lossless either way (only the drafts'
+    context shrinks); it bounds the drafter's share of the time to first token."""
+    import os
+
+    text = os.environ.get("DFLASH2_PARD_WINDOW", "").strip().lower()
+    if not text:
+        return DEFAULT_CONTEXT_WINDOW
+    if text == "all":
+        return None
+    sink, _, recent = text.partition(",")
+    if not (sink.isdigit() and recent.isdigit() and int(recent) > 0):
+        raise ValueError(f"DFLASH2_PARD_WINDOW must be SINK,RECENT (e.g. 32,480) or all, got {text!r}")
+    return int(sink), int(recent)
 
 
 def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
@@ -288,6 +305,9 @@ def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
 # int8 on a CPU: one draft pass of the 0.5B (8 rows) measured 590 ms vs 669 ms in bf16 (scripts/pard_cost.py,
 # docs/pard.md); the drafts need not be exact, only verification must (and it is, whatever the drafter computes)
 DEFAULT_PARD_WEIGHTS = "int8"
+# A long prompt: the drafter reads its first 32 ids (the chat template's system turn, attention sinks) and its
+# last 480; None reads all of it (docs/pard.md, "Time to first token").
+DEFAULT_CONTEXT_WINDOW: tuple[int, int] | None = (32, 480)
 
 
 # ---- the drafter -----------------------------------------------------------------------------------------
@@ -299,16 +319,21 @@ class PardDrafter(Drafter):
     name = "pard"
 
     def __init__(self, model: Transformer, mask_token_id: int, num_draft_tokens: int = 8,
-                 target_vocab_size: int | None = None, num_paths: int = 1) -> None:
+                 target_vocab_size: int | None = None, num_paths: int = 1,
+                 context_window: tuple[int, int] | None = None) -> None:
         super().__init__(num_draft_tokens)
         if num_paths < 1:
             raise ValueError(f"num_paths must be >= 1, got {num_paths}")
+        if context_window is not None and (context_window[0] < 0 or context_window[1] < 1):
+            raise ValueError(f"context_window = (sink >= 0, recent >= 1) ids, got {context_window}")
         self.model = model
         self.mask_token_id = mask_token_id
         self.target_vocab_size = target_vocab_size or model.config.vocab_size
         self.num_paths = num_paths  # W > 1: a deterministic tree of k * W nodes (pard:kxW)
         self.cache: StaticKVCache | None = None
-        self.cached_tokens: list[int] = []  # the ids whose K/V are in ``cache`` (mirrors cache.length)
+        self.cached_tokens: list[int] = []  # the committed ids ``cache`` accounts for (drafters/model.py)
+        self.context_window = context_window  # (sink, recent) ids of a long prompt it reads; None: all
+        self.skipped = 0
 
     @property
     def max_draft_tokens(self) -> int:
@@ -318,7 +343,7 @@ class PardDrafter(Drafter):
     def for_request(self) -> PardDrafter:
         """The same network (weights shared), its own KV cache."""
         return PardDrafter(self.model, self.mask_token_id, self.num_draft_tokens, self.target_vocab_size,
-                           self.num_paths)
+                           self.num_paths, self.context_window)
 
     def state_bytes(self, capacity: int) -> int:
         c = self.model.config
@@ -331,6 +356,7 @@ class PardDrafter(Drafter):
             self.cache = self.model.new_cache(capacity)
         self.cache.reset()
         self.cached_tokens = []
+        self.skipped = 0
 
     @torch.inference_mode()
     def draft_logits(self, sequence: list[int], num_draft_tokens: int) -> torch.Tensor:
@@ -338,11 +364,14 @@ class PardDrafter(Drafter):
         committed ids only."""
         assert self.cache is not None, "reset() must be called before propose()"
         self._sync(sequence)
+        if self.cache.length == 0 and self.context_window is not None:  # not prefilled: the window applies
+            read_into_cache(self, sequence[:-1])
         pending = sequence[len(self.cached_tokens) :]  # ids the draft cache has not seen yet (>= 1)
         start = self.cache.length
         ids = torch.tensor([pending + [self.mask_token_id] * (num_draft_tokens - 1)], device=self.model.device)
         last = self.model.config.num_layers - 1
-        out = self.model(ids, cache=self.cache, hidden_layers=(last,), logits="none")
+        out = self.model(ids, next_positions(self, ids.shape[1]), cache=self.cache, hidden_layers=(last,),
+                         logits="none")
         hidden = out.hidden_states[0][0, len(pending) - 1 :]  # [k, D]: the pending token's output, then the masks'
         self.cache.rollback(start + len(pending))  # forget the mask positions
         self.cached_tokens.extend(pending)
