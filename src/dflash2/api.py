@@ -26,7 +26,7 @@ def load(
     device: str | None = None,
     pull: bool = True,
     pipeline: str | None = None,
-    adaptive_draft: bool = False,
+    adaptive_draft: bool | None = None,
     draft_threads: int | None = None,
     prefix_cache: bool = True,
 ) -> Engine:
@@ -47,12 +47,13 @@ def load(
     CPU with AVX2), for the target and the ``model`` drafter; speculation is lossless with respect to the quantized
     target.
     pipeline: "sync" or "overlap" (the drafter drafts the next block while the target verifies; None: the
-    default for the device, see ``dflash2.decode.overlap.default_pipeline``); ``adaptive_draft`` picks the draft
+    default for the device, see ``dflash2.decode.overlap.default_pipeline``); ``adaptive_draft`` (None: on for gguf weights only, ``default_adaptive_draft``) picks the draft
     length per step from observed acceptance; ``draft_threads``: intra-op threads of the overlap drafter thread.
     prefix_cache: keep the last generation's KV cache (one sequence) and start the next call from the longest
     prefix its prompt shares with it, so a chat called turn after turn prefills only the new turn (not with the
     overlapped pipeline); ``engine.clear_cache()`` frees it. The output is the same either way.
     """
+    from dflash2.decode.draft_length import default_adaptive_draft
     from dflash2.decode.overlap import default_draft_threads, default_pipeline
     from dflash2.models.store import resolve_model
 
@@ -66,5 +67,6 @@ def load(
         built = build_drafter(spec, DraftTarget(model, tokenizer, target), draft_model=draft_model, dtype=dtype,
                               weights=weights, pull=pull)
     return Engine(model, tokenizer, drafter=built, name=target, pipeline=pipeline or default_pipeline(model.device),
-                  adaptive_draft=adaptive_draft, draft_threads=draft_threads or default_draft_threads(model.device),
+                  adaptive_draft=default_adaptive_draft(weights) if adaptive_draft is None else adaptive_draft,
+                  draft_threads=draft_threads or default_draft_threads(model.device),
                   prefix_cache=prefix_cache)

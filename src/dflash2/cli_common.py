@@ -68,8 +68,10 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
                              "bench takes a comma-separated list (default: the engine's default)")
     parser.add_argument("--draft-threads", type=int, default=None,
                         help="overlap: intra-op threads of the drafter's thread (default: 1 on CPU)")
-    parser.add_argument("--adaptive-draft", action="store_true",
-                        help="choose the draft length per step from observed acceptance (0 = speculation off)")
+    parser.add_argument("--adaptive-draft", action=argparse.BooleanOptionalAction, default=None,
+                        help="choose the draft length per step from observed acceptance and measured costs (0 = "
+                             "speculation off) (default: on with --weights gguf, where verifying several rows costs "
+                             "most on a CPU; off otherwise)")
 
 
 def load_engine(args: argparse.Namespace, spec=None):

@@ -79,3 +79,15 @@ def test_make_policy_picks_the_kind():
     assert isinstance(make_policy(False, 4, overlap=False), FixedDraftLength)
     adaptive = make_policy(True, 4, overlap=True)
     assert isinstance(adaptive, AdaptiveDraftLength) and adaptive.config.overlap and adaptive.config.k_max == 4
+
+
+def test_adaptive_by_default_only_for_gguf_weights_and_the_cli_can_say_either():
+    from dflash2.cli import build_parser
+    from dflash2.decode.draft_length import default_adaptive_draft
+
+    assert default_adaptive_draft("gguf") and not any(map(default_adaptive_draft, ("bf16", "int8", "int4")))
+    parse = build_parser().parse_args
+    assert parse(["generate", "hi"]).adaptive_draft is None  # the API decides by the weight format
+    assert parse(["generate", "hi", "--adaptive-draft"]).adaptive_draft is True
+    assert parse(["generate", "hi", "--no-adaptive-draft"]).adaptive_draft is False
+    assert parse(["bench", "--no-adaptive-draft"]).adaptive_draft is False
