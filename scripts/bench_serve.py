@@ -84,7 +84,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--drafter", default="ngram", help="the server's drafter spec (auto: the target's default)")
-    parser.add_argument("--suite", default="humaneval", help="prompts: comma-separated bench suites, interleaved (humaneval, gsm8k, mt_bench...)")
+    parser.add_argument("--suite", default="humaneval",
+                        help="prompts: comma-separated bench suites, interleaved (humaneval, gsm8k, mt_bench...)")
     parser.add_argument("--streams", default="1,8", help="comma-separated concurrent streams")
     parser.add_argument("--modes", default="plain,spec,adaptive", help=f"of {', '.join(MODES)}")
     parser.add_argument("--requests", type=int, default=8, help="requests per run (spread over the streams)")

@@ -32,23 +32,25 @@ def load(
 ) -> Engine:
     """Load a target (model-store name, HF directory or .gguf path) and optionally a drafter.
 
-    drafter: a spec ``name[:k[xW]]`` (:class:`~dflash2.drafters.spec.DrafterSpec`; e.g. ``"dflash2:2x3"``: draft
-    length k = 2, a tree of width W = 3). Names: "auto" (the default: the drafter measured fastest for the target,
-    ``pard+ngram`` for the default target, else ``ngram``; the server's is ``dflash2+ngram``), "ngram" (prompt lookup), None / "none" (plain
-    decoding), "model" (an independent small model of the same tokenizer, ``draft_model``; default: the store's
-    pairing for the target), "dflash" (a trained block drafter: the one shipped for the target, or a directory in
-    ``draft_model``), "dflash+ngram", "dflash2", "dflash2+ngram" (the shipped DFlash2 drafter). Every drafter is
-    lossless. ``num_draft_tokens`` / ``num_candidates`` give k / W when the spec does not (a ValueError when both
-    give one and disagree); unset, k is the drafter's default (``dflash2.drafters.spec.DEFAULT_NUM_DRAFT_TOKENS``)
-    and W is 1, a chain. W > 1 makes the n-gram drafter verify a tree of W continuations, and a block drafter a
-    tree of k * W nodes (its chain and the likeliest branches through the block's top candidates).
+    drafter: a spec ``name[:k[xW]]`` (:class:`~dflash2.drafters.spec.DrafterSpec`; e.g. ``"dflash2:2x3"``: draft length
+    k = 2, a tree of width W = 3). Names: "auto" (the default: the drafter measured fastest for the target,
+    ``pard+ngram`` for the default target, else ``ngram``; the server's is ``dflash2+ngram``), "ngram" (prompt
+    lookup), None / "none" (plain decoding), "model" (an independent small model of the same tokenizer,
+    ``draft_model``; default: the store's pairing for the target), "dflash" (a trained block drafter: the one
+    shipped for the target, or a directory in ``draft_model``), "dflash+ngram", "dflash2", "dflash2+ngram" (the
+    shipped DFlash2 drafter). Every drafter is lossless. ``num_draft_tokens`` / ``num_candidates`` give k / W when
+    the spec does not (a ValueError when both give one and disagree); unset, k is the drafter's default
+    (``dflash2.drafters.spec.DEFAULT_NUM_DRAFT_TOKENS``) and W is 1, a chain. W > 1 makes the n-gram drafter verify
+    a tree of W continuations, and a block drafter a tree of k * W nodes (its chain and the likeliest branches
+    through the block's top candidates).
     weights: "bf16" (not quantized, the default), "int8" or "int4" (weight-only, quantized at load time, CPU), or
     "gguf" (the model file's own 4/5/6/8-bit blocks as they are, activations quantized per row as llama.cpp does;
     CPU with AVX2), for the target and the ``model`` drafter; speculation is lossless with respect to the quantized
     target.
-    pipeline: "sync" or "overlap" (the drafter drafts the next block while the target verifies; None: the
-    default for the device, see ``dflash2.decode.overlap.default_pipeline``); ``adaptive_draft`` (None: on for gguf weights only, ``default_adaptive_draft``) picks the draft
-    length per step from observed acceptance; ``draft_threads``: intra-op threads of the overlap drafter thread.
+    pipeline: "sync" or "overlap" (the drafter drafts the next block while the target verifies; None: the default for
+    the device, see ``dflash2.decode.overlap.default_pipeline``); ``adaptive_draft`` picks the draft length per step
+    from observed acceptance (None: on for gguf weights only, ``default_adaptive_draft``); ``draft_threads``:
+    intra-op threads of the overlap drafter thread.
     prefix_cache: keep the last generation's KV cache (one sequence) and start the next call from the longest
     prefix its prompt shares with it, so a chat called turn after turn prefills only the new turn (not with the
     overlapped pipeline); ``engine.clear_cache()`` frees it. The output is the same either way.

@@ -60,8 +60,8 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
         return NgramDrafter(k, stop_ids=target.tokenizer.eos_token_ids, num_candidates=width)
     if name == "model":
         if width > 1:
-            raise ValueError(f"drafter {str(spec)!r}: the model drafter drafts a chain (one token per pass); it takes no "
-                             f"tree width W")
+            raise ValueError(f"drafter {str(spec)!r}: the model drafter drafts a chain (one token per pass); it "
+                             f"takes no tree width W")
         from dflash2.drafters.model import ModelDrafter
         from dflash2.models.loading import load_transformer
         from dflash2.models.store import DEFAULT_DRAFT, DEFAULT_TARGET, canonical_name, resolve_model
