@@ -310,3 +310,30 @@ def test_pard_in_a_batch_reads_prompt_chunks_in_prefill_and_gives_plain_tokens(e
     assert len(made) == 3 and len(cached_at_first_pass) == 3  # each request's own drafter drafted
     assert min(cached_at_first_pass.values()) >= shortest_prompt  # the prompt was read in prefill, not drafting
     assert batch.pool.blocks_used == 0 and batch.pool.reserved == 0
+
+
+def test_a_chunked_long_prompt_reaches_the_drafter_through_its_context_window(engine, tiny_model_dirs):
+    """--max-prefill-tokens splits a prompt longer than the pard drafter's window (sink 2, recent 5): the drafter
+    reads it once, at its last chunk, through the window (the first 2 and last 5 ids), and the tokens stay plain."""
+    from dflash2.drafters.pard import PardDrafter
+
+    drafter_model = load_transformer(tiny_model_dirs["qwen2_other"], "fp32", "cpu")
+    config = BatchConfig(num_blocks=64, block_size=8, adaptive_drafts=False, max_prefill_tokens=5)
+    batch = BatchEngine(engine, config, {"pard": lambda: PardDrafter(drafter_model, 255, 3, context_window=(2, 5))})
+    requests = [BatchRequest(p, 12, drafter="pard", num_draft_tokens=3) for p in prompts(2)]
+    at_first_pass: dict[int, tuple[int, int]] = {}  # drafter -> (ids in its cache, ids it left out)
+    original = PardDrafter.draft_logits
+
+    def recording(self, sequence, num_draft_tokens):
+        at_first_pass.setdefault(id(self), (self.cache.length, self.skipped))
+        return original(self, sequence, num_draft_tokens)
+
+    PardDrafter.draft_logits = recording
+    try:
+        results = run_to_completion(batch, requests, join_every=1)
+    finally:
+        PardDrafter.draft_logits = original
+    for request, result in zip(requests, results):
+        assert result.token_ids == single(engine, request.prompt_ids, BatchRequest(request.prompt_ids, 12))
+    lengths = sorted(len(r.prompt_ids) for r in requests)
+    assert sorted(at_first_pass.values()) == [(7, n - 7) for n in lengths]

@@ -421,8 +421,8 @@ class BatchEngine:
                 # A prompt chunk [start, end): observe() expects the id after the tapped positions to be pending.
                 seq.drafter.observe(seq.sequence[: seq.table.length + 1] + emitted, -1 if start == 0 else 0,
                                     _kept_taps(seq.drafter, hidden, len(row.tokens)))
-            if seq.drafter is not None:  # a draft model reads each prompt chunk with it (prefill, not a step)
-                seq.drafter.prefill(seq.sequence[: seq.table.length])
+            if seq.drafter is not None:  # a draft model reads the prompt's chunks with it (prefill, not a step)
+                seq.drafter.prefill(seq.sequence[: seq.table.length], len(seq.sequence))
             return emitted
         draft = draft or empty_draft()
         if draft.parents is None:

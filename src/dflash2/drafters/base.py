@@ -95,10 +95,12 @@ class Drafter(ABC):
         draft = self.propose(sequence + block, num_draft_tokens + 1, params, generator)
         return None if draft.parents is not None or len(draft.tokens) == 0 else draft
 
-    def prefill(self, prompt_ids: list[int]) -> None:
+    def prefill(self, prompt_ids: list[int], prompt_length: int | None = None) -> None:
         """During the target's prefill: committed prompt ids (a prefix of every later ``sequence``) that a drafter
         with its own context cache may read now, so that its first draft pass reads only the pending token and
         the prompt's cost counts as prefill (time to first token), as in every engine that runs a draft model.
+        ``prompt_length``: the whole prompt's length when ``prompt_ids`` is only its first chunks (the batch
+        engine's chunked prefill); None: ``prompt_ids`` is all of it.
         Optional: ``propose`` reads whatever the drafter has not seen, so skipping this changes only timing.
         The default reads nothing (a drafter without a cache, or one fed the target's hidden states)."""
 

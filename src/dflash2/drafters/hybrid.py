@@ -52,8 +52,8 @@ class HybridDrafter(Drafter):
     def held_bytes(self) -> int:
         return self.block.held_bytes()
 
-    def prefill(self, prompt_ids: list[int]) -> None:
-        self.block.prefill(prompt_ids)
+    def prefill(self, prompt_ids: list[int], prompt_length: int | None = None) -> None:
+        self.block.prefill(prompt_ids, prompt_length)
 
     def observe(self, sequence: list[int], num_accepted: int, target_hidden: tuple[torch.Tensor, ...]) -> None:
         self.block.observe(sequence, num_accepted, target_hidden)

@@ -28,13 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.base import Draft
 from dflash2.drafters.dflash2_parts import best_tree
-from dflash2.drafters.model import ModelDrafter, next_positions, read_into_cache
-from dflash2.kv.static import StaticKVCache
+from dflash2.drafters.model import CachedModelDrafter
 from dflash2.models.decoder import Transformer
 from dflash2.verify.sampling import SamplingParams, logits_to_probs, sample
 
@@ -313,7 +311,7 @@ DEFAULT_CONTEXT_WINDOW: tuple[int, int] | None = (32, 480)
 # ---- the drafter -----------------------------------------------------------------------------------------
 
 
-class PardDrafter(Drafter):
+class PardDrafter(CachedModelDrafter):
     """k drafts per forward of a small model: accepted tokens + k - 1 mask tokens (see the module docstring)."""
 
     name = "pard"
@@ -321,19 +319,16 @@ class PardDrafter(Drafter):
     def __init__(self, model: Transformer, mask_token_id: int, num_draft_tokens: int = 8,
                  target_vocab_size: int | None = None, num_paths: int = 1,
                  context_window: tuple[int, int] | None = None) -> None:
-        super().__init__(num_draft_tokens)
+        super().__init__(model, num_draft_tokens, target_vocab_size, context_window)
         if num_paths < 1:
             raise ValueError(f"num_paths must be >= 1, got {num_paths}")
-        if context_window is not None and (context_window[0] < 0 or context_window[1] < 1):
-            raise ValueError(f"context_window = (sink >= 0, recent >= 1) ids, got {context_window}")
-        self.model = model
         self.mask_token_id = mask_token_id
-        self.target_vocab_size = target_vocab_size or model.config.vocab_size
         self.num_paths = num_paths  # W > 1: a deterministic tree of k * W nodes (pard:kxW)
-        self.cache: StaticKVCache | None = None
-        self.cached_tokens: list[int] = []  # the committed ids ``cache`` accounts for (drafters/model.py)
-        self.context_window = context_window  # (sink, recent) ids of a long prompt it reads; None: all
-        self.skipped = 0
+
+    @property
+    def extra_slots(self) -> int:
+        """Room for the mask positions a draft pass writes past the committed sequence."""
+        return self.num_draft_tokens + 1
 
     @property
     def max_draft_tokens(self) -> int:
@@ -345,19 +340,6 @@ class PardDrafter(Drafter):
         return PardDrafter(self.model, self.mask_token_id, self.num_draft_tokens, self.target_vocab_size,
                            self.num_paths, self.context_window)
 
-    def state_bytes(self, capacity: int) -> int:
-        c = self.model.config
-        return StaticKVCache.nbytes_for(c.num_layers, c.num_kv_heads, c.head_dim, capacity + self.num_draft_tokens + 1,
-                                        self.model.dtype)
-
-    def reset(self, capacity: int) -> None:
-        capacity += self.num_draft_tokens + 1  # room for the mask positions past the committed sequence
-        if self.cache is None or self.cache.capacity < capacity:
-            self.cache = self.model.new_cache(capacity)
-        self.cache.reset()
-        self.cached_tokens = []
-        self.skipped = 0
-
     @torch.inference_mode()
     def draft_logits(self, sequence: list[int], num_draft_tokens: int) -> torch.Tensor:
         """[k, V_target] float32 logits of drafts 1..k after ``sequence``, from one forward; the cache keeps the
@@ -365,12 +347,12 @@ class PardDrafter(Drafter):
         assert self.cache is not None, "reset() must be called before propose()"
         self._sync(sequence)
         if self.cache.length == 0 and self.context_window is not None:  # not prefilled: the window applies
-            read_into_cache(self, sequence[:-1])
+            self._read_into_cache(sequence[:-1])
         pending = sequence[len(self.cached_tokens) :]  # ids the draft cache has not seen yet (>= 1)
         start = self.cache.length
         ids = torch.tensor([pending + [self.mask_token_id] * (num_draft_tokens - 1)], device=self.model.device)
         last = self.model.config.num_layers - 1
-        out = self.model(ids, next_positions(self, ids.shape[1]), cache=self.cache, hidden_layers=(last,),
+        out = self.model(ids, self._next_positions(ids.shape[1]), cache=self.cache, hidden_layers=(last,),
                          logits="none")
         hidden = out.hidden_states[0][0, len(pending) - 1 :]  # [k, D]: the pending token's output, then the masks'
         self.cache.rollback(start + len(pending))  # forget the mask positions
@@ -389,11 +371,3 @@ class PardDrafter(Drafter):
             return Draft(tokens=logits.argmax(dim=-1).to(torch.int64).cpu(), q_draft=None)
         q_draft = logits_to_probs(logits, params)  # [k, V]: each position's own distribution
         return Draft(tokens=sample(q_draft, generator).to(torch.int64).cpu(), q_draft=q_draft)
-
-    _sync = ModelDrafter._sync  # roll the draft cache back to the prefix it shares with the committed sequence
-    prefill = ModelDrafter.prefill  # read the prompt into the draft cache during the target's prefill
-
-    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Pad (with -inf) or trim the drafter's logits [k, V_draft] to the target's vocabulary size."""
-        extra = self.target_vocab_size - logits.shape[-1]
-        return F.pad(logits, (0, extra), value=float("-inf")) if extra > 0 else logits[:, : self.target_vocab_size]
