@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash2.kernels import layer_ops
+from dflash2.kernels.layer_ops import rotate_half  # noqa: F401 (the decoder's RoPE helper, used by drafters)
 from dflash2.kv.static import StaticKVCache
 from dflash2.models.attention import attend
 from dflash2.models.config import ModelConfig
@@ -39,9 +41,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., D]
-        x_f32 = x.float()
-        normed = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        if self.weight.dtype == x.dtype and x.shape[-1] % 8 == 0 and layer_ops.use_layer_ops(x, self.weight):
+            return layer_ops.rms_norm(x, self.weight, self.eps)  # one call (kernels/layer_ops.py)
+        return layer_ops.reference_rms_norm(x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -69,11 +71,6 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(wavelength < original / high, inv_freq, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:  # x: [..., Dh]
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -95,12 +92,12 @@ class Attention(nn.Module):
         context: AttentionContext,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.split_sizes, dim=-1)
-        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Dh]
-        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, Dh]
-        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, Dh]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qkv = self.wqkv(x)  # [B, T, (H + 2 H_kv) Dh]
+        # q [B, H, T, Dh], k / v [B, H_kv, T, Dh]; q and k rotated (RoPE)
+        if cos.dtype == qkv.dtype and cos.shape[1] == 1 and layer_ops.use_layer_ops(qkv):
+            q, k, v = layer_ops.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)  # one call, same bits
+        else:
+            q, k, v = layer_ops.reference_qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         out = context.attend(layer, q, k, v)  # [B, H, T, Dh]
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
