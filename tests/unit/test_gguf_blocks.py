@@ -102,9 +102,13 @@ def test_kernel_quantizes_rows_like_the_reference():
     _, quantize = _op()
     x = torch.randn(9, 512) * torch.logspace(-3, 3, 512)
     x[2, 256:512] = 0
+    x[3, :32] = torch.linspace(-100, 100, 32)
+    x[3, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # amax 127: d = 1, exact ties rounded to even (2, -4, 0)
     for block in (32, 256):
-        for a, b in zip(quantize(x, block), gl.quantize_rows(x, block)):
-            assert torch.equal(a, b)
+        for rows in (x, x.bfloat16()):  # bf16 rows as they are: their exact fp32 widening's result
+            for a, b in zip(quantize(rows, block), gl.quantize_rows(rows.float(), block)):
+                assert torch.equal(a, b)
+    assert quantize(x, 32)[0][3, :4].tolist() == [127, 2, -4, 0]
 
 
 @needs_kernel

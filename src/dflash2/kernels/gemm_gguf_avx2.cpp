@@ -1,7 +1,7 @@
 // dflash2 CPU kernels for a GGUF file's own quantized blocks (models/gguf_blocks.py: Q4_0, Q4_1, Q5_0, Q8_0,
 // Q4_K, Q6_K in one integer form), with activations quantized per row and block of 32 inputs, AVX2:
 //
-//   gguf_quantize_rows(x fp32 [M, K], block) -> xq int8 [M, K], dx fp32 [M, K/block], bsum int32 [M, K/16]
+//   gguf_quantize_rows(x fp32 / bf16 [M, K], block) -> xq int8 [M, K], dx fp32 [M, K/block], bsum int32 [M, K/16]
 //       per row m and block g of `block` inputs (32, or 256 for K-quants): amax = max |x|, dx = amax / 127 (fp32
 //       division); xq = nearbyint(x / dx) (round half to even; 0 where amax == 0); bsum = sums of xq per 16.
 //   gguf_matmul(xq, dx, bsum, packed weights ...) -> y fp32 [M, N]
@@ -31,6 +31,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -279,38 +280,78 @@ inline int rows_for_call(int64_t remaining) {
   return static_cast<int>((remaining + calls - 1) / calls);
 }
 
+// 8 consecutive activations as fp32 lanes (bf16 widens exactly).
+inline __m256 load_x8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_x8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// One scale group of `block` inputs (a multiple of 16): amax, d = amax / 127, q = nearbyint(x / d) clamped to
+// [-127, 127] (0 where amax == 0), sums of q per 16. Vector division and rounding are the scalar operations lane
+// by lane (IEEE division, round half to even), so the result is the reference's bit for bit (max / min keep the
+// scalar std::max / std::min operand order, so a NaN input is treated alike).
+template <typename T>
+void quantize_group(const T* src, int64_t block, int8_t* dst, float* d_out, int32_t* sums) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t j = 0; j < block; j += 8) vmax = _mm256_max_ps(_mm256_and_ps(load_x8(src + j), abs_mask), vmax);
+  alignas(32) float lane[8];
+  _mm256_store_ps(lane, vmax);
+  float amax = 0.0f;
+  for (float v : lane) amax = std::max(amax, v);
+  const float d = amax / 127.0f;
+  *d_out = d;
+  if (amax == 0.0f) {
+    std::memset(dst, 0, block);
+    for (int64_t h = 0; h < block / 16; ++h) sums[h] = 0;
+    return;
+  }
+  const __m256 vd = _mm256_set1_ps(d), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  for (int64_t j = 0; j < block; j += 16) {
+    __m256i q[2];
+    for (int half = 0; half < 2; ++half) {
+      const __m256 r = _mm256_round_ps(_mm256_div_ps(load_x8(src + j + 8 * half), vd),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q[half] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));  // NaN -> -127, as the reference
+    }
+    const __m256i sum8 = _mm256_add_epi32(q[0], q[1]);
+    const __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+    const __m128i sum2 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+    sums[j / 16] = _mm_cvtsi128_si32(_mm_add_epi32(sum2, _mm_shuffle_epi32(sum2, 0xB1)));
+    const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);  // 16 int16 in order
+    const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), w8);
+  }
+}
+
+template <typename T>
+void quantize_all(const T* xp, int64_t M, int64_t G, int64_t block, int8_t* qp, float* dp, int32_t* bp) {
+  at::parallel_for(0, M * G, std::max<int64_t>(1, 8192 / block), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) quantize_group(xp + i * block, block, qp + i * block, dp + i, bp + i * (block / 16));
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_rows(const at::Tensor& x, int64_t block) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "gguf_quantize_rows: x must be a contiguous fp32 CPU [M, K] tensor");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2 && x.is_contiguous(),
+              "gguf_quantize_rows: x must be a contiguous fp32 or bf16 CPU [M, K] tensor");
   TORCH_CHECK(block == 32 || block == 256, "gguf_quantize_rows: block must be 32 or 256, got ", block);
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % block == 0, "gguf_quantize_rows: K must be a multiple of ", block, ", got ", K);
   const int64_t G = K / block;
+  const auto f32 = x.options().dtype(at::kFloat);
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({M, G}, x.options());
+  at::Tensor dx = at::empty({M, G}, f32);
   at::Tensor bs = at::empty({M, K / 16}, x.options().dtype(at::kInt));
-  const float* xp = x.data_ptr<float>();
   int8_t* qp = xq.data_ptr<int8_t>();
   float* dp = dx.data_ptr<float>();
   int32_t* bp = bs.data_ptr<int32_t>();
-  at::parallel_for(0, M * G, 64, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* src = xp + i * block;
-      int8_t* dst = qp + i * block;
-      float amax = 0.0f;
-      for (int64_t j = 0; j < block; ++j) amax = std::max(amax, std::fabs(src[j]));
-      const float d = amax / 127.0f;
-      dp[i] = d;
-      int32_t* sums = bp + i * (block / 16);
-      for (int64_t h = 0; h < block / 16; ++h) sums[h] = 0;
-      for (int64_t j = 0; j < block; ++j) {
-        const float q = amax == 0.0f ? 0.0f : std::nearbyint(src[j] / d);
-        const int32_t v = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, q)));
-        dst[j] = static_cast<int8_t>(v);
-        sums[j / 16] += v;
-      }
-    }
-  });
+  if (x.scalar_type() == at::kFloat) {
+    quantize_all(x.data_ptr<float>(), M, G, block, qp, dp, bp);
+  } else {
+    quantize_all(x.data_ptr<c10::BFloat16>(), M, G, block, qp, dp, bp);
+  }
   return {xq, dx, bs};
 }
 

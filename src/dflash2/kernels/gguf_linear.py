@@ -246,10 +246,13 @@ def _self_check(op) -> str:
     for qtype in SUPPORTED_TYPES:
         t = random_blocks(qtype, 20, 512, seed=1)
         x = torch.randn(5, 512, generator=g)
-        got = _matmul(op, quantize(x, activation_block(t)), pack_blocks(t))
-        ref = reference_rows(x, t)
-        if not torch.equal(got, ref):
-            return f"gguf self-check failed for {qtype} (max abs diff {(got - ref).abs().max().item():.3g})"
+        x[1, 32:64] = 0  # an all-zero scale group
+        for rows in (x, x.bfloat16()):  # bf16 rows are read as they are: the same as their exact fp32 widening
+            got = _matmul(op, quantize(rows, activation_block(t)), pack_blocks(t))
+            ref = reference_rows(rows.float(), t)
+            if not torch.equal(got, ref):
+                return (f"gguf self-check failed for {qtype}, {rows.dtype} rows (max abs diff "
+                        f"{(got - ref).abs().max().item():.3g})")
     return ""
 
 
@@ -308,12 +311,20 @@ class GgufLinear(_bf16.CpuLinear):
         self.backend = backend
         self.bias_data = bias  # fp32 [N] or None
         self.weights = "gguf"
+        self._blocks = [activation_block(p) for p in parts]  # inputs per activation scale, per part
         self._op = torch.ops.dflash2_ggufkernels.gguf_matmul.default if backend == KERNEL else None
         self._quantize = torch.ops.dflash2_ggufkernels.gguf_quantize_rows.default if backend == KERNEL else None
 
-    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
-        quantized = {block: self._quantize(x, block) for block in {activation_block(p) for p in self.parts}}
-        return self._finish([_matmul(self._op, quantized[activation_block(p)], p) for p in self.parts])
+    kernel_takes_bf16 = True  # the kernel quantizes bf16 rows as they are (widening to fp32 is exact)
+
+    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 / bf16 [M, K] -> fp32 [M, N]
+        quantized: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # scale group -> quantized rows
+        ys = []
+        for part, block in zip(self.parts, self._blocks):
+            if block not in quantized:
+                quantized[block] = self._quantize(x, block)
+            ys.append(_matmul(self._op, quantized[block], part))
+        return self._finish(ys)
 
     def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()

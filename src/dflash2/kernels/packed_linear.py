@@ -149,12 +149,13 @@ class CpuLinear(nn.Module):
     out_features: int
     backend: str
     bias_data: torch.Tensor | None
+    kernel_takes_bf16 = False  # kernel_rows reads bf16 rows as they are (no fp32 copy first)
 
     @property
     def bias(self) -> torch.Tensor | None:
         return self.bias_data
 
-    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 [M, K] -> fp32 [M, N]
+    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 (or bf16, see kernel_takes_bf16) [M, K] -> fp32 [M, N]
         raise NotImplementedError
 
     def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 [M, K] -> fp32 [M, N]
@@ -171,7 +172,8 @@ class CpuLinear(nn.Module):
         if self.backend in TILE_LAYOUT:  # bf16 rows as they are (amx.py: fp32 rows as two bf16 parts)
             y = _row_chunked(self.kernel_rows, x.reshape(-1, k).contiguous(), self.out_features)
         elif self.backend == KERNEL:
-            x2 = x.reshape(-1, k).float().contiguous()  # [M, K] (no copy when already fp32 and contiguous)
+            x2 = x.reshape(-1, k)  # [M, K] fp32 (a copy unless already fp32, or bf16 that the kernel reads)
+            x2 = x2.contiguous() if self.kernel_takes_bf16 and x2.dtype == torch.bfloat16 else x2.float().contiguous()
             y = _row_chunked(self.kernel_rows, x2, self.out_features)
         else:
             y = self.fallback_rows(x.reshape(-1, k).float())
