@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dflash2.kernels import gguf_linear as gl
+from dflash2.kernels import gguf_packing
+from dflash2.kernels.gguf_packing import PackedBlocks
 from dflash2.models import gguf_blocks
 from dflash2.models.config import ModelConfig
 from dflash2.models.quant_cache import QuantCacheError, _write_safetensors, cache_enabled
@@ -41,7 +42,7 @@ CACHE_DIR = "gguf-blocks"
 CACHE_FILE = "packed.safetensors"
 _PARTS = ("weight", "scale", "offset", "sub_scales", "offset_mult")
 
-Layers = dict[str, tuple[list[gl.PackedBlocks], torch.Tensor | None]]
+Layers = dict[str, tuple[list[PackedBlocks], torch.Tensor | None]]
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,7 +50,7 @@ def layout_tag() -> str:
     """A hash of the sources that decide the cached tensors (block decoding, packing, layer mapping)."""
     from dflash2.models import gguf_weights
 
-    sources = [Path(m.__file__).read_bytes() for m in (gguf_blocks, gl, gguf_weights)]
+    sources = [Path(m.__file__).read_bytes() for m in (gguf_blocks, gguf_packing, gguf_weights)]
     return hashlib.sha256(b"\n".join(sources)).hexdigest()[:16]
 
 
@@ -101,7 +102,7 @@ class GgufCache:
                 parts = []
                 for i, meta in enumerate(runs[layer]):
                     tensors = {p: handle.get_tensor(f"{layer}.{i}.{p}") for p in _PARTS if f"{layer}.{i}.{p}" in names}
-                    parts.append(gl.PackedBlocks(weight=tensors["weight"], scale=tensors["scale"],
+                    parts.append(PackedBlocks(weight=tensors["weight"], scale=tensors["scale"],
                                                  offset=tensors.get("offset"), sub_scales=tensors.get("sub_scales"),
                                                  offset_mult=tensors.get("offset_mult"), **meta))
                 bias = handle.get_tensor(f"{layer}.bias") if f"{layer}.bias" in names else None

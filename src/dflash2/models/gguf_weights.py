@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash2.kernels import gguf_linear as gl
+from dflash2.kernels.gguf_packing import PackedBlocks, pack_blocks
 from dflash2.models.config import ModelConfig
 from dflash2.models.gguf_blocks import BlockTensor, GGUFBlockError, concat_rows, decode_blocks, take_rows
 
@@ -73,7 +73,7 @@ def _runs(parts: list[BlockTensor]) -> list[BlockTensor]:
     return [group[0] if len(group) == 1 else concat_rows(group) for group in runs]
 
 
-def read_gguf_layers(gguf: Path, config: ModelConfig, architecture: str) -> dict[str, tuple[list[gl.PackedBlocks],
+def read_gguf_layers(gguf: Path, config: ModelConfig, architecture: str) -> dict[str, tuple[list[PackedBlocks],
                                                                                              torch.Tensor | None]]:
     """{lean layer name: (packed runs, fp32 bias or None)} read from ``gguf``."""
     from gguf import GGUFReader
@@ -91,5 +91,5 @@ def read_gguf_layers(gguf: Path, config: ModelConfig, architecture: str) -> dict
                 raise GGUFBlockError(f"{name}: only some of {sources} carry a bias")
             bias = torch.from_numpy(np.concatenate([np.asarray(b.data, dtype=np.float32).reshape(-1)
                                                     for b in biases]))
-        layers[name] = ([gl.pack_blocks(run) for run in _runs(parts)], bias)
+        layers[name] = ([pack_blocks(run) for run in _runs(parts)], bias)
     return layers
