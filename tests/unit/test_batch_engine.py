@@ -270,6 +270,25 @@ def test_drafter_memory_stays_within_its_budget(engine):
         too_big.submit(requests[0], lambda event: None)
 
 
+def _run_recording_first_pass(batch, requests, join_every):
+    """Run ``requests`` to completion; also returns, per pard drafter (by id), (ids in its cache, ids its window
+    left out) when it first drafted."""
+    from dflash2.drafters.pard import PardDrafter
+
+    first_pass: dict[int, tuple[int, int]] = {}
+    original = PardDrafter.draft_logits
+
+    def recording(self, sequence, num_draft_tokens):
+        first_pass.setdefault(id(self), (self.cache.length, self.skipped))
+        return original(self, sequence, num_draft_tokens)
+
+    PardDrafter.draft_logits = recording
+    try:
+        return run_to_completion(batch, requests, join_every=join_every), first_pass
+    finally:
+        PardDrafter.draft_logits = original
+
+
 @pytest.mark.parametrize("width", [1, 2], ids=["chain", "tree"])
 @pytest.mark.parametrize("prefill_chunk", [512, 5], ids=["whole-prompt", "chunked-prefill"])
 def test_pard_in_a_batch_reads_prompt_chunks_in_prefill_and_gives_plain_tokens(engine, tiny_model_dirs, prefill_chunk,
@@ -291,18 +310,8 @@ def test_pard_in_a_batch_reads_prompt_chunks_in_prefill_and_gives_plain_tokens(e
     batch = BatchEngine(engine, config, {"pard+ngram": factory})
     requests = [BatchRequest(p, 12 + 2 * i, drafter="pard+ngram", num_draft_tokens=8) for i, p in enumerate(prompts(3))]
     requests.append(BatchRequest(prompts(1, seed=5)[0], 10))  # plain decoding among them
-    cached_at_first_pass: dict[int, int] = {}  # drafter -> ids its cache held when it first drafted
-    original = PardDrafter.draft_logits
-
-    def recording(self, sequence, num_draft_tokens):
-        cached_at_first_pass.setdefault(id(self), self.cache.length)
-        return original(self, sequence, num_draft_tokens)
-
-    PardDrafter.draft_logits = recording
-    try:
-        results = run_to_completion(batch, requests, join_every=2)
-    finally:
-        PardDrafter.draft_logits = original
+    results, first_pass = _run_recording_first_pass(batch, requests, join_every=2)
+    cached_at_first_pass = {key: cached for key, (cached, _) in first_pass.items()}
     for request, result in zip(requests, results):
         assert result.token_ids == single(engine, request.prompt_ids, BatchRequest(request.prompt_ids,
                                                                                   request.max_new_tokens))
@@ -321,18 +330,7 @@ def test_a_chunked_long_prompt_reaches_the_drafter_through_its_context_window(en
     config = BatchConfig(num_blocks=64, block_size=8, adaptive_drafts=False, max_prefill_tokens=5)
     batch = BatchEngine(engine, config, {"pard": lambda: PardDrafter(drafter_model, 255, 3, context_window=(2, 5))})
     requests = [BatchRequest(p, 12, drafter="pard", num_draft_tokens=3) for p in prompts(2)]
-    at_first_pass: dict[int, tuple[int, int]] = {}  # drafter -> (ids in its cache, ids it left out)
-    original = PardDrafter.draft_logits
-
-    def recording(self, sequence, num_draft_tokens):
-        at_first_pass.setdefault(id(self), (self.cache.length, self.skipped))
-        return original(self, sequence, num_draft_tokens)
-
-    PardDrafter.draft_logits = recording
-    try:
-        results = run_to_completion(batch, requests, join_every=1)
-    finally:
-        PardDrafter.draft_logits = original
+    results, at_first_pass = _run_recording_first_pass(batch, requests, join_every=1)
     for request, result in zip(requests, results):
         assert result.token_ids == single(engine, request.prompt_ids, BatchRequest(request.prompt_ids, 12))
     lengths = sorted(len(r.prompt_ids) for r in requests)
