@@ -328,7 +328,9 @@ void quantize_group(const T* src, int64_t block, int8_t* dst, float* d_out, int3
 template <typename T>
 void quantize_all(const T* xp, int64_t M, int64_t G, int64_t block, int8_t* qp, float* dp, int32_t* bp) {
   at::parallel_for(0, M * G, std::max<int64_t>(1, 8192 / block), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) quantize_group(xp + i * block, block, qp + i * block, dp + i, bp + i * (block / 16));
+    for (int64_t i = i0; i < i1; ++i) {
+      quantize_group(xp + i * block, block, qp + i * block, dp + i, bp + i * (block / 16));
+    }
   });
 }
 

@@ -155,7 +155,7 @@ class CpuLinear(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.bias_data
 
-    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 (or bf16, see kernel_takes_bf16) [M, K] -> fp32 [M, N]
+    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 or bf16 (kernel_takes_bf16) [M, K] -> fp32 [M, N]
         raise NotImplementedError
 
     def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 [M, K] -> fp32 [M, N]
