@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash2.kernels import PackedLinear, kernel_status, kernels_available
-from dflash2.models.decoder import RMSNorm, rotate_half
+from dflash2.kernels.layer_ops import rotate_half
+from dflash2.models.decoder import RMSNorm
 from dflash2.verify.sampling import SamplingParams, logits_to_probs
 
 ROWS = range(1, 18)

@@ -21,7 +21,8 @@ from dflash2.drafters.dflash2_parts import DynamicConv, PathSelector
 from dflash2.drafters.dflash_config import CONFIG_FILE, WEIGHTS_FILE, DFlashConfig
 from dflash2.models.attention import attend
 from dflash2.models.config import ModelConfig
-from dflash2.models.decoder import FeedForward, RMSNorm, Transformer, rope_inverse_frequencies, rotate_half
+from dflash2.kernels.layer_ops import apply_rope
+from dflash2.models.decoder import FeedForward, RMSNorm, Transformer, rope_inverse_frequencies
 
 class DFlashAttention(nn.Module):
     """Block queries over [context K/V ; block K/V]. Parameter names match the decoder's attention."""
@@ -54,7 +55,7 @@ class DFlashAttention(nn.Module):
             kv = F.linear(context, self.wqkv.weight[self.q_width :], bias)
         k, v = kv.split(self.kv_width, dim=-1)
         k = self._heads(k, self.num_kv_heads)
-        return k * cos + rotate_half(k) * sin, self._heads(v, self.num_kv_heads)
+        return apply_rope(k, cos, sin), self._heads(v, self.num_kv_heads)
 
     def forward(
         self,
@@ -67,8 +68,7 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.wqkv(x).split((self.q_width, self.kv_width, self.kv_width), dim=-1)
         q, k, v = self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys = torch.cat([context_k.to(k.dtype), k], dim=2)  # [B, H_kv, S + T, Dh]
         values = torch.cat([context_v.to(v.dtype), v], dim=2)  # [B, H_kv, S + T, Dh]
         out = attend(q, keys, values, attn_mask)  # [B, H, T, Dh]

@@ -25,7 +25,7 @@ import torch
 
 from dflash2.kernels import jit
 
-__all__ = ["ENV", "layer_ops_available", "layer_ops_status", "qkv_rope", "reference_qkv_rope",
+__all__ = ["ENV", "apply_rope", "layer_ops_available", "layer_ops_status", "qkv_rope", "reference_qkv_rope",
            "reference_rms_norm", "rms_norm", "rotate_half", "use_layer_ops"]
 
 ENV = "DFLASH2_LAYER_OPS"
@@ -53,7 +53,12 @@ def reference_qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     q = q.view(batch, seq, heads, head_dim).transpose(1, 2)
     k = k.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
     v = v.view(batch, seq, kv_heads, head_dim).transpose(1, 2)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of the half-split layout: x [..., Dh] with cos / sin broadcast to it."""
+    return x * cos + rotate_half(x) * sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:  # x: [..., Dh]: (x1, x2) -> (-x2, x1)

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.kernels import layer_ops
-from dflash2.kernels.layer_ops import rotate_half  # noqa: F401 (the decoder's RoPE helper, used by drafters)
 from dflash2.kv.static import StaticKVCache
 from dflash2.models.attention import attend
 from dflash2.models.config import ModelConfig
