@@ -10,6 +10,7 @@ tokens/s, with the formats interleaved in every round (same process, same prompt
     python scripts/bench_quant.py --rounds 0 --pass-rate 10 --out runs/quant-pass   # accuracy only
     python scripts/bench_quant.py --formats bf16 --rows 1,3,7,13 --cached 200        # verification cost by rows
     python scripts/bench_quant.py --formats int8,gguf --rows 1,2,4,9,17 --threads 1 --cpu-time   # the GGUF's blocks
+    python scripts/bench_quant.py --formats gguf@avx2,gguf@vnni --rows 1,4,9,17      # two gguf kernels, A/B
 
 --cpu-time times with the process's CPU time instead of the wall clock (use with --threads 1): on a machine
 shared with other jobs it measures what the work costs, not how long the scheduler kept it waiting.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -40,7 +42,7 @@ from dflash2.bench.accuracy import SCORED_SUITES, first_divergence, load_referen
 from dflash2.bench.accuracy import summarize_pass_rates
 from dflash2.bench.datasets import BenchPrompt, load_suite
 from dflash2.decode.engine import Engine
-from dflash2.kernels import PackedLinear
+from dflash2.kernels import PackedLinear, gguf_linear
 from dflash2.kernels.gguf_linear import GgufLinear
 from dflash2.kernels.quant_linear import QuantLinear
 from dflash2.models.loading import load_transformer
@@ -87,6 +89,24 @@ def greedy(model, prompt: torch.Tensor, tokens: int) -> tuple[list[int], float]:
         token = model(token.view(1, 1), cache=cache, logits="last").logits[0, -1].argmax()
         ids.append(int(token))
     return ids, (tokens - 1) / (clock() - t0)
+
+
+def load_format(model_dir: Path, fmt: str):
+    """A model in weight format ``fmt``; ``gguf@<kernel>`` (avx2, vnni, torch) also names the gguf kernel."""
+    weights, _, kernel = fmt.partition("@")
+    if not kernel:
+        return load_transformer(model_dir, "bf16", weights=weights)
+    if weights != "gguf":
+        raise SystemExit(f"--formats {fmt}: only gguf takes a kernel (gguf@avx2, gguf@vnni, gguf@torch)")
+    before = os.environ.get(gguf_linear.ENV)
+    os.environ[gguf_linear.ENV] = kernel
+    try:
+        return load_transformer(model_dir, "bf16", weights=weights)
+    finally:
+        if before is None:
+            os.environ.pop(gguf_linear.ENV)
+        else:
+            os.environ[gguf_linear.ENV] = before
 
 
 def agreement(models, model_dir, per_suite: int, tokens: int) -> dict[str, list[int]]:
@@ -184,7 +204,7 @@ def main() -> None:
     models = {}
     for fmt in formats:
         t0 = time.perf_counter()
-        models[fmt] = load_transformer(model_dir, "bf16", weights=fmt)
+        models[fmt] = load_format(model_dir, fmt)
         print(f"loaded {fmt} in {time.perf_counter() - t0:.1f} s", flush=True)
     prompt = torch.randint(0, 1000, (args.cached,), generator=torch.Generator().manual_seed(0))
     caches = {}
@@ -219,7 +239,7 @@ def timing_table(formats, models, times, rates, shared, args) -> None:
     print(f"\nthreads={torch.get_num_threads()} model={args.model} rounds={args.rounds} clock={clock.__name__} "
           "(medians; formats interleaved)")
     base, more = args.rows[0], args.rows[1:]
-    header = " | ".join([f"{'weights':>7}", f"{'GB/step':>7}", *(f"{r} rows ms" for r in args.rows),
+    header = " | ".join([f"{'weights':>9}", f"{'GB/step':>7}", *(f"{r} rows ms" for r in args.rows),
                          *(f"{r}/{base}" for r in more), "plain tok/s", "roofline tok/s", "of roofline"])
     print(header + "\n" + "-" * len(header))
     results = []
@@ -228,7 +248,7 @@ def timing_table(formats, models, times, rates, shared, args) -> None:
         ms = {rows: statistics.median(times[(fmt, rows)]) for rows in args.rows}
         rate = statistics.median(rates[fmt])
         roof = args.bandwidth / gb
-        cells = [f"{fmt:>7}", f"{gb:7.2f}", *(f"{ms[r]:{len(str(r)) + 8}.1f}" for r in args.rows),
+        cells = [f"{fmt:>9}", f"{gb:7.2f}", *(f"{ms[r]:{len(str(r)) + 8}.1f}" for r in args.rows),
                  *(f"{ms[r] / ms[base]:{len(f'{r}/{base}')}.2f}" for r in more), f"{rate:11.2f}", f"{roof:14.1f}",
                  f"{rate / roof:11.0%}"]
         print(" | ".join(cells))

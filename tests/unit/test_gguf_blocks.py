@@ -91,15 +91,19 @@ def test_reference_is_close_to_the_dequantized_product():
 
 
 needs_kernel = pytest.mark.skipif(not gl.gguf_kernels_available(), reason="the gguf AVX2 kernel is unavailable")
+# Every kernel build this CPU runs (AVX2; AVX512-VNNI where the CPU has it): each must give the reference's bits.
+KERNELS = [pytest.param(gl.KERNEL, marks=needs_kernel),
+           pytest.param(gl.VNNI, marks=pytest.mark.skipif(not gl.gguf_kernels_available(gl.VNNI),
+                                                          reason=f"gguf VNNI: {gl.gguf_kernel_status(gl.VNNI)}"))]
 
 
-def _op():
-    return torch.ops.dflash2_ggufkernels.gguf_matmul.default, torch.ops.dflash2_ggufkernels.gguf_quantize_rows.default
+def _op(backend: str = gl.KERNEL):
+    return gl.kernel_ops(backend)
 
 
-@needs_kernel
-def test_kernel_quantizes_rows_like_the_reference():
-    _, quantize = _op()
+@pytest.mark.parametrize("backend", KERNELS)
+def test_kernel_quantizes_rows_like_the_reference(backend):
+    _, quantize = _op(backend)
     x = torch.randn(9, 512) * torch.logspace(-3, 3, 512)
     x[2, 256:512] = 0
     x[3, :32] = torch.linspace(-100, 100, 32)
@@ -111,10 +115,10 @@ def test_kernel_quantizes_rows_like_the_reference():
     assert quantize(x, 32)[0][3, :4].tolist() == [127, 2, -4, 0]
 
 
-@needs_kernel
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
-def test_kernel_equals_reference_and_is_row_count_invariant(qtype):
-    op, quantize = _op()
+def test_kernel_equals_reference_and_is_row_count_invariant(qtype, backend):
+    op, quantize = _op(backend)
     k = 512
     t = random_blocks(qtype, 44, k, seed=7)  # 44 outputs: 5 full panels and a partial one
     pb = gl.pack_blocks(t)
@@ -122,15 +126,15 @@ def test_kernel_equals_reference_and_is_row_count_invariant(qtype):
     x = torch.randn(40, k)
     full = gl._matmul(op, quantize(x, block), pb)
     assert torch.equal(full, gl.reference_rows(x, t))
-    for m in range(1, 18):  # every row-block split of the kernel (1..4 rows per call)
+    for m in range(1, 18):  # every row-block split of the kernel (1..4 rows per call; VNNI: 1..8)
         assert torch.equal(gl._matmul(op, quantize(x[:m], block), pb), full[:m]), m
     for r in (0, 13, 39):
         assert torch.equal(gl._matmul(op, quantize(x[r : r + 1], block), pb), full[r : r + 1])
 
 
-@needs_kernel
-def test_kernel_is_thread_count_invariant():
-    op, quantize = _op()
+@pytest.mark.parametrize("backend", KERNELS)
+def test_kernel_is_thread_count_invariant(backend):
+    op, quantize = _op(backend)
     pb = gl.pack_blocks(random_blocks("Q4_K", 520, 1024, seed=8))
     x = torch.randn(9, 1024)
     threads = torch.get_num_threads()
@@ -143,12 +147,12 @@ def test_kernel_is_thread_count_invariant():
         torch.set_num_threads(threads)
 
 
-@needs_kernel
-def test_layer_with_mixed_runs_and_bias_equals_the_torch_backend():
+@pytest.mark.parametrize("backend", KERNELS)
+def test_layer_with_mixed_runs_and_bias_equals_the_torch_backend(backend):
     parts = [gl.pack_blocks(random_blocks(q, n, 256, seed=i)) for i, (q, n) in
              enumerate((("Q4_K", 64), ("Q8_0", 16), ("Q6_K", 16)))]  # activations per 256 and per 32
     bias = torch.randn(96)
-    kernel, torch_layer = gl.GgufLinear(parts, bias, "avx2"), gl.GgufLinear(parts, bias, "torch")
+    kernel, torch_layer = gl.GgufLinear(parts, bias, backend), gl.GgufLinear(parts, bias, "torch")
     x = torch.randn(2, 7, 256, dtype=torch.bfloat16)
     y = kernel(x)
     assert y.shape == (2, 7, 96) and y.dtype == torch.bfloat16
@@ -158,7 +162,7 @@ def test_layer_with_mixed_runs_and_bias_equals_the_torch_backend():
     assert w.shape == (96, 256)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("avx2", marks=needs_kernel)])
+@pytest.mark.parametrize("backend", ["torch", *KERNELS])
 def test_selected_rows_give_those_outputs_bitwise(backend):
     """A drafter's head over a draft vocabulary: any rows, in any order, across runs of different block types."""
     parts = [gl.pack_blocks(random_blocks(q, n, 256, seed=i)) for i, (q, n) in
@@ -179,8 +183,23 @@ def test_backend_switch(monkeypatch):
     monkeypatch.setenv(gl.ENV, "torch")
     assert gl.gguf_backend() == "torch"
     monkeypatch.setenv(gl.ENV, "maybe")
-    with pytest.raises(ValueError, match="expected avx2 or torch"):
+    with pytest.raises(ValueError, match="expected vnni, avx2 or torch"):
         gl.gguf_backend()
+
+
+@needs_kernel
+def test_default_backend_is_the_fastest_kernel_here_and_a_named_one_is_required(monkeypatch):
+    monkeypatch.delenv(gl.ENV, raising=False)
+    has_vnni = gl.gguf_kernels_available(gl.VNNI)
+    assert gl.gguf_backend() == (gl.VNNI if has_vnni else gl.KERNEL)
+    monkeypatch.setenv(gl.ENV, "avx2")
+    assert gl.gguf_backend() == gl.KERNEL
+    monkeypatch.setenv(gl.ENV, "vnni")
+    if has_vnni:
+        assert gl.gguf_backend() == gl.VNNI
+    else:  # named and unavailable: an error naming why, not a silent fallback
+        with pytest.raises(RuntimeError, match="avx512-vnni kernel, which is unavailable"):
+            gl.gguf_backend()
 
 
 def test_cache_round_trip_and_invalidation(tmp_path, monkeypatch):

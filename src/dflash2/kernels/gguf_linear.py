@@ -1,4 +1,5 @@
-"""CPU linear layer over a GGUF file's own quantized blocks (``--weights gguf``), AVX2 kernel + PyTorch reference.
+"""CPU linear layer over a GGUF file's own quantized blocks (``--weights gguf``): AVX512-VNNI and AVX2 kernels + a
+PyTorch reference.
 
 What the layer computes (the *quantized target*; the same for every row count, both backends, every thread):
 
@@ -15,13 +16,16 @@ What the layer computes (the *quantized target*; the same for every row count, b
 3. ``y + bias`` (fp32).
 
 This is llama.cpp's scheme (integer dot products on activations quantized to 8 bits, one scale per 32 inputs for
-32-blocks and per 256 for K-quants, as its Q8_0 / Q8_K).  The AVX2 kernel (``gemm_gguf_avx2.cpp``) and :func:`reference_matmul` evaluate
-exactly these operations, so they agree bit for bit, and a row's result never depends on the other rows.
+32-blocks and per 256 for K-quants, as its Q8_0 / Q8_K).  The kernels (``gemm_gguf_avx2.cpp``) and
+:func:`reference_matmul` evaluate exactly these operations, so they agree bit for bit, and a row's result never
+depends on the other rows nor on the CPU: the integer sums are exact, whichever instructions form them.
 
-Backends: ``"avx2"`` (the JIT-built kernel) and ``"torch"`` (:func:`reference_matmul`: portable, slow; float64
-integer sums, the same fp32 steps).  ``DFLASH2_GGUF_KERNEL=torch`` selects the reference; otherwise the kernel is
-required and a CPU or build that cannot provide it is an error naming that switch (no silent fallback).  The
-packed layout, shared by both backends and by the model store's cache, is built by
+Backends: ``"avx512-vnni"`` (the C++ file built with VPDPBUSD, 8 rows per unpacked block; CPUs listing
+``avx512_vnni`` and ``avx512vl``: Intel Cascade Lake and later, AMD Zen 4 / Zen 5), ``"avx2"`` (the same file built
+for AVX2 + FMA, 4 rows) and ``"torch"`` (:func:`reference_matmul`: portable, slow; float64 integer sums, the same
+fp32 steps).  ``DFLASH2_GGUF_KERNEL`` picks one (``vnni``, ``avx2``, ``torch``); unset, the fastest kernel the CPU
+runs is used, and a CPU or build that can run none is an error naming that switch (no silent fallback).  The
+packed layout, shared by all backends and by the model store's cache, is built by
 :mod:`dflash2.kernels.gguf_packing` and described in the C++ file.
 """
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,18 +45,36 @@ from dflash2.kernels import packed_linear as _bf16
 from dflash2.kernels.gguf_packing import PANEL, PackedBlocks, pack_blocks, unpack_blocks
 from dflash2.models.gguf_blocks import BLOCK, BlockTensor, take_rows
 
-__all__ = ["ENV", "GgufLinear", "PackedBlocks", "activation_block", "gguf_backend", "gguf_kernel_status",
-           "gguf_kernels_available", "pack_blocks", "quantize_rows", "reference_matmul", "reference_rows",
+__all__ = ["ENV", "VNNI", "GgufLinear", "PackedBlocks", "activation_block", "gguf_backend", "gguf_kernel_status",
+           "gguf_kernels_available", "kernel_ops", "pack_blocks", "quantize_rows", "reference_matmul", "reference_rows",
            "unpack_blocks"]
 
 ENV = "DFLASH2_GGUF_KERNEL"
 KERNEL = _bf16.KERNEL  # "avx2"
+VNNI = "avx512-vnni"
 TORCH = _bf16.TORCH
 _SOURCE = Path(__file__).with_name("gemm_gguf_avx2.cpp")
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}
+
+@dataclass(frozen=True)
+class _Build:
+    """One build of the C++ file: its op namespace, compiler flags and the CPU flags it needs."""
+
+    backend: str
+    namespace: str
+    cflags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+
+
+_BUILDS = {
+    KERNEL: _Build(KERNEL, "dflash2_ggufkernels", tuple(_CFLAGS), ()),
+    VNNI: _Build(VNNI, "dflash2_ggufkernels_vnni",
+                 (*_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                  "-DDFLASH2_GGUF_NS=dflash2_ggufkernels_vnni"), ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+}
+_locks = {name: threading.Lock() for name in _BUILDS}
+_states: dict[str, dict[str, object]] = {name: {} for name in _BUILDS}
 
 
 # ------------------------------------------------------------------------------------------------ reference
@@ -115,26 +138,41 @@ def reference_rows(x: torch.Tensor, t: BlockTensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _source_tag() -> str:
-    return hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+def _source_tag(build: _Build) -> str:
+    return hashlib.sha256(_SOURCE.read_bytes() + " ".join(build.cflags).encode()).hexdigest()[:12]
 
 
-def _self_check(op) -> str:
-    """The kernel against :func:`reference_matmul` on every block type, bit for bit."""
+def _ops(build: _Build) -> tuple[object, object]:
+    namespace = getattr(torch.ops, build.namespace)
+    return namespace.gguf_matmul.default, namespace.gguf_quantize_rows.default
+
+
+def kernel_ops(backend: str) -> tuple[object, object]:
+    """(gguf_matmul, gguf_quantize_rows) of a kernel backend's build (built and loaded on first use; an error
+    naming the reason when it cannot run here)."""
+    state = _ensure(backend)
+    if not state["available"]:
+        raise RuntimeError(f"the gguf {backend} kernel is unavailable: {state['status']}")
+    return _ops(_BUILDS[backend])
+
+
+def _self_check(build: _Build) -> str:
+    """The kernel against :func:`reference_matmul` on every block type, 5 and 9 rows, bit for bit."""
     from dflash2.models.gguf_blocks import SUPPORTED_TYPES, random_blocks
 
     g = torch.Generator().manual_seed(0)
-    quantize = torch.ops.dflash2_ggufkernels.gguf_quantize_rows.default
+    op, quantize = _ops(build)
+    backend = build.backend
     for qtype in SUPPORTED_TYPES:
         t = random_blocks(qtype, 20, 512, seed=1)
-        x = torch.randn(5, 512, generator=g)
+        x = torch.randn(9, 512, generator=g)
         x[1, 32:64] = 0  # an all-zero scale group
-        for rows in (x, x.bfloat16()):  # bf16 rows are read as they are: the same as their exact fp32 widening
+        for rows in (x[:5], x, x.bfloat16()):  # bf16 rows are read as they are: the same as their exact widening
             got = _matmul(op, quantize(rows, activation_block(t)), pack_blocks(t))
             ref = reference_rows(rows.float(), t)
             if not torch.equal(got, ref):
-                return (f"gguf self-check failed for {qtype}, {rows.dtype} rows (max abs diff "
-                        f"{(got - ref).abs().max().item():.3g})")
+                return (f"gguf {backend} self-check failed for {qtype}, {rows.shape[0]} {rows.dtype} rows "
+                        f"(max abs diff {(got - ref).abs().max().item():.3g})")
     return ""
 
 
@@ -143,33 +181,54 @@ def _matmul(op, quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor], pb: 
               pb.zero, pb.sub, pb.group, pb.out_features)
 
 
-def _load() -> tuple[bool, str, object]:
-    tag = _source_tag()
-    return jit.jit_load(f"dflash2_ggufkernels_{tag}", _SOURCE, _CFLAGS, jit.build_dir() / f"gguf-{tag}",
-                        "dflash2_ggufkernels.gguf_matmul", _self_check, label="gguf ")
+def _load(build: _Build) -> tuple[bool, str, object]:
+    missing = jit.missing_cpu_flags(build.cpu_flags) if build.cpu_flags else ""
+    if missing:
+        return False, missing, None
+    tag = _source_tag(build)
+    label = f"gguf {build.backend} "
+    ok, status, op = jit.jit_load(f"{build.namespace}_{tag}", _SOURCE, list(build.cflags),
+                                  jit.build_dir() / f"gguf-{build.backend}-{tag}", f"{build.namespace}.gguf_matmul",
+                                  lambda _op: _self_check(build), label=label)
+    return ok, status.replace("AVX2/FMA kernel", "kernel"), op
 
 
-def gguf_kernels_available() -> bool:
-    jit.ensure_loaded(_state, _lock, _load, "gguf CPU linear kernel", warn=False)
-    return bool(_state["available"])
+def _ensure(backend: str) -> dict[str, object]:
+    state = _states[backend]
+    jit.ensure_loaded(state, _locks[backend], lambda: _load(_BUILDS[backend]), f"gguf {backend} kernel", warn=False)
+    return state
 
 
-def gguf_kernel_status() -> str:
-    jit.ensure_loaded(_state, _lock, _load, "gguf CPU linear kernel", warn=False)
-    return str(_state["status"])
+def gguf_kernels_available(backend: str = KERNEL) -> bool:
+    """True when ``backend``'s build (``avx2`` or ``avx512-vnni``) is usable here (built, self-check passed)."""
+    return bool(_ensure(backend)["available"])
+
+
+def gguf_kernel_status(backend: str = KERNEL) -> str:
+    return str(_ensure(backend)["status"])
+
+
+_CHOICES = {"": None, "on": None, "1": None, "true": None, "yes": None, "auto": None, "avx2": KERNEL,
+            "vnni": VNNI, "avx512-vnni": VNNI, "avx512_vnni": VNNI}
 
 
 def gguf_backend() -> str:
-    """``torch`` when ``DFLASH2_GGUF_KERNEL=torch``, else ``avx2``, which must then be available (else an error)."""
-    value = os.environ.get(ENV, "").strip().lower()
+    """The backend ``DFLASH2_GGUF_KERNEL`` names (``vnni``, ``avx2``, ``torch``), or unset the fastest kernel this
+    CPU runs (AVX512-VNNI, else AVX2); a kernel that is named or needed and cannot run here is an error."""
+    raw = os.environ.get(ENV, "")
+    value = raw.strip().lower()
     if value in ("torch", "off", "0", "false", "no"):
         return TORCH
-    if value not in ("", "avx2", "on", "1", "true", "yes"):
-        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected avx2 or torch")
-    if not gguf_kernels_available():
-        raise RuntimeError(f"--weights gguf needs its AVX2 kernel, which is unavailable ({gguf_kernel_status()}); "
-                           f"set {ENV}=torch for the (slow) PyTorch reference")
-    return KERNEL
+    if value not in _CHOICES:
+        raise ValueError(f"{ENV}={raw!r}: expected vnni, avx2 or torch")
+    wanted = _CHOICES[value]
+    if wanted is None and gguf_kernels_available(VNNI):
+        return VNNI
+    backend = wanted or KERNEL
+    if not gguf_kernels_available(backend):
+        raise RuntimeError(f"--weights gguf needs its {backend} kernel, which is unavailable "
+                           f"({gguf_kernel_status(backend)}); set {ENV}=torch for the (slow) PyTorch reference")
+    return backend
 
 
 # ------------------------------------------------------------------------------------------------ module
@@ -182,8 +241,8 @@ class GgufLinear(_bf16.CpuLinear):
 
     def __init__(self, parts: list[PackedBlocks], bias: torch.Tensor | None, backend: str) -> None:
         super().__init__()
-        if backend not in (KERNEL, TORCH):
-            raise ValueError(f"unknown backend {backend!r} (expected {KERNEL!r} or {TORCH!r})")
+        if backend not in (*_BUILDS, TORCH):
+            raise ValueError(f"unknown backend {backend!r} (expected one of {(*_BUILDS, TORCH)})")
         widths = {p.weight.shape[1] * BLOCK for p in parts}
         if len(widths) != 1:
             raise ValueError(f"the runs of a GgufLinear must have the same input width, got {sorted(widths)}")
@@ -194,10 +253,13 @@ class GgufLinear(_bf16.CpuLinear):
         self.bias_data = bias  # fp32 [N] or None
         self.weights = "gguf"
         self._blocks = [activation_block(p) for p in parts]  # inputs per activation scale, per part
-        self._op = torch.ops.dflash2_ggufkernels.gguf_matmul.default if backend == KERNEL else None
-        self._quantize = torch.ops.dflash2_ggufkernels.gguf_quantize_rows.default if backend == KERNEL else None
+        self._op, self._quantize = kernel_ops(backend) if backend in _BUILDS else (None, None)
 
     kernel_takes_bf16 = True  # the kernel quantizes bf16 rows as they are (widening to fp32 is exact)
+
+    @property
+    def row_kernel(self) -> bool:  # every build of the C++ file (avx2, avx512-vnni)
+        return self.backend in _BUILDS
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 / bf16 [M, K] -> fp32 [M, N]
         quantized: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # scale group -> quantized rows

@@ -152,6 +152,11 @@ class CpuLinear(nn.Module):
     kernel_takes_bf16 = False  # kernel_rows reads bf16 rows as they are (no fp32 copy first)
 
     @property
+    def row_kernel(self) -> bool:
+        """True when :meth:`kernel_rows` (a JIT kernel over fp32 / bf16 rows) computes this layer's outputs."""
+        return self.backend == KERNEL
+
+    @property
     def bias(self) -> torch.Tensor | None:
         return self.bias_data
 
@@ -171,7 +176,7 @@ class CpuLinear(nn.Module):
         lead = x.shape[:-1]
         if self.backend in TILE_LAYOUT:  # bf16 rows as they are (amx.py: fp32 rows as two bf16 parts)
             y = _row_chunked(self.kernel_rows, x.reshape(-1, k).contiguous(), self.out_features)
-        elif self.backend == KERNEL:
+        elif self.row_kernel:
             x2 = x.reshape(-1, k)  # [M, K] fp32 (a copy unless already fp32, or bf16 that the kernel reads)
             x2 = x2.contiguous() if self.kernel_takes_bf16 and x2.dtype == torch.bfloat16 else x2.float().contiguous()
             y = _row_chunked(self.kernel_rows, x2, self.out_features)
