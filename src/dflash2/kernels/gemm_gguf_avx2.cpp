@@ -188,63 +188,7 @@ inline void block_integers(const Args& a, int64_t p, int64_t b, const int8_t* co
 }
 
 #if GGUF_VNNI
-// acc + the four u8 x s8 products of each int32 lane (exact: no saturation).
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
-
-// block_integers with VPDPBUSD: int32 sums of each half of the block (inputs 0-15 / 16-31) times that half's
-// sub-scale (S0 / S1: int32 lanes). The same exact integers as the AVX2 path, so the same bits.
-template <int MR, int KIND, int H>
-inline void block_integers_vnni(const Args& a, int64_t p, int64_t b, const int8_t* const* xr, __m256i S0,
-                                __m256i S1, __m256i* J) {
-  __m256i a0[MR], a1[MR];
-  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
-  if constexpr (KIND == kSigned) {  // |w| (u8) times x with w's sign
-    const uint8_t* wp = a.w + (p * a.B + b) * 256;
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * t));
-      const __m256i av = _mm256_abs_epi8(v);
-      for (int r = 0; r < MR; ++r) a0[r] = dot4(a0[r], av, _mm256_sign_epi8(xload(xr[r], 32 * b + 4 * t), v));
-    }
-    for (int r = 0; r < MR; ++r) J[r] = a0[r];
-    return;
-  } else {
-    constexpr int HB = KIND == kNib4 ? 0 : (KIND == kNib5 ? 1 : 2);
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const uint8_t* wp = a.w + (p * a.B + b) * (128 + 32 * HB);
-    __m256i plane0 = _mm256_setzero_si256(), plane1 = _mm256_setzero_si256();
-    if constexpr (HB > 0) plane0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 128));
-    if constexpr (HB == 2) plane1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 160));
-    auto high = [&](int t) {  // step t's high bits at bits 4.. (see the AVX2 path)
-      const __m256i plane = (t * HB) / 8 == 0 ? plane0 : plane1;
-      const __m256i h = _mm256_and_si256(_mm256_srli_epi16(plane, (t * HB) % 8), _mm256_set1_epi8((1 << HB) - 1));
-      return _mm256_slli_epi16(h, 4);
-    };
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {  // chunk c: step c (first half) in the low nibbles, step c + 4 in the high ones
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c));
-      __m256i lo = _mm256_and_si256(v, low4);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      if constexpr (HB > 0) {
-        lo = _mm256_or_si256(lo, high(c));
-        hi = _mm256_or_si256(hi, high(c + 4));
-      }
-      for (int r = 0; r < MR; ++r) {
-        a0[r] = dot4(a0[r], lo, xload(xr[r], 32 * b + 4 * c));
-        a1[r] = dot4(a1[r], hi, xload(xr[r], 32 * b + 16 + 4 * c));
-      }
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    if constexpr (H == 0) {
-      J[r] = _mm256_add_epi32(a0[r], a1[r]);
-    } else if constexpr (H == 1) {
-      J[r] = _mm256_mullo_epi32(_mm256_add_epi32(a0[r], a1[r]), S0);
-    } else {
-      J[r] = _mm256_add_epi32(_mm256_mullo_epi32(a0[r], S0), _mm256_mullo_epi32(a1[r], S1));
-    }
-  }
-}
+#include "gemm_gguf_vnni.h"
 #endif
 
 template <int MR, int KIND, int H, int OFF>
@@ -270,21 +214,7 @@ void panel_rows(const Args& a, int64_t p, int64_t m0, int64_t nv) {
         Spair = pair16(sp, sp + 8);
       }
       __m256i J[MR];
-#if GGUF_VNNI
-      if constexpr (H == 1) {
-        const __m256i Si = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.s + (p * a.B + b) * 8)));
-        block_integers_vnni<MR, KIND, H>(a, p, b, xr, Si, Si, J);
-      } else if constexpr (H == 2) {
-        const int8_t* sp = a.s + (p * a.B + b) * 16;
-        block_integers_vnni<MR, KIND, H>(
-            a, p, b, xr, _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp))),
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + 8))), J);
-      } else {
-        block_integers_vnni<MR, KIND, H>(a, p, b, xr, S0, S1, J);
-      }
-#else
       block_integers<MR, KIND, H>(a, p, b, xr, S0, S1, J);
-#endif
       __m256i CM = _mm256_setzero_si256();
       if constexpr (OFF == 2) CM = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (p * a.B + b) * 8)));
       for (int r = 0; r < MR; ++r) {
@@ -334,12 +264,6 @@ using PanelFn = void (*)(const Args&, int64_t, int64_t, int64_t);
 template <int KIND, int H, int OFF>
 PanelFn pick_rows(int mr) {
   switch (mr) {
-#if GGUF_VNNI
-    case 8: return &panel_rows<8, KIND, H, OFF>;
-    case 7: return &panel_rows<7, KIND, H, OFF>;
-    case 6: return &panel_rows<6, KIND, H, OFF>;
-    case 5: return &panel_rows<5, KIND, H, OFF>;
-#endif
     case 4: return &panel_rows<4, KIND, H, OFF>;
     case 3: return &panel_rows<3, KIND, H, OFF>;
     case 2: return &panel_rows<2, KIND, H, OFF>;
@@ -502,6 +426,22 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
          bsum.data_ptr<int32_t>(), K, B, G, group, n_out,
          zero == 0 ? -1 : (zero == 8 ? 3 : (zero == 16 ? 4 : 5)), y.data_ptr<float>()};
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K));
+#if GGUF_VNNI
+  // Panels in pairs (16 outputs per vector); an odd last panel is paired with itself and stored once.
+  at::parallel_for(0, (P + 1) / 2, std::max<int64_t>(1, grain / 2), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
+      const int64_t nv0 = std::min<int64_t>(kPanel, n_out - p * kPanel);
+      const int64_t nv1 = q == p ? 0 : std::min<int64_t>(kPanel, n_out - q * kPanel);
+      const __mmask16 keep = static_cast<__mmask16>(((1u << nv0) - 1) | (((1u << nv1) - 1) << 8));
+      for (int64_t m = 0; m < M;) {
+        const int mr = rows_for_call(M - m);
+        pick_pair(kind, h, off, mr)(a, p, q, m, keep);
+        m += mr;
+      }
+    }
+  });
+#else
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t nv = std::min<int64_t>(kPanel, n_out - p * kPanel);
@@ -512,6 +452,7 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
       }
     }
   });
+#endif
   return y;
 }
 

@@ -54,6 +54,7 @@ KERNEL = _bf16.KERNEL  # "avx2"
 VNNI = "avx512-vnni"
 TORCH = _bf16.TORCH
 _SOURCE = Path(__file__).with_name("gemm_gguf_avx2.cpp")
+_HEADERS = (Path(__file__).with_name("gemm_gguf_vnni.h"),)  # included by _SOURCE: part of its build tag
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
 
 
@@ -70,8 +71,8 @@ class _Build:
 _BUILDS = {
     KERNEL: _Build(KERNEL, "dflash2_ggufkernels", tuple(_CFLAGS), ()),
     VNNI: _Build(VNNI, "dflash2_ggufkernels_vnni",
-                 (*_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
-                  "-DDFLASH2_GGUF_NS=dflash2_ggufkernels_vnni"), ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+                 (*_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
+                  "-DDFLASH2_GGUF_NS=dflash2_ggufkernels_vnni"), ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")),
 }
 _locks = {name: threading.Lock() for name in _BUILDS}
 _states: dict[str, dict[str, object]] = {name: {} for name in _BUILDS}
@@ -139,7 +140,8 @@ def reference_rows(x: torch.Tensor, t: BlockTensor) -> torch.Tensor:
 
 
 def _source_tag(build: _Build) -> str:
-    return hashlib.sha256(_SOURCE.read_bytes() + " ".join(build.cflags).encode()).hexdigest()[:12]
+    code = b"".join(path.read_bytes() for path in (_SOURCE, *_HEADERS))
+    return hashlib.sha256(code + " ".join(build.cflags).encode()).hexdigest()[:12]
 
 
 def _ops(build: _Build) -> tuple[object, object]:

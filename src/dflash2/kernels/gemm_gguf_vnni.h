@@ -1,0 +1,192 @@
+// The AVX512-VNNI micro-kernel of gemm_gguf_avx2.cpp (included there, inside its namespace, when built with
+// -mavx512vnni): two panels (16 outputs) per 64-byte vector, so each row's broadcast activation bytes, VPDPBUSD
+// and per-block bookkeeping serve twice the outputs of the 256-bit path. Lanes 0-7 are panel p's outputs, lanes
+// 8-15 panel p + 1's, each lane the 256-bit path's lane: the same exact integers and the same fp32 sequence per
+// output (y = y + (A * dx) * float(J), then the offset term), so the same bits (tested against the reference).
+
+// Panel p's 32 bytes at `off` in the low half, panel p + 1's in the high half.
+inline __m512i load_pair(const uint8_t* p0, const uint8_t* p1) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1)), 1);
+}
+
+// 8 int8 of each panel -> 16 int32 lanes.
+inline __m512i int8_pair(const int8_t* p0, const int8_t* p1) {
+  const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0)),
+                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p1)));
+  return _mm512_cvtepi8_epi32(both);
+}
+
+inline __m512 float_pair(const float* p0, const float* p1) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(p0))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(p1)), 1));
+}
+
+inline __m512i xload16(const int8_t* row, int64_t k) {
+  int32_t four;
+  std::memcpy(&four, row + k, 4);
+  return _mm512_set1_epi32(four);
+}
+
+// Per row: the int32 sums of the two halves of block b (inputs 0-15 / 16-31) of panels p, q, less zero times the
+// half's activation sum (z0 / z1: bsum << log2(zero), 0 without a zero point), times their sub-scales (S0 / S1):
+// J = sum_h s_h * (sum u x - zero * bsum_h), block_integers' J less its zero-point term, for 16 outputs.
+template <int MR, int KIND, int H>
+inline void pair_block_integers(const Args& a, int64_t p, int64_t q, int64_t b, const int8_t* const* xr,
+                                __m512i S0, __m512i S1, const int32_t* z0, const int32_t* z1, __m512i* J) {
+  __m512i a0[MR], a1[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
+  if constexpr (KIND == kSigned) {  // |w| (u8) times x negated where w < 0
+    const uint8_t* w0 = a.w + (p * a.B + b) * 256;
+    const uint8_t* w1 = a.w + (q * a.B + b) * 256;
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m512i v = load_pair(w0 + 32 * t, w1 + 32 * t);
+      const __m512i av = _mm512_abs_epi8(v);
+      const __mmask64 neg = _mm512_movepi8_mask(v);
+      for (int r = 0; r < MR; ++r) {
+        const __m512i x = xload16(xr[r], 32 * b + 4 * t);
+        a0[r] = _mm512_dpbusd_epi32(a0[r], av, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+      }
+    }
+    for (int r = 0; r < MR; ++r) J[r] = a0[r];  // Q8_0: no zero point, no sub-scales
+    return;
+  } else {
+    constexpr int HB = KIND == kNib4 ? 0 : (KIND == kNib5 ? 1 : 2);
+    constexpr int64_t per_block = 128 + 32 * HB;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const uint8_t* w0 = a.w + (p * a.B + b) * per_block;
+    const uint8_t* w1 = a.w + (q * a.B + b) * per_block;
+    __m512i plane0 = _mm512_setzero_si512(), plane1 = _mm512_setzero_si512();
+    if constexpr (HB > 0) plane0 = load_pair(w0 + 128, w1 + 128);
+    if constexpr (HB == 2) plane1 = load_pair(w0 + 160, w1 + 160);
+    auto high = [&](int t) {  // step t's high bits at bits 4..
+      const __m512i plane = (t * HB) / 8 == 0 ? plane0 : plane1;
+      const __m512i h = _mm512_and_si512(_mm512_srli_epi16(plane, (t * HB) % 8), _mm512_set1_epi8((1 << HB) - 1));
+      return _mm512_slli_epi16(h, 4);
+    };
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = load_pair(w0 + 32 * c, w1 + 32 * c);
+      __m512i lo = _mm512_and_si512(v, low4);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      if constexpr (HB > 0) {
+        lo = _mm512_or_si512(lo, high(c));
+        hi = _mm512_or_si512(hi, high(c + 4));
+      }
+      for (int r = 0; r < MR; ++r) {
+        a0[r] = _mm512_dpbusd_epi32(a0[r], lo, xload16(xr[r], 32 * b + 4 * c));
+        a1[r] = _mm512_dpbusd_epi32(a1[r], hi, xload16(xr[r], 32 * b + 16 + 4 * c));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    if constexpr (H == 2) {
+      J[r] = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(a0[r], _mm512_set1_epi32(z0[r])), S0),
+                              _mm512_mullo_epi32(_mm512_sub_epi32(a1[r], _mm512_set1_epi32(z1[r])), S1));
+    } else {
+      J[r] = _mm512_sub_epi32(_mm512_add_epi32(a0[r], a1[r]), _mm512_set1_epi32(z0[r] + z1[r]));
+      if constexpr (H == 1) J[r] = _mm512_mullo_epi32(J[r], S0);
+    }
+  }
+}
+
+// Rows m0 .. m0 + MR - 1 of panels p and q (p + 1; or p again for a last, lone panel), the outputs in `keep`
+// stored (lane i: output 8p + i).
+template <int MR, int KIND, int H, int OFF>
+void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) {
+  __m512 yv[MR];
+  const int8_t* xr[MR];
+  for (int r = 0; r < MR; ++r) {
+    yv[r] = _mm512_setzero_ps();
+    xr[r] = a.xq + (m0 + r) * a.K;
+  }
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512i Jg[MR], Tg[MR];
+    for (int r = 0; r < MR; ++r) Jg[r] = Tg[r] = _mm512_setzero_si512();
+    for (int64_t b = g * a.group; b < (g + 1) * a.group; ++b) {
+      __m512i S0 = _mm512_set1_epi32(1), S1 = S0;
+      if constexpr (H == 1) {
+        S0 = S1 = int8_pair(a.s + (p * a.B + b) * 8, a.s + (q * a.B + b) * 8);
+      } else if constexpr (H == 2) {
+        const int8_t* s0 = a.s + (p * a.B + b) * 16;
+        const int8_t* s1 = a.s + (q * a.B + b) * 16;
+        S0 = int8_pair(s0, s1);
+        S1 = int8_pair(s0 + 8, s1 + 8);
+      }
+      int32_t z0[MR], z1[MR];  // zero * the activation sum of each half (exact: |.| <= 32 * 16 * 127)
+      for (int r = 0; r < MR; ++r) {
+        const int32_t* bsr = a.bs + (m0 + r) * 2 * a.B + 2 * b;
+        z0[r] = a.zshift >= 0 ? bsr[0] * (1 << a.zshift) : 0;
+        z1[r] = a.zshift >= 0 ? bsr[1] * (1 << a.zshift) : 0;
+      }
+      __m512i J[MR];
+      pair_block_integers<MR, KIND, H>(a, p, q, b, xr, S0, S1, z0, z1, J);
+      __m512i CM = _mm512_setzero_si512();
+      if constexpr (OFF == 2) CM = int8_pair(a.cm + (p * a.B + b) * 8, a.cm + (q * a.B + b) * 8);
+      for (int r = 0; r < MR; ++r) {
+        const int32_t* bsr = a.bs + (m0 + r) * 2 * a.B + 2 * b;
+        const int32_t bs32 = bsr[0] + bsr[1];
+        Jg[r] = _mm512_add_epi32(Jg[r], J[r]);
+        if constexpr (OFF == 1) {
+          Tg[r] = _mm512_add_epi32(Tg[r], _mm512_set1_epi32(bs32));
+        } else if constexpr (OFF == 2) {
+          Tg[r] = _mm512_add_epi32(Tg[r], _mm512_mullo_epi32(CM, _mm512_set1_epi32(bs32)));
+        }
+      }
+    }
+    const __m512 Av = float_pair(a.A + (p * a.G + g) * kPanel, a.A + (q * a.G + g) * kPanel);
+    __m512 Cv = _mm512_setzero_ps();
+    if constexpr (OFF != 0) Cv = float_pair(a.C + (p * a.G + g) * kPanel, a.C + (q * a.G + g) * kPanel);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 d = _mm512_set1_ps(a.dx[(m0 + r) * a.G + g]);
+      yv[r] = _mm512_add_ps(yv[r], _mm512_mul_ps(_mm512_mul_ps(Av, d), _mm512_cvtepi32_ps(Jg[r])));
+      if constexpr (OFF != 0)
+        yv[r] = _mm512_add_ps(yv[r], _mm512_mul_ps(_mm512_mul_ps(Cv, d), _mm512_cvtepi32_ps(Tg[r])));
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + p * kPanel, keep, yv[r]);
+}
+
+using PairFn = void (*)(const Args&, int64_t, int64_t, int64_t, __mmask16);
+
+template <int KIND, int H, int OFF>
+PairFn pick_pair_rows(int mr) {
+  switch (mr) {
+    case 8: return &pair_rows<8, KIND, H, OFF>;
+    case 7: return &pair_rows<7, KIND, H, OFF>;
+    case 6: return &pair_rows<6, KIND, H, OFF>;
+    case 5: return &pair_rows<5, KIND, H, OFF>;
+    case 4: return &pair_rows<4, KIND, H, OFF>;
+    case 3: return &pair_rows<3, KIND, H, OFF>;
+    case 2: return &pair_rows<2, KIND, H, OFF>;
+    default: return &pair_rows<1, KIND, H, OFF>;
+  }
+}
+
+template <int KIND, int H>
+PairFn pick_pair_off(int off, int mr) {
+  switch (off) {
+    case 2: return pick_pair_rows<KIND, H, 2>(mr);
+    case 1: return pick_pair_rows<KIND, H, 1>(mr);
+    default: return pick_pair_rows<KIND, H, 0>(mr);
+  }
+}
+
+template <int KIND>
+PairFn pick_pair_h(int h, int off, int mr) {
+  switch (h) {
+    case 2: return pick_pair_off<KIND, 2>(off, mr);
+    case 1: return pick_pair_off<KIND, 1>(off, mr);
+    default: return pick_pair_off<KIND, 0>(off, mr);
+  }
+}
+
+PairFn pick_pair(int kind, int h, int off, int mr) {
+  switch (kind) {
+    case kNib4: return pick_pair_h<kNib4>(h, off, mr);
+    case kNib5: return pick_pair_h<kNib5>(h, off, mr);
+    case kNib6: return pick_pair_h<kNib6>(h, off, mr);
+    default: return pick_pair_h<kSigned>(h, off, mr);
+  }
+}
