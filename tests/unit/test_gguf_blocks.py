@@ -179,6 +179,31 @@ def test_selected_rows_give_those_outputs_bitwise(backend):
         layer.select_rows(torch.tensor([76]))
 
 
+@pytest.mark.parametrize("backend", ["torch", *KERNELS])
+def test_q8_0_from_a_float_weight(backend):
+    """quantize_q8_0: fp16 scales per 32 inputs, codes within half a step of w / d; the layer over them equals the
+    reference on those blocks and is close to the float product."""
+    from dflash2.models.gguf_blocks import quantize_q8_0
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 256, generator=g) * torch.logspace(-2, 1, 40)[:, None]
+    w[3, 32:64] = 0  # an all-zero block: scale 0, codes 0
+    t = quantize_q8_0(w.numpy())
+    assert t.qtype == "Q8_0" and t.signed and t.scale.shape == (40, 8)
+    assert np.array_equal(t.scale, t.scale.astype(np.float16).astype(np.float32))
+    assert not t.codes.view(np.int8)[3, 32:64].any() and t.scale[3, 1] == 0
+    step = np.repeat(t.scale, 32, axis=1)
+    assert np.all(np.abs(dequantize(t) - w.numpy()) <= 0.5 * step + 1e-6 * np.abs(w.numpy()))
+    layer = gl.GgufLinear.from_weight(w, torch.randn(40), backend)
+    x = torch.randn(3, 256, generator=g)
+    y = layer(x)
+    assert torch.equal(y, gl.reference_rows(x, t) + layer.bias_data)
+    exact = x @ w.T + layer.bias_data
+    assert float((y - exact).abs().max() / exact.abs().max()) < 0.02
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(np.zeros((2, 40), np.float32))
+
+
 def test_backend_switch(monkeypatch):
     monkeypatch.setenv(gl.ENV, "torch")
     assert gl.gguf_backend() == "torch"

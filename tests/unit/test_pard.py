@@ -335,8 +335,8 @@ def write_random_adapter(base_dir, directory, mask_id: int, num_draft_tokens: in
 
 
 def test_draft_vocab_and_int8_weights_stay_lossless(tiny_model_dirs, tmp_path):
-    """A draft vocabulary (the head's rows of the listed ids only; -inf elsewhere) and int8 drafter weights change
-    what is drafted, never what is generated."""
+    """A draft vocabulary (the head's rows of the listed ids only; -inf elsewhere) and int8 / q8_0 drafter weights
+    change what is drafted, never what is generated."""
     from safetensors.torch import save_file
 
     from dflash2.drafters.pard import DRAFT_VOCAB_FILE, VocabSubsetHead
@@ -358,7 +358,7 @@ def test_draft_vocab_and_int8_weights_stay_lossless(tiny_model_dirs, tmp_path):
     target, ids = load_transformer(tiny_model_dirs["qwen2"], "fp32"), prompt()
     capacity = len(ids) + NEW_TOKENS + 5
     plain = run(plain_decode(target, ids, GREEDY, None, capacity, DecodeStats()))
-    for weights in ("bf16", "int8"):
+    for weights in ("bf16", "int8", "q8_0"):
         model, config = load_pard_model(adapter, base, "fp32", weights=weights)
         drafter = PardDrafter(model, config.mask_token_id, 4)
         drafter.reset(capacity)  # every draft lies in the draft vocabulary

@@ -171,17 +171,24 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
     """The base network with a trained adapter merged in (or untrained: ``adapter_dir`` None, the mask embedding
     is then the mean embedding). Packed for the CPU kernel when ``packed`` (None: as ``load_transformer``).
     ``weights`` "int8" / "int4": the MERGED projections and the head quantized (weight-only, CPU kernels; quantized
-    at each load, ~1 s per 100M weights: the store's cache of quantized layers holds the base, not the merge).
+    at each load, ~1 s per 100M weights: the store's cache of quantized layers holds the base, not the merge);
+    "q8_0": quantized to Q8_0 blocks and run by the gguf kernels (activations quantized per 32 inputs as well).
     ``draft_vocab``: when the adapter directory has ``draft_vocab.safetensors``, the head keeps only those rows
     (:class:`VocabSubsetHead`: logits of the other ids are -inf, so they are never drafted; the head is 28% of the
     0.5B's weights at the full 151936 ids)."""
     from safetensors.torch import load_file
 
-    from dflash2.models.loading import (check_weight_format, load_transformer, own_memory, pack_linear_layers,
-                                        parse_dtype, should_pack)
-    from dflash2.models.state_dict import quantize_linear_layers
+    from dflash2.kernels.gguf_linear import GgufLinear
+    from dflash2.models.loading import (WEIGHT_FORMATS, check_weight_format, load_transformer, own_memory,
+                                        pack_linear_layers, parse_dtype, should_pack)
+    from dflash2.models.state_dict import quantize_linear_layers, replace_linear_layers
 
-    check_weight_format(weights, device)
+    if weights == "gguf" or weights not in (*WEIGHT_FORMATS, Q8_0):
+        raise ValueError(f"unknown pard drafter weight format {weights!r}; choose one of "
+                         f"{', '.join(f for f in (*WEIGHT_FORMATS, Q8_0) if f != 'gguf')}")
+    check_weight_format("bf16" if weights == Q8_0 else weights, device)
+    if weights == Q8_0 and torch.device(device).type != "cpu":
+        raise ValueError(f"pard drafter weights {Q8_0} run on the CPU only (device {device!r})")
 
     model = load_transformer(base_dir, dtype, device, packed=False)
     if adapter_dir is None:
@@ -206,7 +213,10 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
         model.lm_head = nn.Linear(full.in_features, len(vocab), bias=False, device=full.weight.device,
                                   dtype=full.weight.dtype).requires_grad_(False)
         model.lm_head.weight.data = full.weight.data[vocab].clone()
-    if weights != "bf16":
+    if weights == Q8_0:  # the gguf kernels over Q8_0 blocks quantized from the merged weights
+        replace_linear_layers(model, GgufLinear.from_linear)
+        own_memory(model)
+    elif weights != "bf16":
         quantize_linear_layers(model, weights)
         own_memory(model)
     elif packed if packed is not None else should_pack(device, parse_dtype(dtype)):
@@ -303,6 +313,7 @@ def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
 # int8 on a CPU: one draft pass of the 0.5B (8 rows) measured 590 ms vs 669 ms in bf16 (scripts/pard_cost.py,
 # docs/pard.md); the drafts need not be exact, only verification must (and it is, whatever the drafter computes)
 DEFAULT_PARD_WEIGHTS = "int8"
+Q8_0 = "q8_0"  # a drafter-only format: Q8_0 blocks quantized at load, the gguf kernels (load_pard_model)
 # A long prompt: the drafter reads its first 32 ids (the chat template's system turn, attention sinks) and its
 # last 480; None reads all of it (docs/pard.md, "Time to first token").
 DEFAULT_CONTEXT_WINDOW: tuple[int, int] | None = (32, 480)

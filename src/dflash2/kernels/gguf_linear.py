@@ -72,7 +72,8 @@ _BUILDS = {
     KERNEL: _Build(KERNEL, "dflash2_ggufkernels", tuple(_CFLAGS), ()),
     VNNI: _Build(VNNI, "dflash2_ggufkernels_vnni",
                  (*_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
-                  "-DDFLASH2_GGUF_NS=dflash2_ggufkernels_vnni"), ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")),
+                  "-DDFLASH2_GGUF_NS=dflash2_ggufkernels_vnni"),
+                 ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")),
 }
 _locks = {name: threading.Lock() for name in _BUILDS}
 _states: dict[str, dict[str, object]] = {name: {} for name in _BUILDS}
@@ -256,6 +257,21 @@ class GgufLinear(_bf16.CpuLinear):
         self.weights = "gguf"
         self._blocks = [activation_block(p) for p in parts]  # inputs per activation scale, per part
         self._op, self._quantize = kernel_ops(backend) if backend in _BUILDS else (None, None)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    backend: str | None = None) -> "GgufLinear":
+        """A float [N, K] weight quantized to Q8_0 blocks (:func:`~dflash2.models.gguf_blocks.quantize_q8_0`) on
+        the kernel ``backend`` (None: :func:`gguf_backend`): for weights no GGUF file holds (a merged drafter)."""
+        from dflash2.models.gguf_blocks import quantize_q8_0
+
+        blocks = quantize_q8_0(weight.detach().to("cpu", torch.float32).numpy())
+        b = None if bias is None else bias.detach().to("cpu", torch.float32).contiguous()
+        return cls([pack_blocks(blocks)], b, backend or gguf_backend())
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Module, backend: str | None = None) -> "GgufLinear":
+        return cls.from_weight(linear.weight, linear.bias, backend)
 
     kernel_takes_bf16 = True  # the kernel quantizes bf16 rows as they are (widening to fp32 is exact)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["BLOCK", "SUPPORTED_TYPES", "BlockTensor", "GGUFBlockError", "concat_rows", "decode_blocks",
-           "dequantize", "integer_weights", "random_blocks", "random_raw", "take_rows"]
+           "dequantize", "integer_weights", "quantize_q8_0", "random_blocks", "random_raw", "take_rows"]
 
 BLOCK = 32  # inputs per activation block and per kernel block
 SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
@@ -193,6 +193,21 @@ def concat_rows(parts: list[BlockTensor]) -> BlockTensor:
     qtype = first.qtype if all(p.qtype == first.qtype for p in parts) else "+".join(p.qtype for p in parts)
     return BlockTensor(qtype, cat("codes"), first.signed, first.bits, first.zero, first.sub, cat("sub_scales"),
                        first.group, cat("scale"), cat("offset"), cat("offset_mult"))
+
+
+def quantize_q8_0(weight: np.ndarray) -> BlockTensor:
+    """A float [N, K] weight (K a multiple of 32) as Q8_0 blocks: per 32 inputs ``d = fp16(amax / 127)`` and codes
+    ``round(w / d)`` (half to even) clamped to [-127, 127], 0 where the block is 0 (the format llama.cpp's Q8_0
+    stores; codes rounded against the stored fp16 scale). For weights no GGUF holds, e.g. a merged drafter."""
+    w = np.asarray(weight, dtype=np.float32)
+    n, k = w.shape
+    if k % BLOCK:
+        raise GGUFBlockError(f"Q8_0 needs K a multiple of {BLOCK}, got [{n}, {k}]")
+    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    d = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float16).astype(np.float32)  # [N, B]
+    safe = np.where(d > 0, d, np.float32(1))
+    codes = np.where(d[..., None] > 0, np.clip(np.rint(blocks / safe[..., None]), -127, 127), 0).astype(np.int8)
+    return BlockTensor("Q8_0", codes.reshape(n, k).view(np.uint8), True, 8, 0, BLOCK, None, 1, d, None, None)
 
 
 # where each type keeps its fp16 fields (byte offsets in a block)
