@@ -389,6 +389,25 @@ const int8_t* opt_int8(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() && t->numel() > 0 ? t->data_ptr<int8_t>() : nullptr;
 }
 
+#if GGUF_VNNI
+// All rows over panels in pairs (gemm_gguf_vnni.h); an odd last panel is paired with itself and stored once.
+void paired_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, int64_t grain) {
+  at::parallel_for(0, (P + 1) / 2, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
+      const int64_t nv0 = std::min<int64_t>(kPanel, a.N - p * kPanel);
+      const int64_t nv1 = q == p ? 0 : std::min<int64_t>(kPanel, a.N - q * kPanel);
+      const __mmask16 keep = static_cast<__mmask16>(((1u << nv0) - 1) | (((1u << nv1) - 1) << 8));
+      for (int64_t m = 0; m < M;) {
+        const int mr = rows_for_call(M - m);
+        pick_pair(kind, h, off, mr)(a, p, q, m, keep);
+        m += mr;
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& bsum, const at::Tensor& packed,
                        const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
                        const c10::optional<at::Tensor>& sub_scales, const c10::optional<at::Tensor>& offset_mult,
@@ -427,21 +446,13 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
          zero == 0 ? -1 : (zero == 8 ? 3 : (zero == 16 ? 4 : 5)), y.data_ptr<float>()};
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K));
 #if GGUF_VNNI
-  // Panels in pairs (16 outputs per vector); an odd last panel is paired with itself and stored once.
-  at::parallel_for(0, (P + 1) / 2, std::max<int64_t>(1, grain / 2), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
-      const int64_t nv0 = std::min<int64_t>(kPanel, n_out - p * kPanel);
-      const int64_t nv1 = q == p ? 0 : std::min<int64_t>(kPanel, n_out - q * kPanel);
-      const __mmask16 keep = static_cast<__mmask16>(((1u << nv0) - 1) | (((1u << nv1) - 1) << 8));
-      for (int64_t m = 0; m < M;) {
-        const int mr = rows_for_call(M - m);
-        pick_pair(kind, h, off, mr)(a, p, q, m, keep);
-        m += mr;
-      }
-    }
-  });
-#else
+  // From 4 rows, panels in pairs (16 outputs per vector); 1-3 rows stream the weights faster through the 256-bit
+  // micro-kernel below (Zen 4, interleaved: 1 row 27.3 vs 18.7 GB/s, 3 rows 17.2 vs 15.0; 4 rows 10.8 vs 12.4).
+  if (M >= 4) {
+    paired_panels(a, kind, h, off, M, P, std::max<int64_t>(1, grain / 2));
+    return y;
+  }
+#endif
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t nv = std::min<int64_t>(kPanel, n_out - p * kPanel);
@@ -452,7 +463,6 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
       }
     }
   });
-#endif
   return y;
 }
 
