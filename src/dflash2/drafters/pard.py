@@ -183,11 +183,12 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
                                         pack_linear_layers, parse_dtype, should_pack)
     from dflash2.models.state_dict import quantize_linear_layers, replace_linear_layers
 
-    if weights == "gguf" or weights not in (*WEIGHT_FORMATS, Q8_0):
-        raise ValueError(f"unknown pard drafter weight format {weights!r}; choose one of "
-                         f"{', '.join(f for f in (*WEIGHT_FORMATS, Q8_0) if f != 'gguf')}")
-    check_weight_format("bf16" if weights == Q8_0 else weights, device)
-    if weights == Q8_0 and torch.device(device).type != "cpu":
+    formats = (*(f for f in WEIGHT_FORMATS if f != "gguf"), Q8_0)  # no GGUF file holds a merged drafter
+    if weights not in formats:
+        raise ValueError(f"unknown pard drafter weight format {weights!r}; choose one of {', '.join(formats)}")
+    if weights != Q8_0:
+        check_weight_format(weights, device)
+    elif torch.device(device).type != "cpu":
         raise ValueError(f"pard drafter weights {Q8_0} run on the CPU only (device {device!r})")
 
     model = load_transformer(base_dir, dtype, device, packed=False)

@@ -43,7 +43,7 @@ import torch
 from dflash2.kernels import jit
 from dflash2.kernels import packed_linear as _bf16
 from dflash2.kernels.gguf_packing import PANEL, PackedBlocks, pack_blocks, unpack_blocks
-from dflash2.models.gguf_blocks import BLOCK, BlockTensor, take_rows
+from dflash2.models.gguf_blocks import BLOCK, BlockTensor, quantize_q8_0, take_rows
 
 __all__ = ["ENV", "VNNI", "GgufLinear", "PackedBlocks", "activation_block", "gguf_backend", "gguf_kernel_status",
            "gguf_kernels_available", "kernel_ops", "pack_blocks", "quantize_rows", "reference_matmul", "reference_rows",
@@ -185,7 +185,7 @@ def _matmul(op, quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor], pb: 
 
 
 def _load(build: _Build) -> tuple[bool, str, object]:
-    missing = jit.missing_cpu_flags(build.cpu_flags) if build.cpu_flags else ""
+    missing = jit.missing_cpu_flags(build.cpu_flags)
     if missing:
         return False, missing, None
     tag = _source_tag(build)
@@ -263,8 +263,6 @@ class GgufLinear(_bf16.CpuLinear):
                     backend: str | None = None) -> "GgufLinear":
         """A float [N, K] weight quantized to Q8_0 blocks (:func:`~dflash2.models.gguf_blocks.quantize_q8_0`) on
         the kernel ``backend`` (None: :func:`gguf_backend`): for weights no GGUF file holds (a merged drafter)."""
-        from dflash2.models.gguf_blocks import quantize_q8_0
-
         blocks = quantize_q8_0(weight.detach().to("cpu", torch.float32).numpy())
         b = None if bias is None else bias.detach().to("cpu", torch.float32).contiguous()
         return cls([pack_blocks(blocks)], b, backend or gguf_backend())

@@ -45,14 +45,10 @@ def load_gguf_transformer(model_dir: Path, config: ModelConfig, dtype: torch.dty
 def _on_huge_pages(layers: dict[str, tuple[list[PackedBlocks], torch.Tensor | None]]):
     """``layers`` with every packed tensor copied into one huge-page buffer (:mod:`dflash2.models.huge_pages`): the
     cache's tensors are views of its memory map, 4 KiB pages that every decoding step streams through."""
-    keys = [(name, i, part) for name, (parts, _) in layers.items() for i, tensors in enumerate(parts)
-            for part in tensors.tensors()]
-    flat = [layers[name][0][i].tensors()[part] for name, i, part in keys]
-    copies = iter(huge_page_copies(flat))
-    moved: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
-    for name, i, part in keys:
-        moved.setdefault((name, i), {})[part] = next(copies)
-    return {name: ([dataclasses.replace(p, **moved[(name, i)]) for i, p in enumerate(parts)], bias)
+    blocks = [p for parts, _ in layers.values() for p in parts]
+    copies = iter(huge_page_copies([t for p in blocks for t in p.tensors().values()]))
+    moved = {id(p): dataclasses.replace(p, **{name: next(copies) for name in p.tensors()}) for p in blocks}
+    return {name: ([moved[id(p)] for p in parts], bias)
             for name, (parts, bias) in layers.items()}
 
 
