@@ -266,6 +266,19 @@ def test_training_learns_and_resumes(tiny_model_dirs, tmp_path):
     assert measured.default_num_draft_tokens == 2 and measured.num_draft_tokens == 4
     with pytest.raises(ValueError, match="1..4"):
         adapter_from_checkpoint(tmp_path / "run", tmp_path / "ship3", 30, default_num_draft_tokens=5)
+    # a fresh run can start from a shipped adapter: its LoRA weights and mask embedding, as saved
+    from dflash2.drafters.pard import adapter_state
+    from dflash2.train.pard_trainer import _warm_start, build_model
+
+    warm = PardTrainConfig(**{**common, "out_dir": str(tmp_path / "warm"), "init_adapter": str(shipped)})
+    model, mask_id, _, mask_embedding = build_model(warm)
+    _warm_start(shipped, warm, model, mask_embedding, mask_id)
+    started = adapter_state(model, mask_embedding)
+    assert started.keys() == got.keys() and all(torch.equal(started[k], got[k].float()) for k in got)
+    other_rank = PardTrainConfig(**{**common, "lora_rank": 2, "init_adapter": str(shipped)})
+    model, mask_id, _, mask_embedding = build_model(other_rank)
+    with pytest.raises(ValueError, match="lora_rank"):
+        _warm_start(shipped, other_rank, model, mask_embedding, mask_id)
 
 
 def test_for_request_shares_weights_not_the_cache(models):

@@ -270,6 +270,9 @@ def _add_pard_parser(sub) -> None:
     pard.add_argument("--no-initial-eval", action="store_true",
                       help="skip the untrained drafter's held-out check at step 0 of a fresh run (~4 min here; it is "
                            "deterministic, so a known value need not be recomputed)")
+    pard.add_argument("--init-adapter", default="",
+                      help="warm start a fresh run from a shipped adapter directory (its LoRA weights and mask "
+                           "embedding; the optimizer and schedule start over)")
     pard.add_argument("--checkpoint-every", type=int, default=10)
     pard.add_argument("--stop-at-step", type=int, default=None, help="end this session here; a re-run resumes")
     pard.add_argument("--no-resume", action="store_true")
@@ -295,6 +298,7 @@ def run_train_pard(args: argparse.Namespace) -> int:
         mask_learning_rate=args.mask_lr, warmup_steps=args.warmup, eval_every=args.eval_every,
         eval_anchors=args.eval_anchors, checkpoint_every=args.checkpoint_every, stop_at_step=args.stop_at_step,
         resume=not args.no_resume, threads=args.threads, initial_eval=not args.no_initial_eval,
+        init_adapter=args.init_adapter,
     )
     print(train_pard(config))
     return 0

@@ -56,6 +56,7 @@ class PardTrainConfig:
     soft_share: float = 0.5  # share of training sequences drawn from the soft labels (when both kinds are given)
     heldout_every: int = 40  # soft labels: sequence i is held out when i % heldout_every == 0 ...
     heldout_sequences: int = 24  # ... for the first this many such i; hard labels: the last this many
+    init_adapter: str = ""  # warm start: a shipped adapter directory (LoRA + mask embedding; fresh optimizer)
     seed: int = 0
     anchors_per_sequence: int = 32  # blocks per sequence per step
     sequences_per_step: int = 4  # gradient accumulation
@@ -178,6 +179,8 @@ def train_pard(config: PardTrainConfig) -> Path:
     latest = latest_checkpoint(out_dir) if config.resume else None
     if latest is not None:
         step = _load_checkpoint(latest, config, model, mask_embedding, optimizer, scheduler)
+    elif config.init_adapter:
+        _warm_start(Path(config.init_adapter), config, model, mask_embedding, mask_id)
     heldout = data.heldout
     print(f"data: {data.describe()}" + (f"; resuming at step {step}" if step else ""), flush=True)
     end = min(config.num_steps, config.stop_at_step or config.num_steps)
@@ -361,6 +364,23 @@ def save_checkpoint(out_dir: Path, model, mask_embedding, optimizer, scheduler, 
     for old in checkpoints[: max(0, len(checkpoints) - max(1, config.keep_checkpoints))]:
         shutil.rmtree(old, ignore_errors=True)
     return destination
+
+
+def _warm_start(adapter_dir: Path, config: PardTrainConfig, model, mask_embedding, mask_id: int) -> None:
+    """Start from a shipped adapter's LoRA weights and mask embedding (the optimizer starts fresh)."""
+    shipped = PardConfig.load(adapter_dir)
+    expected = {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha, "mask_token_id": mask_id,
+                "lora_targets": list(LORA_TARGETS)}
+    found = {"lora_rank": shipped.lora_rank, "lora_alpha": shipped.lora_alpha, "mask_token_id": shipped.mask_token_id,
+             "lora_targets": list(shipped.lora_targets)}
+    mismatched = {name: (found[name], want) for name, want in expected.items() if found[name] != want}
+    if mismatched:
+        raise ValueError(f"{adapter_dir} cannot start this run: (adapter, run) differ in {mismatched}")
+    with safe_open(str(adapter_dir / ADAPTER_FILE), framework="pt") as handle:
+        adapter = {name: handle.get_tensor(name).float() for name in handle.keys()}
+    load_adapter_state(model, adapter)
+    mask_embedding.data.copy_(adapter["mask_embedding"])
+    print(f"warm start from {adapter_dir} ({shipped.extra.get('steps', '?')} steps)", flush=True)
 
 
 def _load_checkpoint(path: Path, config: PardTrainConfig, model, mask_embedding, optimizer, scheduler) -> int:
