@@ -160,6 +160,16 @@ def test_layer_with_mixed_runs_and_bias_equals_the_torch_backend(backend):
     assert torch.equal(kernel(x[:, :1]), y[:, :1])
     w = kernel.dequantized_weight()
     assert w.shape == (96, 256)
+    # the one-call C++ layer (gguf_linear) computes what the Python path of CpuLinear.forward computes, bit for bit:
+    # every input dtype, non-contiguous rows, more rows than one kernel call takes
+    from dflash2.kernels.packed_linear import CpuLinear
+
+    for rows in (torch.randn(300, 256), torch.randn(3, 256, dtype=torch.float16), torch.randn(256, 5).T,
+                 torch.randn(1, 1, 256, dtype=torch.bfloat16)):
+        got = kernel(rows)
+        assert got.dtype == rows.dtype and torch.equal(got, CpuLinear.forward(kernel, rows))
+    with pytest.raises(RuntimeError, match="expected last dim 256"):
+        kernel(torch.randn(2, 128))
 
 
 @pytest.mark.parametrize("backend", ["torch", *KERNELS])

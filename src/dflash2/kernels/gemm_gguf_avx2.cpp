@@ -31,10 +31,12 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -43,6 +45,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 // Built twice (kernels/gguf_linear.py): for AVX2 + FMA, and for AVX512-VNNI (-mavx512vnni -mavx512vl), where the
 // integer sums use VPDPBUSD (u8 x s8 products summed by 4 into int32 lanes, one instruction) and up to 8 rows
@@ -55,6 +58,9 @@
 #ifndef DFLASH2_GGUF_NS
 #define DFLASH2_GGUF_NS dflash2_ggufkernels
 #endif
+#define DFLASH2_STR2(x) #x
+#define DFLASH2_STR(x) DFLASH2_STR2(x)
+#define DFLASH2_GGUF_NS_STR DFLASH2_STR(DFLASH2_GGUF_NS)
 
 namespace {
 
@@ -466,9 +472,102 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
   return y;
 }
 
+// ---- a whole linear layer in one call --------------------------------------------------------------------------
+// GgufWeights holds a layer's runs of rows (each one gguf_matmul's weights) and its fp32 bias; gguf_linear(x, w)
+// computes what GgufLinear.forward computes from Python -- each distinct activation block quantized once, one
+// gguf_matmul per run, the runs concatenated, the bias added, the result in x's dtype -- with the same calls in the
+// same order, so the same bits, without a Python round trip per step (~20 us per layer).
+
+constexpr int64_t kRowBlock = 256;  // rows per kernel call, as packed_linear.ROW_BLOCK (bounds the temporaries)
+
+struct GgufRun {
+  at::Tensor packed, scale;
+  c10::optional<at::Tensor> offset, sub_scales, offset_mult;
+  int64_t bits, zero, sub, group, n_out;
+  bool is_signed;
+};
+
+struct GgufWeights : torch::CustomClassHolder {
+  std::vector<GgufRun> runs;
+  c10::optional<at::Tensor> bias;  // fp32 [N]
+  int64_t in_features = 0, out_features = 0;
+
+  void add_run(at::Tensor packed, at::Tensor scale, c10::optional<at::Tensor> offset,
+               c10::optional<at::Tensor> sub_scales, c10::optional<at::Tensor> offset_mult, int64_t bits,
+               bool is_signed, int64_t zero, int64_t sub, int64_t group, int64_t n_out) {
+    const int64_t k = packed.size(1) * 32;
+    TORCH_CHECK(runs.empty() || k == in_features, "GgufWeights: runs of different input widths");
+    in_features = k;
+    out_features += n_out;
+    runs.push_back({packed, scale, offset, sub_scales, offset_mult, bits, zero, sub, group, n_out, is_signed});
+  }
+
+  void set_bias(at::Tensor b) {
+    TORCH_CHECK(b.scalar_type() == at::kFloat && b.numel() == out_features && b.is_contiguous(),
+                "GgufWeights: the bias must be a contiguous fp32 [", out_features, "] tensor");
+    bias = b;
+  }
+};
+
+at::Tensor linear_rows(const at::Tensor& x, const GgufWeights& w) {  // fp32 / bf16 [M, K] -> fp32 [M, N]
+  std::vector<std::pair<int64_t, std::tuple<at::Tensor, at::Tensor, at::Tensor>>> quantized;  // block -> rows
+  std::vector<at::Tensor> ys;
+  ys.reserve(w.runs.size());
+  for (const GgufRun& r : w.runs) {
+    const int64_t block = 32 * r.group;
+    auto hit = std::find_if(quantized.begin(), quantized.end(), [&](const auto& e) { return e.first == block; });
+    if (hit == quantized.end()) {
+      quantized.emplace_back(block, gguf_quantize_rows(x, block));
+      hit = quantized.end() - 1;
+    }
+    const auto& [xq, dx, bs] = hit->second;
+    ys.push_back(gguf_matmul(xq, dx, bs, r.packed, r.scale, r.offset, r.sub_scales, r.offset_mult, r.bits,
+                             r.is_signed, r.zero, r.sub, r.group, r.n_out));
+  }
+  at::Tensor y = ys.size() == 1 ? ys[0] : at::cat(ys, 1);
+  return w.bias.has_value() ? y.add_(*w.bias) : y;
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const c10::intrusive_ptr<GgufWeights>& w) {
+  TORCH_CHECK(x.device().is_cpu(), "gguf_linear runs on CPU only (got input on ", x.device(), ")");
+  TORCH_CHECK(!w->runs.empty(), "gguf_linear: no weights");
+  const int64_t k = w->in_features, n = w->out_features;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "gguf_linear: expected last dim ", k, ", got ", x.sizes());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  // bf16 rows are read as they are (their widening is exact); any other dtype goes through fp32
+  at::Tensor rows = x.reshape({-1, k});
+  rows = rows.scalar_type() == at::kBFloat16 ? rows.contiguous() : rows.to(at::kFloat).contiguous();
+  const int64_t m = rows.size(0);
+  at::Tensor y;
+  if (m <= kRowBlock) {
+    y = linear_rows(rows, *w);
+  } else {
+    y = at::empty({m, n}, rows.options().dtype(at::kFloat));
+    for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+      const int64_t r1 = std::min(m, r0 + kRowBlock);
+      y.slice(0, r0, r1).copy_(linear_rows(rows.slice(0, r0, r1), *w));
+    }
+  }
+  y = y.view(shape);
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
 }  // namespace
 
+#include "gguf_layer.h"
+
 TORCH_LIBRARY(DFLASH2_GGUF_NS, m) {
+  m.class_<GgufWeights>("GgufWeights")
+      .def(torch::init<>())
+      .def("add_run", &GgufWeights::add_run)
+      .def("set_bias", &GgufWeights::set_bias);
+  m.def("gguf_linear(Tensor x, __torch__.torch.classes." DFLASH2_GGUF_NS_STR ".GgufWeights w) -> Tensor",
+        &gguf_linear);
+  m.class_<GgufLayer>("GgufLayer").def(torch::init<>()).def("set", &GgufLayer::set);
+  m.def("gguf_layer(Tensor x, Tensor cos, Tensor sin, Tensor keys, Tensor values, int length, "
+        "__torch__.torch.classes." DFLASH2_GGUF_NS_STR ".GgufLayer layer) -> Tensor",
+        &gguf_layer);
   m.def("gguf_quantize_rows(Tensor x, int block) -> (Tensor, Tensor, Tensor)", &gguf_quantize_rows);
   m.def("gguf_matmul(Tensor xq, Tensor dx, Tensor bsum, Tensor packed, Tensor scale, Tensor? offset, "
         "Tensor? sub_scales, Tensor? offset_mult, int bits, bool is_signed, int zero, int sub, int group, "

@@ -45,8 +45,8 @@ from dflash2.kernels import packed_linear as _bf16
 from dflash2.kernels.gguf_packing import PANEL, PackedBlocks, pack_blocks, unpack_blocks
 from dflash2.models.gguf_blocks import BLOCK, BlockTensor, quantize_q8_0, take_rows
 
-__all__ = ["ENV", "VNNI", "GgufLinear", "PackedBlocks", "activation_block", "gguf_backend", "gguf_kernel_status",
-           "gguf_kernels_available", "kernel_ops", "pack_blocks", "quantize_rows", "reference_matmul", "reference_rows",
+__all__ = ["ENV", "VNNI", "GgufLinear", "PackedBlocks", "activation_block", "build_namespace", "gguf_backend",
+           "gguf_kernel_status", "gguf_kernels_available", "kernel_backends", "kernel_ops", "pack_blocks", "quantize_rows", "reference_matmul", "reference_rows",
            "unpack_blocks"]
 
 ENV = "DFLASH2_GGUF_KERNEL"
@@ -54,7 +54,8 @@ KERNEL = _bf16.KERNEL  # "avx2"
 VNNI = "avx512-vnni"
 TORCH = _bf16.TORCH
 _SOURCE = Path(__file__).with_name("gemm_gguf_avx2.cpp")
-_HEADERS = (Path(__file__).with_name("gemm_gguf_vnni.h"),)  # included by _SOURCE: part of its build tag
+_HEADERS = (Path(__file__).with_name("gemm_gguf_vnni.h"), Path(__file__).with_name("gguf_layer.h"))  # included
+# by _SOURCE: part of its build tag
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
 
 
@@ -179,6 +180,32 @@ def _self_check(build: _Build) -> str:
     return ""
 
 
+def _cpp_weights(backend: str, parts: list[PackedBlocks], bias: torch.Tensor | None):
+    """A backend build's ``GgufWeights`` holding these runs (views of the same tensors) and the fp32 bias."""
+    weights = getattr(torch.classes, _BUILDS[backend].namespace).GgufWeights()
+    for pb in parts:
+        weights.add_run(pb.weight, pb.scale, pb.offset, pb.sub_scales, pb.offset_mult, pb.bits, pb.signed, pb.zero,
+                        pb.sub, pb.group, pb.out_features)
+    if bias is not None:
+        weights.set_bias(bias.contiguous())
+    return weights
+
+
+def _linear_op(backend: str):
+    return getattr(torch.ops, build_namespace(backend)).gguf_linear.default
+
+
+def kernel_backends() -> tuple[str, ...]:
+    """The backends run by a build of the C++ file (``avx2``, ``avx512-vnni``)."""
+    return tuple(_BUILDS)
+
+
+def build_namespace(backend: str) -> str:
+    """The op namespace of a kernel backend's build (its ops and classes: ``torch.ops.<ns>``,
+    ``torch.classes.<ns>``)."""
+    return _BUILDS[backend].namespace
+
+
 def _matmul(op, quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor], pb: PackedBlocks) -> torch.Tensor:
     return op(*quantized, pb.weight, pb.scale, pb.offset, pb.sub_scales, pb.offset_mult, pb.bits, pb.signed,
               pb.zero, pb.sub, pb.group, pb.out_features)
@@ -257,6 +284,28 @@ class GgufLinear(_bf16.CpuLinear):
         self.weights = "gguf"
         self._blocks = [activation_block(p) for p in parts]  # inputs per activation scale, per part
         self._op, self._quantize = kernel_ops(backend) if backend in _BUILDS else (None, None)
+        self._weights = None  # the C++ layer (gguf_linear's GgufWeights), made at the first forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``CpuLinear.forward`` in one C++ call on the kernel backends (the same calls in the same order)."""
+        if self.backend not in _BUILDS:
+            return super().forward(x)
+        if self._weights is None:
+            self.cpp_weights()
+        op, weights = self._weights
+        return op(x, weights)
+
+    def cpp_weights(self):
+        """This layer's C++ ``GgufWeights`` (what ``gguf_linear`` and ``gguf_layer`` read), made once; kernel
+        backends only."""
+        if self.backend not in _BUILDS:
+            raise RuntimeError(f"GgufLinear on the {self.backend} backend has no C++ weights")
+        if self._weights is None:
+            self._weights = (_linear_op(self.backend), _cpp_weights(self.backend, self.parts, self.bias_data))
+        return self._weights[1]
+
+    def __getstate__(self) -> dict:  # the C++ object is not picklable; it is rebuilt at the next forward
+        return {**super().__getstate__(), "_weights": None}
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,

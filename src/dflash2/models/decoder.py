@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.kernels import layer_ops
+from dflash2.kernels.gguf_layer import fused_layers
 from dflash2.kv.static import StaticKVCache
 from dflash2.models.attention import attend
 from dflash2.models.config import ModelConfig
@@ -221,8 +222,9 @@ class Transformer(nn.Module):
         wanted = set(hidden_layers)
         taps: dict[int, torch.Tensor] = {}
         x = self.embed(input_ids)  # [B, T, D]
+        fused = fused_layers(self, context, x)  # GGUF blocks: each layer in one C++ call (same bits), or None
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, index, context)
+            x = fused(x, cos, sin, index) if fused is not None else layer(x, cos, sin, index, context)
             if index in wanted:
                 taps[index] = x
         context.finish(seq)

@@ -1,0 +1,90 @@
+// A whole decoder layer over GGUF blocks in one call (included by gemm_gguf_avx2.cpp; kernels/gguf_layer.py).
+//
+// gguf_layer(x, cos, sin, keys, values, length, layer) runs what models/decoder.py's DecoderLayer computes for one
+// request's static KV cache without an explicit mask (plain decoding, chain verification, prefill), making the same
+// calls in the same order -- rms_norm and qkv_rope (layer_ops), the layer's four gguf_linear calls, the cache
+// write, attention_rows (the row-invariant attention kernel) with the same causal rule, the bf16 / fp32 adds, silu
+// and product -- so the same bits; it only leaves out the ~25 Python round trips per layer (~6 ms of a ~40 ms
+// one-row step of the 1.5B target on 2 Zen 4 cores). The other ops are reached through the dispatcher: their
+// extensions must be loaded first (kernels/gguf_layer.py checks).
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/le.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
+
+#include <cmath>
+
+namespace {
+
+struct GgufLayer : torch::CustomClassHolder {
+  at::Tensor attn_norm, ffn_norm;  // [D], the model dtype
+  double eps = 0;
+  c10::intrusive_ptr<GgufWeights> wqkv, wo, gate_up, down;
+  int64_t heads = 0, kv_heads = 0, intermediate = 0;
+
+  void set(at::Tensor attn_norm_, at::Tensor ffn_norm_, double eps_, c10::intrusive_ptr<GgufWeights> wqkv_,
+           c10::intrusive_ptr<GgufWeights> wo_, c10::intrusive_ptr<GgufWeights> gate_up_,
+           c10::intrusive_ptr<GgufWeights> down_, int64_t heads_, int64_t kv_heads_) {
+    TORCH_CHECK(gate_up_->out_features % 2 == 0 && down_->in_features == gate_up_->out_features / 2,
+                "GgufLayer: gate/up must hold 2 x the down projection's inputs");
+    attn_norm = attn_norm_, ffn_norm = ffn_norm_, eps = eps_;
+    wqkv = wqkv_, wo = wo_, gate_up = gate_up_, down = down_;
+    heads = heads_, kv_heads = kv_heads_, intermediate = down_->in_features;
+  }
+};
+
+using NormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using RopeFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                              int64_t, int64_t);
+using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const c10::optional<at::Tensor>&, bool, double);
+
+struct LayerOps {
+  c10::TypedOperatorHandle<NormFn> rms_norm;
+  c10::TypedOperatorHandle<RopeFn> qkv_rope;
+  c10::TypedOperatorHandle<AttentionFn> attention;
+};
+
+const LayerOps& layer_ops() {  // found once, at the first call (the Python side has loaded their extensions)
+  static const LayerOps ops{
+      c10::Dispatcher::singleton().findSchemaOrThrow("dflash2_layer_ops::rms_norm", "").typed<NormFn>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("dflash2_layer_ops::qkv_rope", "").typed<RopeFn>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("dflash2_attention::attention_rows", "").typed<AttentionFn>()};
+  return ops;
+}
+
+// x [B, T, D]; cos / sin [B or 1, 1, T, Dh]; keys / values: this layer's cache [B, H_kv, capacity, Dh], slots
+// [0, length) committed -> x after the layer [B, T, D] (the new keys / values written at [length, length + T)).
+at::Tensor gguf_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+                      const at::Tensor& values, int64_t length, const c10::intrusive_ptr<GgufLayer>& layer) {
+  const LayerOps& ops = layer_ops();
+  TORCH_CHECK(x.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(), "gguf_layer: x [B, T, D], cache "
+              "[B, H_kv, S, Dh]");
+  const int64_t batch = x.size(0), seq = x.size(1), end = length + seq;
+  TORCH_CHECK(end <= keys.size(2), "KV cache overflow: ", end, " slots needed, capacity ", keys.size(2));
+  // attention (decoder.Attention + CachedAttention + kernels/attention.invariant_attention)
+  const at::Tensor qkv = gguf_linear(ops.rms_norm.call(x, layer->attn_norm, layer->eps), layer->wqkv);
+  auto [q, k, v] = ops.qkv_rope.call(qkv, cos, sin, layer->heads, layer->kv_heads);
+  keys.slice(2, length, end).copy_(k);
+  values.slice(2, length, end).copy_(v);
+  const at::Tensor k_all = keys.slice(2, 0, end), v_all = values.slice(2, 0, end);
+  c10::optional<at::Tensor> mask;  // [1, T, S]: query t sees slots up to S - T + t (models/decoder.causal_mask)
+  if (seq > 1 && end > seq) {
+    const auto slots = at::TensorOptions().dtype(at::kLong).device(x.device());
+    mask = at::le(at::arange(end, slots).unsqueeze(0), at::arange(end - seq, end, slots).unsqueeze(1)).unsqueeze(0);
+  }
+  const bool is_causal = seq > 1 && end == seq;
+  at::Tensor out = ops.attention.call(q, k_all, v_all, mask, is_causal, 1.0 / std::sqrt(double(q.size(-1))));
+  if (out.scalar_type() != q.scalar_type()) out = out.to(q.scalar_type());  // fp32 [B, H, T, Dh] -> x's dtype
+  at::Tensor h = at::add(x, gguf_linear(out.transpose(1, 2).reshape({batch, seq, -1}), layer->wo));
+  // feed-forward (decoder.FeedForward): down(silu(gate) * up)
+  const at::Tensor gu = gguf_linear(ops.rms_norm.call(h, layer->ffn_norm, layer->eps), layer->gate_up);
+  const int64_t i = layer->intermediate;
+  const at::Tensor act = at::mul(at::silu(gu.slice(-1, 0, i)), gu.slice(-1, i, 2 * i));
+  return at::add(h, gguf_linear(act, layer->down));
+}
+
+}  // namespace
