@@ -396,19 +396,25 @@ def test_pard_with_prompt_lookup_is_lossless(models):
 
 
 def test_the_drafters_weight_format(monkeypatch):
-    """int8 by default for bf16 on a CPU, also under a gguf target (no GGUF holds the merged weights) unless the gguf
-    kernel has its VNNI build (then q8_0 blocks); the quantized formats asked for are kept; fp32 and CUDA stay
-    unquantized; the environment overrides the default."""
+    """For bf16 on a CPU, also under a gguf target (no GGUF holds the merged weights): q8_0 blocks where the gguf
+    kernel has its VNNI build and the CPU no AMX, else int8; the quantized formats asked for are kept; fp32 and CUDA
+    stay unquantized; the environment overrides the default."""
     from dflash2.drafters.pard import DEFAULT_PARD_WEIGHTS, pard_weights
     from dflash2.kernels import gguf_linear
+    from dflash2.kernels.jit import cpu_flags
 
     monkeypatch.delenv("DFLASH2_PARD_WEIGHTS", raising=False)
     monkeypatch.delenv(gguf_linear.ENV, raising=False)
-    assert pard_weights(None, "cpu") == DEFAULT_PARD_WEIGHTS == "int8"
-    vnni = gguf_linear.gguf_kernels_available(gguf_linear.VNNI)
-    assert pard_weights("gguf", "cpu") == ("q8_0" if vnni else "int8")  # q8_0 where the gguf kernel has VNNI
+    vnni = gguf_linear.gguf_kernels_available(gguf_linear.VNNI) and "amx_int8" not in cpu_flags()
+    assert DEFAULT_PARD_WEIGHTS == "int8"
+    assert pard_weights(None, "cpu") == pard_weights("gguf", "cpu") == ("q8_0" if vnni else "int8")
     monkeypatch.setenv(gguf_linear.ENV, "torch")
-    assert pard_weights("gguf", "cpu") == "int8"
+    assert pard_weights("gguf", "cpu") == pard_weights(None, "cpu") == "int8"
+    monkeypatch.setenv(gguf_linear.ENV, "bogus")
+    assert pard_weights(None, "cpu") == "int8"  # a bad switch is the gguf target's error, not a bf16 target's
+    with pytest.raises(ValueError, match="DFLASH2_GGUF_KERNEL"):
+        pard_weights("gguf", "cpu")
+    monkeypatch.delenv(gguf_linear.ENV)
     assert pard_weights("int4", "cpu") == "int4"
     assert pard_weights(None, "cpu", "fp32") == pard_weights(None, "cuda") == "bf16"
     monkeypatch.setenv("DFLASH2_PARD_WEIGHTS", "bf16")

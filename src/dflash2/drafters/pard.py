@@ -298,11 +298,13 @@ def pard_context_window() -> tuple[int, int] | None:
 
 def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
     """The drafter's weight format: ``weights`` when quantized (``--weights int8 / int4`` quantizes target and
-    drafter), else :data:`DEFAULT_PARD_WEIGHTS` for bf16 / fp16 on a CPU (``$DFLASH2_PARD_WEIGHTS`` = bf16 / int8 /
-    int4 overrides it), not quantized elsewhere (fp32 stays the unquantized reference, as ``load_transformer``).
-    A gguf target gets the default too (the drafter's weights are the base merged with the adapter, which no GGUF
-    file holds; int8 drafts faster than the 0.5B's own Q4_K_M blocks on AVX2 at 1-9 rows), except where the gguf
-    kernel has its AVX512-VNNI build: there :data:`Q8_0` (8-row draft pass 47 vs 58 ms on Zen 4, docs/pard.md)."""
+    drafter), else for bf16 / fp16 on a CPU (``$DFLASH2_PARD_WEIGHTS`` = bf16 / int8 / int4 / q8_0 overrides it)
+    :data:`Q8_0` where the gguf kernel's AVX512-VNNI build runs on a CPU without AMX (its layers run as one C++
+    call each: a 3-row draft pass 23-26 vs 28-33 ms in int8 under a bf16 target, 8 rows 47 vs 58 ms under a gguf
+    target, Zen 4, docs/pard.md), else :data:`DEFAULT_PARD_WEIGHTS`; not quantized elsewhere (fp32 stays the
+    unquantized reference, as ``load_transformer``). A gguf target's drafter is quantized the same way: its weights
+    are the base merged with the adapter, which no GGUF file holds (int8 drafts faster than the 0.5B's own Q4_K_M
+    blocks on AVX2 at 1-9 rows)."""
     import os
 
     if weights not in (None, "bf16", "gguf"):
@@ -312,12 +314,24 @@ def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
     chosen = os.environ.get("DFLASH2_PARD_WEIGHTS", "").strip().lower()
     if chosen:
         return chosen
-    if weights == "gguf":
-        from dflash2.kernels import gguf_linear
+    return Q8_0 if _vnni_q8_0(gguf_target=weights == "gguf") else DEFAULT_PARD_WEIGHTS
 
-        if gguf_linear.gguf_backend() == gguf_linear.VNNI:
-            return Q8_0
-    return DEFAULT_PARD_WEIGHTS
+
+def _vnni_q8_0(gguf_target: bool) -> bool:
+    """The gguf kernel chosen here is its AVX512-VNNI build, on a CPU without AMX int8 tiles (whose int8 kernel
+    was not measured against it). Under a gguf target a kernel that cannot run is the target's error; under another
+    target it only means the int8 default."""
+    from dflash2.kernels import gguf_linear
+    from dflash2.kernels.jit import cpu_flags
+
+    if "amx_int8" in cpu_flags():
+        return False
+    try:
+        return gguf_linear.gguf_backend() == gguf_linear.VNNI
+    except (RuntimeError, ValueError):  # no gguf kernel here, or a bad DFLASH2_GGUF_KERNEL
+        if gguf_target:
+            raise
+        return False
 
 
 # int8 on a CPU: one draft pass of the 0.5B (8 rows) measured 590 ms vs 669 ms in bf16 (scripts/pard_cost.py,
