@@ -43,11 +43,12 @@ import torch
 from dflash2.kernels import jit
 from dflash2.kernels import packed_linear as _bf16
 from dflash2.kernels.gguf_packing import PANEL, PackedBlocks, pack_blocks, unpack_blocks
-from dflash2.models.gguf_blocks import BLOCK, BlockTensor, quantize_q8_0, take_rows
+from dflash2.models.gguf_blocks import (BLOCK, SUPPORTED_TYPES, BlockTensor, dequantize, integer_weights,
+                                        quantize_q8_0, random_blocks, take_rows)
 
 __all__ = ["ENV", "VNNI", "GgufLinear", "PackedBlocks", "activation_block", "build_namespace", "gguf_backend",
-           "gguf_kernel_status", "gguf_kernels_available", "kernel_backends", "kernel_ops", "pack_blocks", "quantize_rows", "reference_matmul", "reference_rows",
-           "unpack_blocks"]
+           "gguf_kernel_status", "gguf_kernels_available", "kernel_backends", "kernel_ops", "pack_blocks",
+           "quantize_rows", "reference_matmul", "reference_rows", "unpack_blocks"]
 
 ENV = "DFLASH2_GGUF_KERNEL"
 KERNEL = _bf16.KERNEL  # "avx2"
@@ -104,8 +105,6 @@ def activation_block(t: BlockTensor | PackedBlocks) -> int:
 
 def _group_integers(xq: torch.Tensor, bsum: torch.Tensor, t: BlockTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(J fp32 [G, M, N], T fp32 [G, M, N] or None): the exact integer sums per scale group, rounded once."""
-    from dflash2.models.gguf_blocks import integer_weights
-
     n, k = t.shape
     m, groups = xq.shape[0], k // (BLOCK * t.group)
     w = torch.from_numpy(integer_weights(t)).to(torch.float64).view(n, groups, -1)  # [N, G, 32 group]
@@ -162,8 +161,6 @@ def kernel_ops(backend: str) -> tuple[object, object]:
 
 def _self_check(build: _Build) -> str:
     """The kernel against :func:`reference_matmul` on every block type, 5 and 9 rows, bit for bit."""
-    from dflash2.models.gguf_blocks import SUPPORTED_TYPES, random_blocks
-
     g = torch.Generator().manual_seed(0)
     op, quantize = _ops(build)
     backend = build.backend
@@ -346,8 +343,6 @@ class GgufLinear(_bf16.CpuLinear):
 
     def dequantized_weight(self) -> torch.Tensor:
         """fp32 [N, K] (what gguf.quants.dequantize gives for these blocks)."""
-        from dflash2.models.gguf_blocks import dequantize
-
         return torch.cat([torch.from_numpy(dequantize(unpack_blocks(p))) for p in self.parts])
 
     def select_rows(self, rows: torch.Tensor) -> "GgufLinear":
