@@ -35,7 +35,8 @@ def fused_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
     cache = getattr(context, "cache", None)
     if cache is None or getattr(context, "mask", True) is not None or not _switched_on():
         return None
-    if x.device.type != "cpu" or x.dtype not in layer_ops.DTYPES or model.config.head_dim % 8:
+    if x.device.type != "cpu" or x.dtype not in layer_ops.DTYPES or model.config.head_dim % 8 \
+            or model.config.hidden_size % 8:  # (the layer ops' and attention kernel's conditions)
         return None
     if torch.is_grad_enabled() or cache.keys.dtype != x.dtype:
         return None
