@@ -45,6 +45,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 // Built twice (kernels/gguf_linear.py): for AVX2 + FMA, and for AVX512-VNNI (-mavx512vnni -mavx512vl), where the
@@ -265,44 +266,49 @@ void panel_rows(const Args& a, int64_t p, int64_t m0, int64_t nv) {
   }
 }
 
-using PanelFn = void (*)(const Args&, int64_t, int64_t, int64_t);
-
-template <int KIND, int H, int OFF>
-PanelFn pick_rows(int mr) {
-  switch (mr) {
-    case 4: return &panel_rows<4, KIND, H, OFF>;
-    case 3: return &panel_rows<3, KIND, H, OFF>;
-    case 2: return &panel_rows<2, KIND, H, OFF>;
-    default: return &panel_rows<1, KIND, H, OFF>;
-  }
+// The micro-kernel instantiation for (kind, sub-scales h, offset kind, rows): Family::fn<MR, KIND, H, OFF> is the
+// function, for 1 .. Family::kRows rows (the 256-bit panels here, the 512-bit pairs in gemm_gguf_vnni.h).
+template <class Family, int KIND, int H, int OFF, int... I>
+typename Family::Fn pick_rows(int mr, std::integer_sequence<int, I...>) {
+  static constexpr typename Family::Fn table[] = {Family::template fn<I + 1, KIND, H, OFF>...};
+  return table[std::clamp(mr, 1, Family::kRows) - 1];
 }
 
-template <int KIND, int H>
-PanelFn pick_off(int off, int mr) {
+template <class Family, int KIND, int H>
+typename Family::Fn pick_off(int off, int mr) {
+  constexpr auto rows = std::make_integer_sequence<int, Family::kRows>{};
   switch (off) {
-    case 2: return pick_rows<KIND, H, 2>(mr);
-    case 1: return pick_rows<KIND, H, 1>(mr);
-    default: return pick_rows<KIND, H, 0>(mr);
+    case 2: return pick_rows<Family, KIND, H, 2>(mr, rows);
+    case 1: return pick_rows<Family, KIND, H, 1>(mr, rows);
+    default: return pick_rows<Family, KIND, H, 0>(mr, rows);
   }
 }
 
-template <int KIND>
-PanelFn pick_h(int h, int off, int mr) {
+template <class Family, int KIND>
+typename Family::Fn pick_h(int h, int off, int mr) {
   switch (h) {
-    case 2: return pick_off<KIND, 2>(off, mr);
-    case 1: return pick_off<KIND, 1>(off, mr);
-    default: return pick_off<KIND, 0>(off, mr);
+    case 2: return pick_off<Family, KIND, 2>(off, mr);
+    case 1: return pick_off<Family, KIND, 1>(off, mr);
+    default: return pick_off<Family, KIND, 0>(off, mr);
   }
 }
 
-PanelFn pick(int kind, int h, int off, int mr) {
+template <class Family>
+typename Family::Fn pick(int kind, int h, int off, int mr) {
   switch (kind) {
-    case kNib4: return pick_h<kNib4>(h, off, mr);
-    case kNib5: return pick_h<kNib5>(h, off, mr);
-    case kNib6: return pick_h<kNib6>(h, off, mr);
-    default: return pick_h<kSigned>(h, off, mr);
+    case kNib4: return pick_h<Family, kNib4>(h, off, mr);
+    case kNib5: return pick_h<Family, kNib5>(h, off, mr);
+    case kNib6: return pick_h<Family, kNib6>(h, off, mr);
+    default: return pick_h<Family, kSigned>(h, off, mr);
   }
 }
+
+struct Panels {  // one panel of 8 outputs, 1-4 rows per call
+  using Fn = void (*)(const Args&, int64_t, int64_t, int64_t);
+  static constexpr int kRows = 4;
+  template <int MR, int KIND, int H, int OFF>
+  static constexpr Fn fn = &panel_rows<MR, KIND, H, OFF>;
+};
 
 // Rows per call when `remaining` rows are left: as few calls of <= kMaxRows rows as possible, evenly sized.
 inline int rows_for_call(int64_t remaining) {
@@ -406,7 +412,7 @@ void paired_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P
       const __mmask16 keep = static_cast<__mmask16>(((1u << nv0) - 1) | (((1u << nv1) - 1) << 8));
       for (int64_t m = 0; m < M;) {
         const int mr = rows_for_call(M - m);
-        pick_pair(kind, h, off, mr)(a, p, q, m, keep);
+        pick<Pairs>(kind, h, off, mr)(a, p, q, m, keep);
         m += mr;
       }
     }
@@ -464,7 +470,7 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
       const int64_t nv = std::min<int64_t>(kPanel, n_out - p * kPanel);
       for (int64_t m = 0; m < M;) {
         const int mr = rows_for_call(M - m);
-        pick(kind, h, off, mr)(a, p, m, nv);
+        pick<Panels>(kind, h, off, mr)(a, p, m, nv);
         m += mr;
       }
     }

@@ -148,45 +148,9 @@ void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) 
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + p * kPanel, keep, yv[r]);
 }
 
-using PairFn = void (*)(const Args&, int64_t, int64_t, int64_t, __mmask16);
-
-template <int KIND, int H, int OFF>
-PairFn pick_pair_rows(int mr) {
-  switch (mr) {
-    case 8: return &pair_rows<8, KIND, H, OFF>;
-    case 7: return &pair_rows<7, KIND, H, OFF>;
-    case 6: return &pair_rows<6, KIND, H, OFF>;
-    case 5: return &pair_rows<5, KIND, H, OFF>;
-    case 4: return &pair_rows<4, KIND, H, OFF>;
-    case 3: return &pair_rows<3, KIND, H, OFF>;
-    case 2: return &pair_rows<2, KIND, H, OFF>;
-    default: return &pair_rows<1, KIND, H, OFF>;
-  }
-}
-
-template <int KIND, int H>
-PairFn pick_pair_off(int off, int mr) {
-  switch (off) {
-    case 2: return pick_pair_rows<KIND, H, 2>(mr);
-    case 1: return pick_pair_rows<KIND, H, 1>(mr);
-    default: return pick_pair_rows<KIND, H, 0>(mr);
-  }
-}
-
-template <int KIND>
-PairFn pick_pair_h(int h, int off, int mr) {
-  switch (h) {
-    case 2: return pick_pair_off<KIND, 2>(off, mr);
-    case 1: return pick_pair_off<KIND, 1>(off, mr);
-    default: return pick_pair_off<KIND, 0>(off, mr);
-  }
-}
-
-PairFn pick_pair(int kind, int h, int off, int mr) {
-  switch (kind) {
-    case kNib4: return pick_pair_h<kNib4>(h, off, mr);
-    case kNib5: return pick_pair_h<kNib5>(h, off, mr);
-    case kNib6: return pick_pair_h<kNib6>(h, off, mr);
-    default: return pick_pair_h<kSigned>(h, off, mr);
-  }
-}
+struct Pairs {  // panels p and q in one 512-bit vector, 1-8 rows per call (dispatched by gemm_gguf_avx2.cpp's pick)
+  using Fn = void (*)(const Args&, int64_t, int64_t, int64_t, __mmask16);
+  static constexpr int kRows = 8;
+  template <int MR, int KIND, int H, int OFF>
+  static constexpr Fn fn = &pair_rows<MR, KIND, H, OFF>;
+};
