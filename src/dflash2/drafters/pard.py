@@ -179,6 +179,7 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
     from safetensors.torch import load_file
 
     from dflash2.kernels.gguf_linear import GgufLinear
+    from dflash2.models.huge_pages import move_linear_weights
     from dflash2.models.loading import (WEIGHT_FORMATS, check_weight_format, load_transformer, own_memory,
                                         pack_linear_layers, parse_dtype, should_pack)
     from dflash2.models.state_dict import quantize_linear_layers, replace_linear_layers
@@ -223,6 +224,7 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
     elif packed if packed is not None else should_pack(device, parse_dtype(dtype)):
         pack_linear_layers(model)
         own_memory(model)
+    move_linear_weights(model)  # packed / quantized weights onto huge pages (models/huge_pages.py)
     if vocab is not None:
         model.lm_head = VocabSubsetHead(model.lm_head, vocab, model.config.vocab_size)
     return model.eval().requires_grad_(False), config

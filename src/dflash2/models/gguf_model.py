@@ -4,7 +4,6 @@ the store (:mod:`dflash2.models.gguf_cache`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -14,9 +13,8 @@ from dflash2.kernels import gguf_linear as gl
 from dflash2.models.config import ModelConfig
 from dflash2.models.decoder import Transformer
 from dflash2.models.gguf_cache import GgufCache
-from dflash2.kernels.gguf_packing import PackedBlocks
 from dflash2.models.gguf_weights import gguf_file_of, read_gguf_layers
-from dflash2.models.huge_pages import huge_page_copies
+from dflash2.models.huge_pages import move_linear_weights
 from dflash2.models.state_dict import build_transformer, hf_to_lean_state_dict, is_hf_linear, read_safetensors
 
 
@@ -37,19 +35,10 @@ def load_gguf_transformer(model_dir: Path, config: ModelConfig, dtype: torch.dty
         layers = read_gguf_layers(gguf, config, _architecture(model_dir))
         if cache is not None:
             cache.write(layers)
-    for name, (parts, bias) in _on_huge_pages(layers).items():
+    for name, (parts, bias) in layers.items():
         _set_module(model, name, gl.GgufLinear(parts, bias, backend))
-    return model
-
-
-def _on_huge_pages(layers: dict[str, tuple[list[PackedBlocks], torch.Tensor | None]]):
-    """``layers`` with every packed tensor copied into one huge-page buffer (:mod:`dflash2.models.huge_pages`): the
-    cache's tensors are views of its memory map, 4 KiB pages that every decoding step streams through."""
-    blocks = [p for parts, _ in layers.values() for p in parts]
-    copies = iter(huge_page_copies([t for p in blocks for t in p.tensors().values()]))
-    moved = {id(p): dataclasses.replace(p, **{name: next(copies) for name in p.tensors()}) for p in blocks}
-    return {name: ([moved[id(p)] for p in parts], bias)
-            for name, (parts, bias) in layers.items()}
+    # the cache's tensors are views of its memory map: 4 KiB page-cache pages that every decoding step streams
+    return move_linear_weights(model)
 
 
 def _set_module(model: Transformer, name: str, module: torch.nn.Module) -> None:

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["HUGE_PAGE", "huge_page_copies"]
+__all__ = ["ENV", "HUGE_PAGE", "huge_page_copies", "huge_pages_wanted", "move_linear_weights"]
 
 log = logging.getLogger(__name__)
 
+ENV = "DFLASH2_HUGE_PAGES"  # "off": leave the weights where loading put them (for comparisons)
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
 _ALIGN = 64  # bytes between tensors in the buffer: every dtype's alignment, a cache line
 _MADV_HUGEPAGE = 14
@@ -43,6 +46,48 @@ def huge_page_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         copy = buffer[offset : offset + size].view(t.dtype).view(t.shape)
         copies.append(copy.copy_(t))
     return copies
+
+
+def huge_pages_wanted() -> bool:
+    """False when ``DFLASH2_HUGE_PAGES`` is off (read at each load)."""
+    return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "false", "no")
+
+
+def move_linear_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """Move the weights of ``model``'s CPU linear layers onto huge pages, one decoder layer (then the head) per
+    buffer, so the load's peak grows by one layer's weights, not the model's: the packed / quantized tensors
+    (``weight_data`` / ``scale_data``) of packed bf16 and int8 / int4 layers, and the blocks of GGUF layers. Nothing
+    moves when :func:`huge_pages_wanted` is false."""
+    if not huge_pages_wanted():
+        return model
+    groups = [list(layer.modules()) for layer in getattr(model, "layers", [])]
+    head = getattr(model, "lm_head", None)
+    groups.append(list(head.modules()) if head is not None else [])
+    for modules in groups:
+        slots = [(m, name) for m in modules for name in ("weight_data", "scale_data")
+                 if _movable(getattr(m, name, None))]
+        blocks = [(m, i, p) for m in modules for i, p in enumerate(_gguf_parts(m))]
+        tensors = [getattr(m, name) for m, name in slots] + [t for _, _, p in blocks for t in p.tensors().values()]
+        if not tensors:
+            continue
+        copies = iter(huge_page_copies(tensors))
+        for m, name in slots:
+            setattr(m, name, next(copies))
+        for m, i, p in blocks:  # a GGUF layer's runs of blocks: the same blocks, new tensors
+            m.parts[i] = dataclasses.replace(p, **{name: next(copies) for name in p.tensors()})
+            m._weights = None  # its C++ view of the old tensors, rebuilt at the next forward
+    model.__dict__.pop("_gguf_layers", None)  # the one-call layers' views too (kernels/gguf_layer.py)
+    return model
+
+
+def _movable(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
+
+
+def _gguf_parts(module) -> list:
+    from dflash2.kernels.gguf_linear import GgufLinear  # kernels import models: imported when needed
+
+    return list(module.parts) if isinstance(module, GgufLinear) else []
 
 
 def _huge_buffer(nbytes: int) -> torch.Tensor:

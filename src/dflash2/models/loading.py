@@ -11,6 +11,7 @@ import torch
 
 from dflash2.models.config import ModelConfig
 from dflash2.models.decoder import Transformer
+from dflash2.models.huge_pages import move_linear_weights
 from dflash2.models.state_dict import (
     build_transformer,
     hf_to_lean_state_dict,
@@ -57,7 +58,7 @@ def load_transformer(
     if weights != "bf16":
         from dflash2.models.quant_cache import load_quantized_transformer  # below this module, imported when needed
 
-        return own_memory(load_quantized_transformer(model_dir, config, torch_dtype, weights))
+        return move_linear_weights(own_memory(load_quantized_transformer(model_dir, config, torch_dtype, weights)))
     pack = packed if packed is not None else should_pack(device, torch_dtype)
     # Tensors that the CPU model uses as read get their own memory (a view of the map would pin the file's pages).
     mapped = pack or torch.device(device).type != "cpu"
@@ -66,6 +67,7 @@ def load_transformer(
     if pack:
         pack_linear_layers(model)
         own_memory(model)
+        move_linear_weights(model)  # onto 2 MiB pages: every decoding step streams them
     return model
 
 
