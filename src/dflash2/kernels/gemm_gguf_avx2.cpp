@@ -480,9 +480,9 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
 
 // ---- a whole linear layer in one call --------------------------------------------------------------------------
 // GgufWeights holds a layer's runs of rows (each one gguf_matmul's weights) and its fp32 bias; gguf_linear(x, w)
-// computes what GgufLinear.forward computes from Python -- each distinct activation block quantized once, one
+// computes what the Python path of CpuLinear.forward computes -- each distinct activation block quantized once, one
 // gguf_matmul per run, the runs concatenated, the bias added, the result in x's dtype -- with the same calls in the
-// same order, so the same bits, without a Python round trip per step (~20 us per layer).
+// same order, so the same bits. Alone it saves little (one call instead of a few); gguf_layer.h builds on it.
 
 constexpr int64_t kRowBlock = 256;  // rows per kernel call, as packed_linear.ROW_BLOCK (bounds the temporaries)
 
