@@ -179,7 +179,7 @@ def _self_check(build: _Build) -> str:
 
 def _cpp_weights(backend: str, parts: list[PackedBlocks], bias: torch.Tensor | None):
     """A backend build's ``GgufWeights`` holding these runs (views of the same tensors) and the fp32 bias."""
-    weights = getattr(torch.classes, _BUILDS[backend].namespace).GgufWeights()
+    weights = getattr(torch.classes, build_namespace(backend)).GgufWeights()
     for pb in parts:
         weights.add_run(pb.weight, pb.scale, pb.offset, pb.sub_scales, pb.offset_mult, pb.bits, pb.signed, pb.zero,
                         pb.sub, pb.group, pb.out_features)
