@@ -34,13 +34,13 @@ def test_one_estimator_and_one_cost_model_serve_both_loops():
     from dflash2.decode.cost_model import Acceptance, ForwardCost
     from dflash2.decode.draft_length import AdaptiveConfig, AdaptiveDraftLength
 
-    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=8, prior_accepted=1.0, prior_rejected=1.0))
-    alone = Acceptance()
+    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=8, prior=0.5, prior_weight=2.0, decay=0.9))
+    alone = Acceptance(prior=0.5, prior_weight=2.0, decay=0.9)
     for drafted, accepted in [(4, 4), (4, 1), (2, 0), (6, 6)]:
         policy.record(drafted, accepted, 0.01, 0.1 + 0.02 * drafted)
         alone.update(drafted, accepted)
     assert isinstance(policy.acceptance, Acceptance) and isinstance(policy.forward, ForwardCost)
-    assert policy.beta == alone.alpha
+    assert policy.acceptance.rates(8) == alone.rates(8)
     for k in (1, 3, 5, 7) * 2:  # verification seconds = 0.08 + 0.02 * (1 + k): growth 0.02 / 0.1
         policy.record(k, k, 0.01, 0.08 + 0.02 * (1 + k))
     assert policy.forward.growth() == pytest.approx(0.2)

@@ -22,7 +22,7 @@ def test_fixed_length_is_capped_by_the_room_left():
 def test_full_acceptance_with_cheap_drafts_drafts_the_longest_block():
     policy = AdaptiveDraftLength(AdaptiveConfig(k_max=8))
     feed(policy, 30, accepted=8, drafted=8)
-    assert policy.beta > 0.95
+    assert min(policy.acceptance.rates(8)) > 0.95
     assert policy.next_length(room=100) == 8
     assert policy.next_length(room=3) == 3
 
@@ -31,7 +31,7 @@ def test_everything_rejected_switches_speculation_off_then_probes():
     config = AdaptiveConfig(k_max=8, probe_interval=5, probe_length=2)
     policy = AdaptiveDraftLength(config)
     feed(policy, 30, accepted=0, drafted=4, draft_s=0.03)
-    assert policy.beta < 0.05
+    assert policy.acceptance.first < 0.05
     lengths = [policy.next_length(room=100) for _ in range(10)]
     assert lengths == [0, 0, 0, 0, 2, 0, 0, 0, 0, 2]  # off, with one probe every probe_interval steps
 
@@ -46,8 +46,10 @@ def test_probe_that_succeeds_turns_speculation_back_on():
 
 def test_expensive_drafts_shorten_the_block():
     cheap, costly = AdaptiveDraftLength(AdaptiveConfig(k_max=12)), AdaptiveDraftLength(AdaptiveConfig(k_max=12))
-    feed(cheap, 40, accepted=3, drafted=4, draft_s=0.004, verify_s=0.1)  # beta about 0.75
-    feed(costly, 40, accepted=3, drafted=4, draft_s=0.2, verify_s=0.1)  # one draft token costs half a target step
+    for policy, draft_s in ((cheap, 0.004), (costly, 0.2)):  # costly: one draft token is half a target step
+        for _ in range(4):
+            for accepted in range(12):  # each position accepts a little less often than the one before
+                policy.record(12, accepted, draft_s * 12 / 4, 0.1)
     assert costly.draft_ratio > 10 * cheap.draft_ratio
     assert 0 < costly.best_length() < cheap.best_length()
 
@@ -55,7 +57,7 @@ def test_expensive_drafts_shorten_the_block():
 def test_overlap_costs_follow_the_cost_model():
     """Overlap hides the draft when the pre-draft hits, but the pre-draft (k + 1 tokens) must fit in the
     verification: with drafts as costly as here it prefers a shorter block than sync would."""
-    config = dict(k_max=8, draft_ratio=0.4, prior_accepted=19.0, prior_rejected=1.0)  # beta 0.95
+    config = dict(k_max=8, draft_ratio=0.4, prior=0.95)  # every position 0.95 before evidence
     sync = AdaptiveDraftLength(AdaptiveConfig(**config))
     overlap = AdaptiveDraftLength(AdaptiveConfig(**config, overlap=True))
     for k in (1, 4, 8):
@@ -69,16 +71,36 @@ def test_overlap_costs_follow_the_cost_model():
 
 
 def test_expected_tokens_matches_the_closed_form():
-    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=4, prior_accepted=1.0, prior_rejected=1.0))
-    assert policy.beta == 0.5
+    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=4, prior=0.5))
+    assert policy.acceptance.first == 0.5
     assert policy.expected_tokens(0) == pytest.approx(1.0)
     assert policy.expected_tokens(3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_a_block_drafter_priced_per_pass_drafts_up_to_where_its_positions_stop_paying():
+    """A pass costs the same for any k; later positions accept less (a parallel drafter's guesses), so the
+    policy drafts up to the position whose expected gain no longer covers its verification row; priced per token
+    the same pass looks cheap for k = 1 and dear for long blocks."""
+    config = dict(k_max=8, verify_growth=0.1)
+    per_pass = AdaptiveDraftLength(AdaptiveConfig(**config, per_pass=True))
+    per_token = AdaptiveDraftLength(AdaptiveConfig(**config))
+    for policy in (per_pass, per_token):
+        for _ in range(40):  # positions accept 0.9, 0.6, 0.3, then nothing; a pass is 0.3 of a step
+            for accepted in (3, 3, 2, 2, 1, 0, 3, 2, 1, 1):
+                policy.record(4, accepted, 0.03, 0.1 + 0.01 * 4)
+    assert per_pass.draft_ratio == pytest.approx(0.3)  # seconds per pass / plain step (0.14 s / 1.4)
+    assert per_token.draft_ratio == pytest.approx(0.3 / 4)
+    rates = per_pass.acceptance.rates(4)
+    assert rates[0] > rates[1] > rates[2] and rates[3] < 0.05
+    assert per_pass.best_length() == 3  # the fourth row costs 0.1 of a step for ~0 expected tokens
+    assert per_pass.step_cost(3) == pytest.approx(per_pass.draft_ratio + 1 + per_pass.forward.growth() * 3)
 
 
 def test_make_policy_picks_the_kind():
     assert isinstance(make_policy(False, 4, overlap=False), FixedDraftLength)
     adaptive = make_policy(True, 4, overlap=True)
     assert isinstance(adaptive, AdaptiveDraftLength) and adaptive.config.overlap and adaptive.config.k_max == 4
+    assert not adaptive.config.per_pass and make_policy(True, 4, overlap=False, per_pass=True).config.per_pass
 
 
 def test_adaptive_by_default_only_for_gguf_weights_and_the_cli_can_say_either():

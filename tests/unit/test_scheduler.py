@@ -1,45 +1,116 @@
 import pytest
 
-from dflash2.decode.cost_model import Acceptance, ForwardCost
-from dflash2.decode.scheduler import plan_draft_lengths
+from dflash2.decode.cost_model import Acceptance, DraftCost, ForwardCost
+from dflash2.decode.scheduler import RowDrafts, plan_draft_lengths
+
+
+def geometric(alpha: float, k: int, pass_s: float = 0.0, token_s: float = 0.0) -> RowDrafts:
+    return RowDrafts(k, [alpha ** (i + 1) for i in range(k)], pass_s, token_s)
+
+
+def rate(rows: list[RowDrafts], plan: list[int], base: int, c0: float, c1: float) -> float:
+    """Expected committed tokens per second of a step with this plan (base rows, one token each without drafts)."""
+    expected = base + sum(sum(row.reach[:k]) for row, k in zip(rows, plan))
+    seconds = c0 + c1 * (base + sum(plan)) + sum(row.pass_s + row.token_s * k for row, k in zip(rows, plan) if k)
+    return expected / seconds
 
 
 def test_drafts_are_granted_when_tokens_are_nearly_free():
-    assert plan_draft_lengths([4, 4], [0.8, 0.8], base_tokens=2, base_expected=2.0, c0=1.0, c1=1e-4) == [4, 4]
+    rows = [geometric(0.8, 4)] * 2
+    assert plan_draft_lengths(rows, base_tokens=2, base_expected=2.0, c0=1.0, c1=1e-4) == [4, 4]
 
 
 def test_speculation_is_switched_off_when_the_forward_is_compute_bound():
-    assert plan_draft_lengths([8] * 8, [0.3] * 8, base_tokens=8, base_expected=8.0, c0=0.01, c1=1.0) == [0] * 8
+    assert plan_draft_lengths([geometric(0.3, 8)] * 8, base_tokens=8, base_expected=8.0, c0=0.01, c1=1.0) == [0] * 8
 
 
 def test_better_accepted_requests_get_drafts_first():
-    plan = plan_draft_lengths([4, 4], [0.9, 0.2], base_tokens=2, base_expected=2.0, c0=1.0, c1=0.1)
+    plan = plan_draft_lengths([geometric(0.9, 4), geometric(0.2, 4)], base_tokens=2, base_expected=2.0, c0=1.0,
+                              c1=0.1)
     assert plan[0] > plan[1] and plan[0] >= 2
 
 
 def test_every_granted_draft_raises_expected_tokens_per_second():
-    alphas, c0, c1 = [0.7, 0.5, 0.2], 1.0, 0.15
-    plan = plan_draft_lengths([5, 5, 5], alphas, base_tokens=3, base_expected=3.0, c0=c0, c1=c1)
-
-    def rate(p):
-        expected = 3 + sum(sum(a ** i for i in range(1, k + 1)) for a, k in zip(alphas, p))
-        return expected / (c0 + c1 * (3 + sum(p)))
-
-    best = rate(plan)
+    rows, c0, c1 = [geometric(0.7, 5), geometric(0.5, 5), geometric(0.2, 5)], 1.0, 0.15
+    plan = plan_draft_lengths(rows, base_tokens=3, base_expected=3.0, c0=c0, c1=c1)
+    best = rate(rows, plan, 3, c0, c1)
     for row in range(3):  # no single draft more or fewer does better
         for delta in (-1, 1):
             other = list(plan)
             other[row] += delta
             if 0 <= other[row] <= 5:
-                assert rate(other) <= best + 1e-12
+                assert rate(rows, other, 3, c0, c1) <= best + 1e-12
 
 
-def test_acceptance_counts_drafts_up_to_the_first_rejection():
-    acceptance = Acceptance(decay=1.0)
-    acceptance.update(4, 4)  # 4 tested, 4 accepted
-    acceptance.update(4, 1)  # 2 tested, 1 accepted
+def test_a_drafting_pass_is_weighed_against_what_its_whole_block_gains():
+    """A block drafter's pass costs the same for 1 or 4 drafts: one draft alone would not pay for it, four do;
+    a pass that costs more than its block gains is not run at all (plain decoding for that row)."""
+    c0, c1 = 0.1, 0.001
+    cheap = [RowDrafts(4, [0.5, 0.4, 0.3, 0.2], pass_s=0.1)]
+    assert plan_draft_lengths(cheap, base_tokens=1, base_expected=1.0, c0=c0, c1=c1) == [4]
+    costly = [RowDrafts(4, [0.5, 0.4, 0.3, 0.2], pass_s=0.3)]
+    assert plan_draft_lengths(costly, base_tokens=1, base_expected=1.0, c0=c0, c1=c1) == [0]
+    assert rate(costly, [4], 1, c0, c1) < rate(costly, [0], 1, c0, c1)
+    assert rate(cheap, [4], 1, c0, c1) > rate(cheap, [1], 1, c0, c1)
+
+
+def test_with_many_rows_drafting_passes_lose_to_plain_batching():
+    """Eight requests with a block drafter each: on a forward that costs little more per row, eight passes of
+    a quarter of the forward's time outweigh what moderate acceptance gains, so the plan is plain batching; with
+    prompt lookup (nearly free) drafting stays on."""
+    c0, c1 = 0.1, 0.002
+    pard = [RowDrafts(3, [0.6, 0.3, 0.1], pass_s=0.025)] * 8
+    assert plan_draft_lengths(pard, base_tokens=8, base_expected=8.0, c0=c0, c1=c1) == [0] * 8
+    lookup = [RowDrafts(3, [0.6, 0.3, 0.1], pass_s=0.0001)] * 8
+    assert all(k > 0 for k in plan_draft_lengths(lookup, base_tokens=8, base_expected=8.0, c0=c0, c1=c1))
+
+
+def test_the_plan_is_the_best_of_every_possible_plan_on_small_cases():
+    import itertools
+
+    c0, c1 = 0.1, 0.01
+    rows = [RowDrafts(3, [0.9, 0.8, 0.7], pass_s=0.05), RowDrafts(3, [0.5, 0.2, 0.1], pass_s=0.02),
+            RowDrafts(2, [0.6, 0.3], token_s=0.02)]
+    plan = plan_draft_lengths(rows, base_tokens=3, base_expected=3.0, c0=c0, c1=c1)
+    best = max(rate(rows, list(p), 3, c0, c1) for p in itertools.product(range(4), range(4), range(3)))
+    assert rate(rows, plan, 3, c0, c1) == pytest.approx(best, rel=0.02)
+
+
+def test_acceptance_counts_each_position_up_to_the_first_rejection():
+    acceptance = Acceptance(prior=0.5, prior_weight=1e-9, decay=1.0)
+    acceptance.update(4, 4)  # positions 0-3 tested and accepted
+    acceptance.update(4, 1)  # position 0 accepted, position 1 rejected
     acceptance.update(0, 0)  # nothing drafted: no evidence
-    assert acceptance.alpha == pytest.approx((5 + 1) / (6 + 2))
+    assert acceptance.rates(4) == pytest.approx([1.0, 0.5, 1.0, 1.0])
+    assert acceptance.reach(4) == pytest.approx([1.0, 0.5, 0.5, 0.5])
+    assert acceptance.expected_tokens(2) == pytest.approx(2.5)
+
+
+def test_an_untested_position_leans_on_the_one_before_it_until_evidence_outweighs_it():
+    acceptance = Acceptance(prior=0.75, prior_weight=2.0, decay=1.0)  # no decay: the prior keeps its weight
+    assert acceptance.rates(3) == pytest.approx([0.75] * 3)
+    for _ in range(8):
+        acceptance.update(1, 0)  # the first draft always rejected; later positions never tested
+    assert acceptance.rates(3) == pytest.approx([(0 + 2 * 0.75) / (8 + 2)] * 3)
+    for _ in range(20):
+        acceptance.update(2, 1)  # position 0 accepted, position 1 rejected
+    rates = acceptance.rates(3)
+    assert rates[0] > 0.6 and rates[1] < 0.1 and rates[2] == pytest.approx(rates[1])
+    decaying = Acceptance(prior=0.75, prior_weight=2.0, decay=0.9)
+    for _ in range(40):
+        decaying.update(4, 0)
+    assert decaying.first < 0.01  # the prior's pseudo-counts decayed with the evidence
+
+
+def test_draft_cost_per_pass_or_per_token():
+    block, model = DraftCost(per_pass=True, decay=0.5), DraftCost(per_pass=False, decay=0.5)
+    for drafter in (block, model):
+        drafter.record(4, 0.04)
+        drafter.record(2, 0.04)
+    assert (block.pass_s, block.token_s) == pytest.approx((0.04, 0.0))
+    assert (model.pass_s, model.token_s) == pytest.approx((0.0, 0.015))  # 0.01, then 0.02 per token
+    model.record(0, 5.0)  # nothing drafted: nothing learnt
+    assert model.token_s == pytest.approx(0.015)
 
 
 def test_cost_model_fits_a_line_and_keeps_the_prior_without_spread():

@@ -41,8 +41,8 @@ from dflash2.decode.batch_types import (  # noqa: F401  (re-exported: the batch 
 from dflash2.decode.engine import Engine
 from dflash2.decode.output import GenerationResult, OutputTracker
 from dflash2.decode.ragged import RaggedRow, ragged_forward
-from dflash2.decode.cost_model import Acceptance, ForwardCost
-from dflash2.decode.scheduler import plan_draft_lengths
+from dflash2.decode.cost_model import Acceptance, DraftCost, ForwardCost
+from dflash2.decode.scheduler import RowDrafts, plan_draft_lengths
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.kv.paged import BlockTable, KVBudgetError, PagedKVPool
@@ -117,6 +117,7 @@ class BatchEngine:
         self._steps = 0
         self._workspace_peak = 0  # bytes: the largest padded attention workspace of a step (RaggedOutput)
         self.cost = ForwardCost()
+        self.draft_costs: dict[str, DraftCost] = {}  # per drafter name (request.drafter), shared by its requests
 
     # ---- the caller's side -------------------------------------------------------------------------------------
     def submit(self, request: BatchRequest, sink: Sink) -> RequestHandle:
@@ -384,16 +385,30 @@ class BatchEngine:
         if not self.config.adaptive_drafts or not any(wanted):
             return wanted
         base_tokens = sum(1 if chunk is None else chunk for chunk in chunks)
-        plan = plan_draft_lengths(wanted, [seq.acceptance.alpha for seq in running], base_tokens,
-                                  float(len(running)), *self.cost.coefficients())
+        rows = [self._row_drafts(seq, k) for seq, k in zip(running, wanted)]
+        plan = plan_draft_lengths(rows, base_tokens, float(len(running)), *self.cost.coefficients())
         # A seeded sampled request keeps its draft length: its random draws, hence its output, stay reproducible
         # whatever else is in the batch.
         return [k if _seeded(seq.request.params) else p for seq, k, p in zip(running, wanted, plan)]
 
+    def _row_drafts(self, seq: _Sequence, k: int) -> RowDrafts:
+        if k <= 0:
+            return RowDrafts(0, [])
+        cost = self._draft_cost(seq)
+        return RowDrafts(k, seq.acceptance.reach(k), cost.pass_s, cost.token_s)
+
+    def _draft_cost(self, seq: _Sequence) -> DraftCost:
+        name = seq.request.drafter
+        if name not in self.draft_costs:
+            self.draft_costs[name] = DraftCost(per_pass=seq.drafter.cost_per_pass)
+        return self.draft_costs[name]
+
     def _propose(self, seq: _Sequence, k: int) -> Draft | None:
         if seq.drafter is None or k <= 0:
             return None
+        started = time.perf_counter()
         draft = seq.drafter.propose(seq.sequence, k, seq.request.params, seq.generator)
+        self._draft_cost(seq).record(len(draft.tokens), time.perf_counter() - started)
         room = seq.max_slots - len(seq.sequence)  # a tree of k * W nodes may not fit where k drafts do
         draft = fit_draft(draft, room)
         return draft if len(draft.tokens) else None

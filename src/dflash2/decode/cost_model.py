@@ -1,6 +1,7 @@
 """The one cost model of the decode loops, and the one acceptance estimator.
 
-:class:`Acceptance`: a request's running draft acceptance rate (alpha), from decayed counts.
+:class:`Acceptance`: a request's draft acceptance rate per draft position, from decayed counts.
+:class:`DraftCost`: seconds of drafting, per pass (block drafters) or per draft token (draft models).
 :class:`ForwardCost`: a target forward over N tokens costs ``c0 + c1 * N`` seconds (c0: reading the weights once,
 c1: compute per token), fitted online from measured forwards. The batch planner (``decode/scheduler.py``) prices
 the drafts of a ragged step with it; the adaptive draft length (``decode/draft_length.py``) prices a verification
@@ -25,30 +26,92 @@ from dataclasses import dataclass
 import numpy as np
 
 
-@dataclass
 class Acceptance:
-    """A running draft acceptance rate: decayed counts of accepted drafts and of drafts tested (up to and
-    including the first rejection of each step), starting from prior pseudo-counts that decay away too."""
+    """A request's draft acceptance by position: ``rate(i)`` is the probability that draft i (0-based) is accepted
+    given that every draft before it was. Block drafters fill their positions from less and less context (a
+    parallel drafter's later positions are guesses), so one rate for all positions overrates long blocks.
 
-    prior_accepted: float = 1.0  # the default prior: alpha = 0.5 from one accepted and one rejected draft
-    prior_rejected: float = 1.0
-    decay: float = 0.9  # weight of the past per verification, so that the rate follows the text
+    Each position keeps decayed counts of the drafts tested there (reached: the earlier ones were all accepted)
+    and of those accepted; the counts decay only when the position is tested, so a rarely reached position keeps
+    its evidence. A position leans on the one before it (position 0 on ``prior``) with ``prior_weight``
+    pseudo-counts that decay with its own observations: an untested position is rated like the last tested one,
+    and evidence soon outweighs the assumption."""
 
-    def __post_init__(self) -> None:
-        self.accepted = self.prior_accepted
-        self.tested = self.prior_accepted + self.prior_rejected
+    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9) -> None:
+        if not 0.0 < prior < 1.0 or prior_weight <= 0 or not 0.0 < decay <= 1.0:
+            raise ValueError(f"need 0 < prior < 1, prior_weight > 0, 0 < decay <= 1; got {prior}, {prior_weight}, "
+                             f"{decay}")
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.accepted: list[float] = []  # per position: decayed count of accepted drafts
+        self.tested: list[float] = []  # per position: decayed count of drafts tested
+        self.weight: list[float] = []  # per position: decayed pseudo-counts of the previous position's rate
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
-        if num_drafted <= 0:
-            return
-        tested = num_accepted + (num_accepted < num_drafted)
-        self.accepted = self.decay * self.accepted + num_accepted
-        self.tested = self.decay * self.tested + tested
+        """One verification: drafts 0..num_accepted-1 accepted, draft num_accepted (if drafted) rejected."""
+        tested = min(num_drafted, num_accepted + 1)
+        while len(self.tested) < tested:
+            self.accepted.append(0.0)
+            self.tested.append(0.0)
+            self.weight.append(self.prior_weight)
+        for i in range(tested):
+            self.accepted[i] = self.decay * self.accepted[i] + (i < num_accepted)
+            self.tested[i] = self.decay * self.tested[i] + 1.0
+            self.weight[i] *= self.decay
+
+    def rates(self, n: int) -> list[float]:
+        """rate(i) for positions 0..n-1."""
+        out, previous = [], self.prior
+        for i in range(n):
+            if i < len(self.tested):
+                accepted, tested, weight = self.accepted[i], self.tested[i], self.weight[i]
+                previous = (accepted + weight * previous) / (tested + weight)
+            out.append(previous)
+        return out
+
+    def reach(self, n: int) -> list[float]:
+        """For positions 0..n-1: the probability that the draft there is accepted (all before it were too)."""
+        out, product = [], 1.0
+        for rate in self.rates(n):
+            product *= rate
+            out.append(product)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one verification of k drafts commits on average: the accepted drafts + the target's own token."""
+        return 1.0 + sum(self.reach(k))
 
     @property
-    def alpha(self) -> float:
-        """Estimated probability that a draft is accepted given that the previous one was."""
-        return self.accepted / self.tested
+    def first(self) -> float:
+        """rate(0): how often the first draft is accepted."""
+        return self.rates(1)[0]
+
+
+@dataclass
+class DraftCost:
+    """Seconds of drafting: per pass (a block drafter fills k positions in one forward) or per draft token (a draft
+    model runs once per token), a decayed mean of measured proposals; 0 until the first one is measured."""
+
+    per_pass: bool
+    seconds: float = 0.0  # per pass or per token
+    decay: float = 0.8
+    measured: int = 0
+
+    def record(self, num_drafted: int, seconds: float) -> None:
+        if num_drafted <= 0:
+            return
+        unit = seconds if self.per_pass else seconds / num_drafted
+        self.seconds = unit if self.measured == 0 else self.decay * self.seconds + (1.0 - self.decay) * unit
+        self.measured += 1
+
+    @property
+    def pass_s(self) -> float:
+        """Seconds charged once when drafting at all."""
+        return self.seconds if self.per_pass else 0.0
+
+    @property
+    def token_s(self) -> float:
+        """Seconds per draft token."""
+        return 0.0 if self.per_pass else self.seconds
 
 
 class ForwardCost:

@@ -1,12 +1,14 @@
 """How many tokens to draft next: a fixed k, or chosen per request from observed acceptance and measured costs.
 
 Any draft length is lossless (verification decides what is kept), so the policy only trades speed. The adaptive
-policy estimates the per-token acceptance rate ``beta`` with the loops' one estimator (``cost_model.Acceptance``),
-and the cost of a step from measured draft and verify times with their one forward cost model
-(``cost_model.ForwardCost``: a verification of k drafts is ``1 + growth * k`` plain steps), then picks the k in
-[0, k_max] that maximises
+policy estimates the acceptance at each draft position with the loops' one estimator (``cost_model.Acceptance``:
+``reach(i)``, the probability that draft i is accepted), and the cost of a step from measured draft and verify
+times with their one forward cost model (``cost_model.ForwardCost``: a verification of k drafts is
+``1 + growth * k`` plain steps). Drafting costs per draft token (a draft model runs once per token) or per pass
+(a block drafter fills k positions in one forward: ``Drafter.cost_per_pass``). It picks the k in [0, k_max] that
+maximises
 
-    expected tokens per step / expected seconds per step,   E(k) = (1 - beta^(k + 1)) / (1 - beta)
+    expected tokens per step / expected seconds per step,   E(k) = 1 + reach(0) + ... + reach(k - 1)
 
 k = 0 is plain decoding (speculation off). While off, nothing is drafted so nothing is learnt: every
 ``probe_interval`` steps one short probe draft refreshes the estimate.
@@ -40,11 +42,12 @@ class AdaptiveConfig:
 
     k_max: int  # longest draft ever proposed
     overlap: bool = False  # drafting runs concurrently with verification (a hit hides the draft's cost)
-    decay: float = 0.9  # weight of the past in the acceptance counts (per step)
-    prior_accepted: float = 3.0  # pseudo-counts: start from beta = 0.75
-    prior_rejected: float = 1.0
+    per_pass: bool = False  # drafting k tokens costs one pass whatever k (block drafters), not k
+    decay: float = 0.9  # weight of the past in each position's acceptance counts (per observation)
+    prior: float = 0.75  # acceptance assumed before any evidence (first position; later ones lean on the previous)
+    prior_weight: float = 2.0  # pseudo-counts of that assumption
     verify_growth: float = 0.05  # prior: a verification of k drafts costs (1 + verify_growth * k) plain steps
-    draft_ratio: float = 0.3  # initial guess of one draft token's cost relative to a plain target step
+    draft_ratio: float = 0.3  # initial guess of drafting's cost (per token, or per pass) relative to a plain step
     probe_interval: int = 16  # steps with speculation off before one probe draft
     probe_length: int = 2
 
@@ -56,17 +59,12 @@ class AdaptiveDraftLength:
         if config.k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {config.k_max}")
         self.config = config
-        self.acceptance = Acceptance(config.prior_accepted, config.prior_rejected, config.decay)
+        self.acceptance = Acceptance(config.prior, config.prior_weight, config.decay)
         # verification forwards over 1 + k tokens; the prior (c0 + c1 = 1 plain step, c1 = verify_growth) holds
         # until the measured draft lengths vary enough for a fit
         self.forward = ForwardCost(prior=(1.0 - config.verify_growth, config.verify_growth))
-        self.draft_ratio = config.draft_ratio  # seconds per draft token / seconds per plain target step
+        self.draft_ratio = config.draft_ratio  # seconds per draft token (or pass) / seconds per plain target step
         self.steps_off = 0
-
-    @property
-    def beta(self) -> float:
-        """Estimated probability that a draft is accepted given that the previous one was."""
-        return self.acceptance.alpha
 
     def next_length(self, room: int) -> int:
         k = min(self.best_length(), room)
@@ -84,15 +82,19 @@ class AdaptiveDraftLength:
         return max(range(self.config.k_max + 1), key=lambda k: self.expected_tokens(k) / self.step_cost(k))
 
     def expected_tokens(self, k: int) -> float:
-        beta = min(self.beta, 1.0 - 1e-6)
-        return (1.0 - beta ** (k + 1)) / (1.0 - beta)
+        return self.acceptance.expected_tokens(k)
+
+    def draft_cost(self, k: int) -> float:
+        """Drafting k tokens, in plain target steps."""
+        return self.draft_ratio * (1 if self.config.per_pass else k)
 
     def step_cost(self, k: int) -> float:
         """Seconds of one step in units of a plain target step (decode/cost_model.py, slowdowns taken as 1)."""
         if k == 0:
             return 1.0
-        costs = StepCosts(draft_s=self.draft_ratio * k, verify_s=1.0 + self.forward.growth() * k,
-                          hit_rate=self.beta ** (k + 1), num_draft_tokens=k)  # a hit: all k accepted, bonus guessed
+        hit_rate = self.acceptance.reach(k + 1)[-1]  # a hit: all k accepted and the bonus guessed like one more
+        costs = StepCosts(draft_s=self.draft_cost(k), verify_s=1.0 + self.forward.growth() * k, hit_rate=hit_rate,
+                          ahead_s=self.draft_cost(k + 1), num_draft_tokens=k)  # ahead: the bonus guess + k drafts
         return costs.overlap_step() if self.config.overlap else costs.sync_step()
 
     def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
@@ -103,7 +105,7 @@ class AdaptiveDraftLength:
         if draft_seconds > 0 and verify_seconds > 0:
             self.forward.record(1 + num_drafted, verify_seconds)
             plain_step = verify_seconds / (1.0 + self.forward.growth() * num_drafted)
-            measured = draft_seconds / num_drafted / plain_step
+            measured = draft_seconds / plain_step / (1 if self.config.per_pass else num_drafted)
             decay = self.config.decay
             self.draft_ratio = decay * self.draft_ratio + (1.0 - decay) * measured
 
@@ -118,6 +120,8 @@ def default_adaptive_draft(weights: str) -> bool:
     return weights == "gguf"
 
 
-def make_policy(adaptive: bool, k_max: int, overlap: bool) -> DraftLengthPolicy:
-    """A fresh policy for one request."""
-    return AdaptiveDraftLength(AdaptiveConfig(k_max=k_max, overlap=overlap)) if adaptive else FixedDraftLength(k_max)
+def make_policy(adaptive: bool, k_max: int, overlap: bool, per_pass: bool = False) -> DraftLengthPolicy:
+    """A fresh policy for one request (``per_pass``: the drafter's ``cost_per_pass``)."""
+    if not adaptive:
+        return FixedDraftLength(k_max)
+    return AdaptiveDraftLength(AdaptiveConfig(k_max=k_max, overlap=overlap, per_pass=per_pass))

@@ -162,7 +162,7 @@ class Engine:
         drafter, overlap = self.drafter, self.pipeline == "overlap"
 
         def method(ids, params, gen, cap, stats, cache):
-            policy = make_policy(self.adaptive_draft, drafter.num_draft_tokens, overlap)
+            policy = make_policy(self.adaptive_draft, drafter.num_draft_tokens, overlap, drafter.cost_per_pass)
             if not overlap:
                 return speculative_decode(self.target, drafter, ids, params, gen, cap, stats, policy, cache)
             if self._worker is None or self._worker.num_threads != self.draft_threads:

@@ -38,6 +38,7 @@ class Drafter(ABC):
 
     name: str = "drafter"
     hidden_layers: tuple[int, ...] = ()  # target layers whose hidden states the drafter reads (empty: none)
+    cost_per_pass: bool = False  # drafting k tokens costs one forward whatever k (a block drafter), not k forwards
 
     def __init__(self, num_draft_tokens: int) -> None:
         if num_draft_tokens <= 0:

@@ -55,6 +55,7 @@ class DFlashDrafter(Drafter):
     """
 
     name = "dflash"
+    cost_per_pass = True
 
     def __init__(self, model: DFlashDraftModel, target: Transformer, num_draft_tokens: int | None = None,
                  num_paths: int = 1) -> None:

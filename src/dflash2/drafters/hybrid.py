@@ -29,6 +29,7 @@ class HybridDrafter(Drafter):
         self.block = block
         self.name = f"{block.name}+ngram"
         self.hidden_layers = block.hidden_layers
+        self.cost_per_pass = block.cost_per_pass  # the lookup is nearly free; the block drafter is what costs
         self.min_match, self.max_match, self.min_tokens = min_match, max_match, min_tokens
         self.stop_ids = frozenset(stop_ids)
         self.ngram_steps = 0  # steps drafted by prompt lookup (the rest came from the block drafter)

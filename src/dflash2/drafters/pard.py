@@ -352,6 +352,7 @@ class PardDrafter(CachedModelDrafter):
     """k drafts per forward of a small model: accepted tokens + k - 1 mask tokens (see the module docstring)."""
 
     name = "pard"
+    cost_per_pass = True
 
     def __init__(self, model: Transformer, mask_token_id: int, num_draft_tokens: int = 8,
                  target_vocab_size: int | None = None, num_paths: int = 1,
