@@ -113,3 +113,24 @@ def test_adaptive_by_default_only_for_gguf_weights_and_the_cli_can_say_either():
     assert parse(["generate", "hi", "--adaptive-draft"]).adaptive_draft is True
     assert parse(["generate", "hi", "--no-adaptive-draft"]).adaptive_draft is False
     assert parse(["bench", "--no-adaptive-draft"]).adaptive_draft is False
+
+
+def test_at_one_length_the_policy_varies_k_once_in_a_while_to_fit_the_verification_cost():
+    """Every forward of the same size leaves the verification cost's growth unknown (the prior 0.05 rates a
+    4-row verification at 1.15 plain steps where a 4-bit CPU kernel needs ~2): one step in probe_interval drafts
+    one fewer, the fit then finds the true growth, and a pass that does not pay is switched off."""
+    from dflash2.decode.draft_length import verification_cost_model
+
+    shared = verification_cost_model()
+    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=3, per_pass=True, probe_interval=4), shared)
+    lengths = []
+    for step in range(40):
+        k = policy.next_length(room=100)
+        lengths.append(k)
+        would_accept = [1, 1, 0, 2, 1][step % 5]  # position 0 accepts 0.8, position 1 after it 0.25, then none
+        policy.record(k, min(would_accept, k), 0.024, 0.040 * (1 + 0.33 * k))  # a pass: 0.6 step; growth 0.33
+    assert 2 in lengths[:8]  # an exploring step
+    assert shared.fitted() and shared.growth() == pytest.approx(0.33)
+    assert policy.best_length() == 0  # k = 1: 1.8 tokens for 0.6 + 1.33 steps; plain decoding wins
+    again = AdaptiveDraftLength(AdaptiveConfig(k_max=3, per_pass=True), shared)  # the engine's next request
+    assert again.forward.growth() == pytest.approx(shared.growth())

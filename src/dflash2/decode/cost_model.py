@@ -20,7 +20,7 @@ Tokens per pass (tau) are the same in both pipelines, so the speedup is ``T_sync
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,12 +124,18 @@ class ForwardCost:
     def record(self, num_tokens: int, seconds: float) -> None:
         self.samples.append((num_tokens, seconds))
 
-    def coefficients(self) -> tuple[float, float]:
+    def fitted(self) -> bool:
+        """Whether the forwards seen allow a fit: at least 8, of three sizes or more, or of two sizes seen twice each
+        (with one size the split between c0 and c1 is unknown)."""
         if len(self.samples) < 8:
+            return False
+        sizes = Counter(tokens for tokens, _ in self.samples)
+        return len(sizes) >= 3 or sum(count >= 2 for count in sizes.values()) >= 2
+
+    def coefficients(self) -> tuple[float, float]:
+        if not self.fitted():
             return self.prior
         tokens, seconds = np.array(self.samples, dtype=np.float64).T
-        if tokens.std() < 1.0:
-            return self.prior
         c1, c0 = np.polyfit(tokens, seconds, 1)
         if c0 <= 0 or c1 <= 0:
             return self.prior

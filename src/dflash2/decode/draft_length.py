@@ -11,7 +11,10 @@ maximises
     expected tokens per step / expected seconds per step,   E(k) = 1 + reach(0) + ... + reach(k - 1)
 
 k = 0 is plain decoding (speculation off). While off, nothing is drafted so nothing is learnt: every
-``probe_interval`` steps one short probe draft refreshes the estimate.
+``probe_interval`` steps one short probe draft refreshes the estimate. While on at one length, the verification
+cost's growth with k cannot be fitted (every forward has the same size): every ``probe_interval`` steps one step
+drafts one token fewer (one more when k = 1), which costs about nothing. The forward cost model may be shared by
+the requests of one engine (the same target), so later requests start from a fit.
 """
 
 from __future__ import annotations
@@ -55,21 +58,25 @@ class AdaptiveConfig:
 class AdaptiveDraftLength:
     """Picks k per step from the acceptance and costs observed so far in this request."""
 
-    def __init__(self, config: AdaptiveConfig) -> None:
+    def __init__(self, config: AdaptiveConfig, forward: ForwardCost | None = None) -> None:
         if config.k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {config.k_max}")
         self.config = config
         self.acceptance = Acceptance(config.prior, config.prior_weight, config.decay)
         # verification forwards over 1 + k tokens; the prior (c0 + c1 = 1 plain step, c1 = verify_growth) holds
         # until the measured draft lengths vary enough for a fit
-        self.forward = ForwardCost(prior=(1.0 - config.verify_growth, config.verify_growth))
+        self.forward = forward or ForwardCost(prior=(1.0 - config.verify_growth, config.verify_growth))
         self.draft_ratio = config.draft_ratio  # seconds per draft token (or pass) / seconds per plain target step
         self.steps_off = 0
+        self.steps_on = 0
 
     def next_length(self, room: int) -> int:
         k = min(self.best_length(), room)
         if k > 0:
             self.steps_off = 0
+            self.steps_on += 1
+            if self.steps_on % self.config.probe_interval == 0 and not self.forward.fitted():
+                return k - 1 if k > 1 else min(2, self.config.k_max, room)  # another size for the cost fit
             return k
         self.steps_off += 1
         if self.steps_off >= self.config.probe_interval:
@@ -120,8 +127,16 @@ def default_adaptive_draft(weights: str) -> bool:
     return weights == "gguf"
 
 
-def make_policy(adaptive: bool, k_max: int, overlap: bool, per_pass: bool = False) -> DraftLengthPolicy:
-    """A fresh policy for one request (``per_pass``: the drafter's ``cost_per_pass``)."""
+def make_policy(adaptive: bool, k_max: int, overlap: bool, per_pass: bool = False,
+                forward: ForwardCost | None = None) -> DraftLengthPolicy:
+    """A fresh policy for one request (``per_pass``: the drafter's ``cost_per_pass``; ``forward``: the engine's
+    verification cost model, shared by its requests; None: the request's own)."""
     if not adaptive:
         return FixedDraftLength(k_max)
-    return AdaptiveDraftLength(AdaptiveConfig(k_max=k_max, overlap=overlap, per_pass=per_pass))
+    return AdaptiveDraftLength(AdaptiveConfig(k_max=k_max, overlap=overlap, per_pass=per_pass), forward)
+
+
+def verification_cost_model(growth: float = AdaptiveConfig.verify_growth) -> ForwardCost:
+    """A verification cost model for an engine's requests to share (prior: a verification of k drafts costs
+    ``1 + growth * k`` plain steps)."""
+    return ForwardCost(prior=(1.0 - growth, growth))

@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from dflash2.decode.cost_model import ForwardCost
 from dflash2.decode.output import GenerationResult, OutputTracker, StreamChunk
 from dflash2.decode.plain import plain_decode
 from dflash2.decode.stats import DecodeStats
@@ -52,6 +53,7 @@ class Engine:
         self.adaptive_draft = adaptive_draft  # choose the draft length per step from observed acceptance
         self.draft_threads = draft_threads  # overlap: the drafter thread's intra-op threads (None: torch's default)
         self._worker = None  # overlap: the drafter's thread, started on first use
+        self._verify_costs: dict[str, ForwardCost] = {}  # pipeline -> the adaptive draft lengths' shared cost model
         self.prefix_cache = prefix_cache  # keep the last generation's KV cache for the next call
         self._kept: KeptCache | None = None
 
@@ -153,7 +155,7 @@ class Engine:
         if self.drafter is None:
             return lambda ids, params, gen, cap, stats, cache: plain_decode(self.target, ids, params, gen, cap, stats,
                                                                             cache)
-        from dflash2.decode.draft_length import make_policy
+        from dflash2.decode.draft_length import make_policy, verification_cost_model
         from dflash2.decode.overlap import PIPELINES, DraftWorker, overlap_decode
         from dflash2.decode.speculative import speculative_decode
 
@@ -162,7 +164,9 @@ class Engine:
         drafter, overlap = self.drafter, self.pipeline == "overlap"
 
         def method(ids, params, gen, cap, stats, cache):
-            policy = make_policy(self.adaptive_draft, drafter.num_draft_tokens, overlap, drafter.cost_per_pass)
+            forward = self._verify_costs.setdefault(self.pipeline, verification_cost_model())
+            policy = make_policy(self.adaptive_draft, drafter.num_draft_tokens, overlap, drafter.cost_per_pass,
+                                 forward)
             if not overlap:
                 return speculative_decode(self.target, drafter, ids, params, gen, cap, stats, policy, cache)
             if self._worker is None or self._worker.num_threads != self.draft_threads:
