@@ -7,6 +7,8 @@ that trained weights carry real signal (an untrained drafter's first-position ac
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from dflash2.drafters import build_drafter, shipped_dflash_drafter
@@ -19,9 +21,15 @@ PROMPTS = [
 ]
 
 
+@functools.lru_cache(maxsize=None)
+def plain_result(name: str, prompt: str, max_new_tokens: int):
+    """Plain greedy decoding in fp32, once per (model, prompt, length) for every drafter compared with it."""
+    return lean_engine(name, "fp32").generate(prompt, max_new_tokens=max_new_tokens)
+
+
 def plain_and_drafted(engine, drafter, prompt: str, max_new_tokens: int):
-    """(plain greedy result, result with ``drafter``) for one prompt."""
-    plain = engine.generate(prompt, max_new_tokens=max_new_tokens)
+    """(plain greedy result, result with ``drafter``) for one prompt (``engine``: a cached fp32 engine)."""
+    plain = plain_result(engine.name, prompt, max_new_tokens)
     engine.drafter = drafter
     try:
         return plain, engine.generate(prompt, max_new_tokens=max_new_tokens)

@@ -27,13 +27,18 @@ def test_full_acceptance_with_cheap_drafts_drafts_the_longest_block():
     assert policy.next_length(room=3) == 3
 
 
-def test_everything_rejected_switches_speculation_off_then_probes():
-    config = AdaptiveConfig(k_max=8, probe_interval=5, probe_length=2)
+def test_everything_rejected_switches_speculation_off_then_probes_less_and_less_often():
+    config = AdaptiveConfig(k_max=8, probe_interval=2, probe_length=2, max_probe_interval=8)
     policy = AdaptiveDraftLength(config)
     feed(policy, 30, accepted=0, drafted=4, draft_s=0.03)
     assert policy.acceptance.first < 0.05
-    lengths = [policy.next_length(room=100) for _ in range(10)]
-    assert lengths == [0, 0, 0, 0, 2, 0, 0, 0, 0, 2]  # off, with one probe every probe_interval steps
+    lengths = []
+    for _ in range(30):
+        lengths.append(policy.next_length(room=100))
+        policy.record(lengths[-1], 0, 0.03, 0.1)  # every probe rejected
+    probes = [step for step, k in enumerate(lengths) if k]
+    assert all(lengths[step] == 2 for step in probes)
+    assert probes[0] == 1 and [b - a for a, b in zip(probes, probes[1:])] == [4, 8, 8, 8]  # periods 2, 4, 8 (cap)
 
 
 def test_probe_that_succeeds_turns_speculation_back_on():

@@ -11,7 +11,9 @@ maximises
     expected tokens per step / expected seconds per step,   E(k) = 1 + reach(0) + ... + reach(k - 1)
 
 k = 0 is plain decoding (speculation off). While off, nothing is drafted so nothing is learnt: every
-``probe_interval`` steps one short probe draft refreshes the estimate. While on at one length, the verification
+``probe_interval`` steps one short probe draft refreshes the estimate; a probe that leaves speculation off doubles
+the interval (up to ``max_probe_interval``): a probe costs more than a draft pass (the drafter first reads every
+token committed while it was off), so on text where drafts do not pay it should be rare. While on at one length, the verification
 cost's growth with k cannot be fitted (every forward has the same size): every ``probe_interval`` steps one step
 drafts one token fewer (one more when k = 1), which costs about nothing. The forward cost model may be shared by
 the requests of one engine (the same target), so later requests start from a fit.
@@ -52,6 +54,7 @@ class AdaptiveConfig:
     verify_growth: float = 0.05  # prior: a verification of k drafts costs (1 + verify_growth * k) plain steps
     draft_ratio: float = 0.3  # initial guess of drafting's cost (per token, or per pass) relative to a plain step
     probe_interval: int = 16  # steps with speculation off before one probe draft
+    max_probe_interval: int = 128  # the interval after failed probes (it doubles per failed probe)
     probe_length: int = 2
 
 
@@ -69,18 +72,25 @@ class AdaptiveDraftLength:
         self.draft_ratio = config.draft_ratio  # seconds per draft token (or pass) / seconds per plain target step
         self.steps_off = 0
         self.steps_on = 0
+        self.probe_interval = config.probe_interval  # grows while probes fail, back to the config's when one pays
+        self.probed = False  # the last step was a probe
 
     def next_length(self, room: int) -> int:
         k = min(self.best_length(), room)
+        probed, self.probed = self.probed, False
         if k > 0:
             self.steps_off = 0
+            self.probe_interval = self.config.probe_interval
             self.steps_on += 1
             if self.steps_on % self.config.probe_interval == 0 and not self.forward.fitted():
                 return k - 1 if k > 1 else min(2, self.config.k_max, room)  # another size for the cost fit
             return k
+        if probed:
+            self.probe_interval = min(2 * self.probe_interval, self.config.max_probe_interval)
         self.steps_off += 1
-        if self.steps_off >= self.config.probe_interval:
+        if self.steps_off >= self.probe_interval:
             self.steps_off = 0
+            self.probed = True
             return max(0, min(self.config.probe_length, self.config.k_max, room))
         return 0
 
