@@ -115,9 +115,11 @@ def test_draft_cost_per_pass_or_per_token():
 
 def test_cost_model_fits_a_line_and_keeps_the_prior_without_spread():
     model = ForwardCost(window=29, prior=(9.0, 9.0))
+    assert model.coefficients() == (9.0, 9.0)  # nothing seen: the prior
     for _ in range(10):
         model.record(4, 1.0)
-    assert model.coefficients() == (9.0, 9.0)  # every step had the same size: nothing to fit
+    # every step had the same size: no fit, the prior's shape through the measured time (0.2 + 0.2 * 4 = 1.0)
+    assert not model.fitted() and model.coefficients() == pytest.approx((0.2, 0.2))
     for tokens in range(1, 30):  # the window now holds only these
         model.record(tokens, 0.02 + 0.001 * tokens)
     assert model.coefficients() == pytest.approx((0.02, 0.001))

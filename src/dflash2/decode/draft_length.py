@@ -115,12 +115,14 @@ class AdaptiveDraftLength:
         return costs.overlap_step() if self.config.overlap else costs.sync_step()
 
     def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
-        """One verification: ``num_drafted`` drafts, the first ``num_accepted`` kept; the step's measured times."""
+        """One verification: ``num_drafted`` drafts, the first ``num_accepted`` kept; the step's measured times
+        (a step without drafts is a plain step: it only times the forward)."""
+        if verify_seconds > 0:
+            self.forward.record(1 + num_drafted, verify_seconds)
         if num_drafted <= 0:
             return
         self.acceptance.update(num_drafted, num_accepted)
         if draft_seconds > 0 and verify_seconds > 0:
-            self.forward.record(1 + num_drafted, verify_seconds)
             plain_step = verify_seconds / (1.0 + self.forward.growth() * num_drafted)
             measured = draft_seconds / plain_step / (1 if self.config.per_pass else num_drafted)
             decay = self.config.decay
