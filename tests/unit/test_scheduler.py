@@ -102,15 +102,30 @@ def test_an_untested_position_leans_on_the_one_before_it_until_evidence_outweigh
     assert decaying.first < 0.01  # the prior's pseudo-counts decayed with the evidence
 
 
-def test_draft_cost_per_pass_or_per_token():
-    block, model = DraftCost(per_pass=True, decay=0.5), DraftCost(per_pass=False, decay=0.5)
-    for drafter in (block, model):
-        drafter.record(4, 0.04)
-        drafter.record(2, 0.04)
-    assert (block.pass_s, block.token_s) == pytest.approx((0.04, 0.0))
-    assert (model.pass_s, model.token_s) == pytest.approx((0.0, 0.015))  # 0.01, then 0.02 per token
-    model.record(0, 5.0)  # nothing drafted: nothing learnt
-    assert model.token_s == pytest.approx(0.015)
+def test_draft_cost_prices_passes_and_what_a_resuming_drafter_reads():
+    """seconds = pass_s * passes + read_s * tokens: a block drafter runs one pass for k drafts, a draft model k; the
+    ids missed while a row did not draft are read first (a catch-up that costs more than a usual pass)."""
+    block, model = DraftCost(per_pass=True), DraftCost(per_pass=False)
+    assert block.seconds(3, 0) == 0.0  # nothing measured yet
+    for unread in (1, 1, 2, 40, 1, 3, 1, 90, 1, 2):
+        for k in (1, 3):
+            block.record(k, unread, 0.020 + 0.002 * (unread + k))
+            model.record(k, unread, 0.010 * k + 0.002 * (unread + k))
+    assert block.coefficients() == pytest.approx((0.020, 0.002))
+    assert model.coefficients() == pytest.approx((0.010, 0.002))
+    assert block.seconds(3, 50) == pytest.approx(0.020 + 0.002 * 53)
+    assert model.seconds(3, 0) == pytest.approx(0.030 + 0.002 * 3)
+    few = DraftCost(per_pass=True)
+    for unread, seconds in ((150, 0.30), (100, 0.20)):  # two catch-ups (prompts read at the first draft)
+        few.record(2, unread, seconds)
+    assert few.coefficients() == (0.0, pytest.approx(0.002, rel=0.02))  # no fit yet: all per token fits them
+    few.record(2, 0, 0.004)
+    assert few.seconds(3, 0) == pytest.approx(0.006, rel=0.05)  # a usual pass is priced as cheap, not as 0.25 s
+    few.record(0, 5, 9.0)  # nothing drafted: nothing learnt
+    assert len(few.samples) == 3
+    model = DraftCost(per_pass=False)
+    model.record(2, 0, 0.02)
+    assert model.coefficients() == (pytest.approx(0.01), 0.0)  # one call fits both exactly: its own unit wins
 
 
 def test_cost_model_fits_a_line_and_keeps_the_prior_without_spread():

@@ -394,8 +394,11 @@ class BatchEngine:
     def _row_drafts(self, seq: _Sequence, k: int) -> RowDrafts:
         if k <= 0:
             return RowDrafts(0, [])
-        cost = self._draft_cost(seq)
-        return RowDrafts(k, seq.acceptance.reach(k), cost.pass_s, cost.token_s)
+        if not seq.drafter.runs_a_pass(seq.sequence, k):
+            return RowDrafts(k, seq.acceptance.reach(k))  # a lookup draft: only its verification rows cost
+        cost, unread = self._draft_cost(seq), seq.drafter.unread(seq.sequence)
+        per_token = cost.seconds(2, 0) - cost.seconds(1, 0)  # what one more draft adds
+        return RowDrafts(k, seq.acceptance.reach(k), cost.seconds(1, unread) - per_token, per_token)
 
     def _draft_cost(self, seq: _Sequence) -> DraftCost:
         name = seq.request.drafter
@@ -406,9 +409,11 @@ class BatchEngine:
     def _propose(self, seq: _Sequence, k: int) -> Draft | None:
         if seq.drafter is None or k <= 0:
             return None
-        started = time.perf_counter()
+        timed = seq.drafter.runs_a_pass(seq.sequence, k)  # a lookup's ~0 s would blur the network's cost
+        unread, started = seq.drafter.unread(seq.sequence), time.perf_counter()
         draft = seq.drafter.propose(seq.sequence, k, seq.request.params, seq.generator)
-        self._draft_cost(seq).record(len(draft.tokens), time.perf_counter() - started)
+        if timed:
+            self._draft_cost(seq).record(len(draft.tokens), unread, time.perf_counter() - started)
         room = seq.max_slots - len(seq.sequence)  # a tree of k * W nodes may not fit where k drafts do
         draft = fit_draft(draft, room)
         return draft if len(draft.tokens) else None
@@ -436,7 +441,10 @@ class BatchEngine:
                 # A prompt chunk [start, end): observe() expects the id after the tapped positions to be pending.
                 seq.drafter.observe(seq.sequence[: seq.table.length + 1] + emitted, -1 if start == 0 else 0,
                                     _kept_taps(seq.drafter, hidden, len(row.tokens)))
-            if seq.drafter is not None:  # a draft model reads the prompt's chunks with it (prefill, not a step)
+            if seq.drafter is not None and not self.config.adaptive_drafts:
+                # a draft model reads the prompt's chunks with it (prefill, not a step); with adaptive drafts it reads
+                # them at its first draft, if the planner ever grants one (a 0.5B drafter's prompt pass is ~1/4 of the
+                # target's prefill, lost on a loaded server where drafting does not pay)
                 seq.drafter.prefill(seq.sequence[: seq.table.length], len(seq.sequence))
             return emitted
         draft = draft or empty_draft()

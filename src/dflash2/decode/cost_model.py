@@ -86,32 +86,50 @@ class Acceptance:
         return self.rates(1)[0]
 
 
-@dataclass
 class DraftCost:
-    """Seconds of drafting: per pass (a block drafter fills k positions in one forward) or per draft token (a draft
-    model runs once per token), a decayed mean of measured proposals; 0 until the first one is measured."""
+    """Seconds of one drafting call = ``pass_s * passes + read_s * tokens``: ``passes`` forwards (1 for a block
+    drafter whatever k, k for a draft model), ``tokens`` fed in all (the ids the drafter had not read yet + the k
+    drafted positions). A drafter that skipped steps first reads what it missed, so resuming costs more than a
+    usual pass; the two terms price both. Least squares over the last ``window`` calls; until the calls vary enough
+    for a fit (or when it is not positive), the better of the two one-term fits (all per pass, or all per token
+    fed; a tie goes to the drafter's own unit of cost)."""
 
-    per_pass: bool
-    seconds: float = 0.0  # per pass or per token
-    decay: float = 0.8
-    measured: int = 0
+    def __init__(self, per_pass: bool, window: int = 64) -> None:
+        self.per_pass = per_pass
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)  # (passes, tokens, seconds)
 
-    def record(self, num_drafted: int, seconds: float) -> None:
+    def record(self, num_drafted: int, unread: int, seconds: float) -> None:
+        if num_drafted > 0:
+            self.samples.append((self.passes(num_drafted), unread + num_drafted, seconds))
+
+    def passes(self, num_drafted: int) -> int:
+        return 1 if self.per_pass else num_drafted
+
+    def coefficients(self) -> tuple[float, float]:
+        """(pass_s, read_s); (0, 0) before any call was measured."""
+        if not self.samples:
+            return 0.0, 0.0
+        data = np.array(self.samples, dtype=np.float64)  # [n, 3]
+        features, seconds = data[:, :2], data[:, 2]
+        if len(self.samples) >= 8:
+            (pass_s, read_s), *_ = np.linalg.lstsq(features, seconds, rcond=None)
+            if pass_s > 0 and read_s > 0:
+                return float(pass_s), float(read_s)
+        fits = []
+        for column in (0, 1):  # seconds = c * passes, or seconds = c * tokens
+            x = features[:, column]
+            c = float(x @ seconds / (x @ x))
+            preferred = column == (1 if self.per_pass else 0)
+            fits.append((float(((seconds - c * x) ** 2).sum()), not preferred, column, c))
+        _, _, column, c = min(fits)
+        return (c, 0.0) if column == 0 else (0.0, c)
+
+    def seconds(self, num_drafted: int, unread: int) -> float:
+        """Predicted seconds of drafting ``num_drafted`` tokens with ``unread`` ids to read first (0 for 0 drafts)."""
         if num_drafted <= 0:
-            return
-        unit = seconds if self.per_pass else seconds / num_drafted
-        self.seconds = unit if self.measured == 0 else self.decay * self.seconds + (1.0 - self.decay) * unit
-        self.measured += 1
-
-    @property
-    def pass_s(self) -> float:
-        """Seconds charged once when drafting at all."""
-        return self.seconds if self.per_pass else 0.0
-
-    @property
-    def token_s(self) -> float:
-        """Seconds per draft token."""
-        return 0.0 if self.per_pass else self.seconds
+            return 0.0
+        pass_s, read_s = self.coefficients()
+        return pass_s * self.passes(num_drafted) + read_s * (unread + num_drafted)
 
 
 class ForwardCost:

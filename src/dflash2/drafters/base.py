@@ -52,6 +52,15 @@ class Drafter(ABC):
     def reset(self, capacity: int) -> None:
         """Start a new sequence; ``capacity`` bounds its length (prompt + generated + one draft block)."""
 
+    def unread(self, sequence: list[int]) -> int:
+        """Ids of ``sequence`` the next ``propose`` must read before drafting (a draft model's cache behind the
+        sequence after steps without drafts): what resuming costs beyond a usual pass. 0: nothing to catch up."""
+        return 0
+
+    def runs_a_pass(self, sequence: list[int], num_draft_tokens: int) -> bool:
+        """Whether drafting after ``sequence`` runs the drafter's network (False: a lookup that costs ~nothing)."""
+        return True
+
     def state_bytes(self, capacity: int) -> int:
         """Memory the per-request state of this drafter takes after ``reset(capacity)`` (its own caches; the
         weights are shared): what the batch engine reserves from its drafter memory budget. 0 = stateless."""

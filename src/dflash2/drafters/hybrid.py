@@ -47,6 +47,18 @@ class HybridDrafter(Drafter):
     def reset(self, capacity: int) -> None:
         self.block.reset(capacity)
 
+    def unread(self, sequence: list[int]) -> int:
+        return self.block.unread(sequence)
+
+    def runs_a_pass(self, sequence: list[int], num_draft_tokens: int) -> bool:
+        return not self._lookup(sequence, num_draft_tokens)
+
+    def _lookup(self, sequence: list[int], num_draft_tokens: int) -> list[int]:
+        """The prompt-lookup draft when its match is long enough (empty: the block drafter drafts)."""
+        k = min(num_draft_tokens, self.num_draft_tokens)
+        lookup = find_ngram_continuation(sequence, k, self.min_match, self.max_match, self.stop_ids)
+        return lookup if lookup and len(lookup) >= min(self.min_tokens, k) else []
+
     def state_bytes(self, capacity: int) -> int:
         return self.block.state_bytes(capacity)
 
@@ -62,10 +74,10 @@ class HybridDrafter(Drafter):
     def propose(
         self, sequence: list[int], num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
-        k = min(num_draft_tokens, self.num_draft_tokens)
-        lookup = find_ngram_continuation(sequence, k, self.min_match, self.max_match, self.stop_ids)
-        if len(lookup) >= min(self.min_tokens, k) and lookup:
+        lookup = self._lookup(sequence, num_draft_tokens)
+        if lookup:
             self.ngram_steps += 1
             return Draft(tokens=torch.tensor(lookup, dtype=torch.int64), q_draft=None)  # deterministic: exact rule
         self.block_steps += 1
-        return self.block.propose(sequence, min(k, self.block.num_draft_tokens), params, generator)
+        k = min(num_draft_tokens, self.num_draft_tokens, self.block.num_draft_tokens)
+        return self.block.propose(sequence, k, params, generator)

@@ -36,6 +36,9 @@ class CachedModelDrafter(Drafter):
         self.cached_tokens: list[int] = []
         self.skipped = 0
 
+    def unread(self, sequence: list[int]) -> int:
+        return max(len(sequence) - len(self.cached_tokens), 1)  # approximately: a rollback may add a few
+
     def state_bytes(self, capacity: int) -> int:
         c = self.model.config
         return StaticKVCache.nbytes_for(c.num_layers, c.num_kv_heads, c.head_dim, capacity + self.extra_slots,

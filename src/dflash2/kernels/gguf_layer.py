@@ -14,12 +14,12 @@ autograd, ``DFLASH2_GGUF_LAYER=off``) the decoder runs its Python layer.
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 
 from dflash2.kernels import gguf_linear as _gguf
+from dflash2.kernels import jit
 from dflash2.kernels import layer_ops
 from dflash2.kernels.attention import attention_kernel_available
 from dflash2.models.attention import use_invariant_kernel
@@ -54,7 +54,7 @@ def fused_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
 
 
 def _switched_on() -> bool:
-    return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "false", "no", "torch")
+    return not jit.switched_off(ENV)
 
 
 def _layer_handles(model) -> tuple[object, list] | None:

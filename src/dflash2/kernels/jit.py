@@ -110,9 +110,10 @@ def self_check_mismatch(got: torch.Tensor, ref: torch.Tensor, k: int, what: str)
 
 def switched_off(variable: str) -> str:
     """``disabled by VAR=value`` when environment variable ``variable`` turns a kernel off (0, off, false, no,
-    disable, disabled), else ""."""
+    disable, disabled, or torch: PyTorch's path instead), else "". Read at each call, so a comparison can flip it;
+    every on/off switch of the package reads its variable with this one function."""
     value = os.environ.get(variable, "")
-    if value.strip().lower() in ("0", "off", "false", "no", "disable", "disabled"):
+    if value.strip().lower() in ("0", "off", "false", "no", "disable", "disabled", "torch"):
         return f"disabled by {variable}={value}"
     return ""
 

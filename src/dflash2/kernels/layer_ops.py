@@ -17,7 +17,6 @@ PyTorch operations. Built on first use like the other kernels (:mod:`dflash2.ker
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from pathlib import Path
 
@@ -123,7 +122,7 @@ def use_layer_ops(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return False
-    return os.environ.get(ENV, "").strip().lower() not in ("torch", "off", "0", "false", "no") and layer_ops_available()
+    return not jit.switched_off(ENV) and layer_ops_available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

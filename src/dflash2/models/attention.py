@@ -18,12 +18,12 @@ attended alone, as before. Long query blocks (prefill) keep the unfolded call, w
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
 from dflash2.kernels import attention as _kernel
+from dflash2.kernels import jit
 
 FOLD_MAX_QUERIES = 64  # fold grouped heads into the query axis up to this many queries per row
 
@@ -42,8 +42,9 @@ def attend(
 
 
 def use_invariant_kernel() -> bool:
-    """False when ``DFLASH2_ATTENTION=torch`` asks for PyTorch's attention (read at every call, for comparisons)."""
-    return os.environ.get("DFLASH2_ATTENTION", "").strip().lower() != "torch"
+    """False when ``DFLASH2_ATTENTION=torch`` (or off) asks for PyTorch's attention (read at every call, for
+    comparisons)."""
+    return not jit.switched_off("DFLASH2_ATTENTION")
 
 
 def torch_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,

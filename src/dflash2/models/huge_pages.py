@@ -14,11 +14,12 @@ import ctypes
 import ctypes.util
 import dataclasses
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
 import torch
+
+from dflash2.kernels import jit
 
 __all__ = ["ENV", "HUGE_PAGE", "huge_page_copies", "huge_pages_wanted", "move_linear_weights"]
 
@@ -50,7 +51,7 @@ def huge_page_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def huge_pages_wanted() -> bool:
     """False when ``DFLASH2_HUGE_PAGES`` is off (read at each load)."""
-    return os.environ.get(ENV, "").strip().lower() not in ("off", "0", "false", "no")
+    return not jit.switched_off(ENV)
 
 
 def move_linear_weights(model: torch.nn.Module) -> torch.nn.Module:
