@@ -41,6 +41,14 @@ def test_lookup_drafts_continue_the_earlier_occurrence(target):
     assert draft.tokens.tolist() == [24, 25, 26, 9, 21] and draft.q_draft is None and drafter.ngram_steps == 1
 
 
+def test_the_planners_can_ask_whether_a_step_runs_the_network(target):
+    """A lookup draft costs ~nothing, a block pass does: the batch planner asks before granting drafts."""
+    drafter = hybrid(target, min_match=3, min_tokens=2)
+    assert not drafter.runs_a_pass([5, 21, 22, 23, 24, 25, 26, 9, 21, 22, 23], 5)  # a long match: lookup
+    assert drafter.runs_a_pass([90, 17, 3, 250, 41, 8], 5)  # none: the block drafter's pass
+    assert drafter.unread([1, 2, 3]) == 0  # DFlash is fed the target's states, it never catches up on ids
+
+
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
 def test_hybrid_decoding_is_lossless_and_deterministic(target, params):
     prompt = torch.tensor([7, 8, 9, 10, 11, 12, 7, 8, 9, 10, 11, 12, 7, 8, 9])  # lookup fires, then the block

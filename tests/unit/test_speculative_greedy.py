@@ -169,3 +169,15 @@ def test_adaptive_draft_length_keeps_output_identical(models, pipeline, drafter_
     assert run(steps, NEW_TOKENS) == plain_ids(target, prompt, capacity)
     if drafter_key == "garbage":  # speculation switched off: few drafts after the first rejections
         assert sum(stats.drafted_by_position) < stats.target_forwards
+
+
+def test_a_draft_model_reports_the_ids_it_must_read_before_drafting(models):
+    """What resuming costs the batch planner: every id committed since the draft model's last pass."""
+    target = models["qwen2"]
+    drafter = ModelDrafter(target, 2)
+    drafter.reset(64)
+    sequence = list(range(10, 30))
+    assert drafter.unread(sequence) == 20  # nothing read yet (no prefill)
+    drafter.propose(sequence, 2, GREEDY, None)
+    assert drafter.unread(sequence + [7]) == 1  # only the new pending id
+    assert 3 <= drafter.unread(sequence + [7, 8, 9, 10]) <= 4  # steps without drafts (a rejected draft: +1)

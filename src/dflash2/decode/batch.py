@@ -69,7 +69,11 @@ class _Sequence:
     state_bytes: int = 0  # drafter memory reserved for it while admitted
     sequence: list[int] = field(default_factory=list)  # prompt + committed ids; the last one is pending
     finish_reason: str | None = None
+    # acceptance by position of the drafts its drafter's network made, and of its lookup drafts (a hybrid drafter
+    # makes both; their acceptance differs, and only the network's cost a pass)
     acceptance: Acceptance = field(default_factory=Acceptance)
+    lookup_acceptance: Acceptance = field(default_factory=Acceptance)
+    drafted_by_lookup: bool = False  # where this step's draft came from
 
     def send(self, event: Event) -> None:
         """Hand an event to the request's sink; a sink that fails (its client is gone) cancels the request."""
@@ -394,8 +398,8 @@ class BatchEngine:
     def _row_drafts(self, seq: _Sequence, k: int) -> RowDrafts:
         if k <= 0:
             return RowDrafts(0, [])
-        if not seq.drafter.runs_a_pass(seq.sequence, k):
-            return RowDrafts(k, seq.acceptance.reach(k))  # a lookup draft: only its verification rows cost
+        if not seq.drafter.runs_a_pass(seq.sequence, k):  # a lookup draft: only its verification rows cost
+            return RowDrafts(k, seq.lookup_acceptance.reach(k))
         cost, unread = self._draft_cost(seq), seq.drafter.unread(seq.sequence)
         per_token = cost.seconds(2, 0) - cost.seconds(1, 0)  # what one more draft adds
         return RowDrafts(k, seq.acceptance.reach(k), cost.seconds(1, unread) - per_token, per_token)
@@ -410,6 +414,7 @@ class BatchEngine:
         if seq.drafter is None or k <= 0:
             return None
         timed = seq.drafter.runs_a_pass(seq.sequence, k)  # a lookup's ~0 s would blur the network's cost
+        seq.drafted_by_lookup = not timed
         unread, started = seq.drafter.unread(seq.sequence), time.perf_counter()
         draft = seq.drafter.propose(seq.sequence, k, seq.request.params, seq.generator)
         if timed:
@@ -457,7 +462,7 @@ class BatchEngine:
         self._keep(seq, start, hidden, outcome.kept_positions, lambda: seq.sequence + outcome.emitted)
         record_step(seq.stats, None, draft, outcome)
         accepted = len(outcome.emitted) - 1
-        seq.acceptance.update(draft.depth, accepted)
+        (seq.lookup_acceptance if seq.drafted_by_lookup else seq.acceptance).update(draft.depth, accepted)
         if seq.drafter is not None:
             seq.drafter.observe(seq.sequence + outcome.emitted, accepted,
                                 _kept_taps(seq.drafter, hidden, outcome.kept_positions))

@@ -33,6 +33,7 @@ class HybridDrafter(Drafter):
         self.min_match, self.max_match, self.min_tokens = min_match, max_match, min_tokens
         self.stop_ids = frozenset(stop_ids)
         self.ngram_steps = 0  # steps drafted by prompt lookup (the rest came from the block drafter)
+        self._last_lookup: tuple[tuple[tuple[int, ...], int], list[int]] | None = None  # ((sequence, k), draft)
         self.block_steps = 0
 
     @property
@@ -46,6 +47,7 @@ class HybridDrafter(Drafter):
 
     def reset(self, capacity: int) -> None:
         self.block.reset(capacity)
+        self._last_lookup = None
 
     def unread(self, sequence: list[int]) -> int:
         return self.block.unread(sequence)
@@ -54,10 +56,14 @@ class HybridDrafter(Drafter):
         return not self._lookup(sequence, num_draft_tokens)
 
     def _lookup(self, sequence: list[int], num_draft_tokens: int) -> list[int]:
-        """The prompt-lookup draft when its match is long enough (empty: the block drafter drafts)."""
+        """The prompt-lookup draft when its match is long enough (empty: the block drafter drafts); the last answer
+        is kept, since a step asks for it more than once."""
         k = min(num_draft_tokens, self.num_draft_tokens)
-        lookup = find_ngram_continuation(sequence, k, self.min_match, self.max_match, self.stop_ids)
-        return lookup if lookup and len(lookup) >= min(self.min_tokens, k) else []
+        key = (tuple(sequence), k)
+        if self._last_lookup is None or self._last_lookup[0] != key:
+            lookup = find_ngram_continuation(sequence, k, self.min_match, self.max_match, self.stop_ids)
+            self._last_lookup = (key, lookup if lookup and len(lookup) >= min(self.min_tokens, k) else [])
+        return self._last_lookup[1]
 
     def state_bytes(self, capacity: int) -> int:
         return self.block.state_bytes(capacity)
