@@ -105,3 +105,26 @@ def pytest_configure(config):
     setting = os.environ.get("DFLASH2_TEST_MEMORY", "")
     if setting and setting != "0":
         config.pluginmanager.register(PeakMemoryReport(None if setting == "1" else setting), "dflash2-peak-memory")
+
+
+# Tests that decode with the fp32 Qwen2.5-Coder-1.5B engine (tests/e2e/conftest.lean_engine keeps one Qwen-sized
+# engine at a time): run back to back, so the 6 GB fp32 engine loads once instead of once per file (other files load
+# the bf16 one in between). The oracle comes first: it frees the cache for transformers' copy, then loads ours.
+FP32_QWEN_TESTS = (
+    "tests/e2e/test_oracle.py::test_logits_and_greedy_tokens_match_transformers[qwen-1.5b]",
+    "tests/e2e/test_dflash_real.py::test_shipped_qwen_drafter_is_lossless_and_accepted",
+    "tests/e2e/test_speculative_real.py::test_qwen_pair_is_lossless_with_the_small_model_and_ngram_drafters",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Group the fp32 Qwen tests (FP32_QWEN_TESTS, in that order) where the first of them was collected."""
+    def rank(item) -> int | None:
+        return next((i for i, prefix in enumerate(FP32_QWEN_TESTS) if item.nodeid.startswith(prefix)), None)
+
+    group = sorted((item for item in items if rank(item) is not None), key=rank)  # stable within a prefix
+    if len(group) < 2:
+        return
+    first = next(i for i, item in enumerate(items) if rank(item) is not None)
+    rest = [item for item in items if rank(item) is None]
+    items[:] = rest[:first] + group + rest[first:]
