@@ -60,7 +60,8 @@ def test_qwen_pair_is_lossless_with_the_small_model_and_ngram_drafters():
     draft = load_transformer(model_dir(QWEN_DRAFT, "fp32"), "fp32")
     plain = plain_result(QWEN_TARGET, CODE_PROMPT, 32)
     small = generate_with(engine, ModelDrafter(draft, 4), CODE_PROMPT, max_new_tokens=32)
-    ngram = generate_with(engine, NgramDrafter(8, stop_ids=engine.tokenizer.eos_token_ids), CODE_PROMPT, max_new_tokens=32)
+    lookup = NgramDrafter(8, stop_ids=engine.tokenizer.eos_token_ids)
+    ngram = generate_with(engine, lookup, CODE_PROMPT, max_new_tokens=32)
     assert small.token_ids == plain.token_ids
     assert ngram.token_ids == plain.token_ids
     assert small.stats.tau > 1.5  # the 0.5B sibling agrees with the 1.5B on most code tokens
