@@ -138,3 +138,10 @@ def test_cost_model_fits_a_line_and_keeps_the_prior_without_spread():
     for tokens in range(1, 30):  # the window now holds only these
         model.record(tokens, 0.02 + 0.001 * tokens)
     assert model.coefficients() == pytest.approx((0.02, 0.001))
+
+
+def test_a_fit_that_is_not_positive_falls_back_to_the_prior_scaled_to_the_measured_forwards():
+    model = ForwardCost(prior=(9.0, 1.0))
+    for tokens, seconds in [(1, 0.30), (2, 0.20), (3, 0.10)] * 3:  # time falls with size: c1 < 0, no use
+        model.record(tokens, seconds)
+    assert model.fitted() and model.coefficients() == pytest.approx((9 * 0.2 / 11, 0.2 / 11))  # 9 : 1 via (2, 0.2)

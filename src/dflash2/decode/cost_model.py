@@ -151,20 +151,19 @@ class ForwardCost:
         return len(sizes) >= 3 or sum(count >= 2 for count in sizes.values()) >= 2
 
     def coefficients(self) -> tuple[float, float]:
-        """(c0, c1): the least-squares line when :meth:`fitted`; before that the prior's shape (c1 / c0) scaled
-        to pass through the mean of the forwards seen (their time is known, only the split is not); the prior
-        itself when nothing was seen."""
+        """(c0, c1): the least-squares line when :meth:`fitted` and positive; otherwise the prior's shape (c1 / c0)
+        scaled to pass through the mean of the forwards seen (their time is known, only the split is not); the
+        prior itself when nothing was seen."""
         if not self.samples:
             return self.prior
         tokens, seconds = np.array(self.samples, dtype=np.float64).T
-        if not self.fitted():
-            c0, c1 = self.prior
-            scale = seconds.mean() / (c0 + c1 * tokens.mean())
-            return float(c0 * scale), float(c1 * scale)
-        c1, c0 = np.polyfit(tokens, seconds, 1)
-        if c0 <= 0 or c1 <= 0:
-            return self.prior
-        return float(c0), float(c1)
+        if self.fitted():
+            c1, c0 = np.polyfit(tokens, seconds, 1)
+            if c0 > 0 and c1 > 0:
+                return float(c0), float(c1)
+        c0, c1 = self.prior  # no fit, or not a positive one: the prior's shape through the measured mean
+        scale = seconds.mean() / (c0 + c1 * tokens.mean())
+        return float(c0 * scale), float(c1 * scale)
 
     def growth(self) -> float:
         """Extra cost of one more token over a one-token forward, relative to it: c1 / (c0 + c1)."""
