@@ -139,3 +139,16 @@ def test_at_one_length_the_policy_varies_k_once_in_a_while_to_fit_the_verificati
     assert policy.best_length() == 0  # k = 1: 1.8 tokens for 0.6 + 1.33 steps; plain decoding wins
     again = AdaptiveDraftLength(AdaptiveConfig(k_max=3, per_pass=True), shared)  # the engine's next request
     assert again.forward.growth() == pytest.approx(shared.growth())
+
+
+def test_verifications_are_priced_by_the_measured_time_of_their_size():
+    """Two rows cost 1.5 one-row forwards on gguf (compute-bound), nine rows 3.5: with a first draft accepted half
+    the time, one draft does not pay (1.5 tokens for 1.5 steps + the draft); the line through the sizes seen would
+    say 1.3 steps and draft."""
+    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=1, prior=0.5, prior_weight=1000.0, draft_ratio=0.1))
+    for tokens, ms in [(1, 30.0), (2, 45.0), (9, 105.0)] * 4:
+        policy.forward.record(tokens, ms / 1000)
+    assert policy.step_cost(1) == pytest.approx(0.1 + 1.5)
+    assert policy.best_length() == 0
+    c0, c1 = policy.forward.coefficients()
+    assert (c0 + 2 * c1) / (c0 + c1) < 1.35  # what the line would have charged

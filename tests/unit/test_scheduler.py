@@ -145,3 +145,26 @@ def test_a_fit_that_is_not_positive_falls_back_to_the_prior_scaled_to_the_measur
     for tokens, seconds in [(1, 0.30), (2, 0.20), (3, 0.10)] * 3:  # time falls with size: c1 < 0, no use
         model.record(tokens, seconds)
     assert model.fitted() and model.coefficients() == pytest.approx((9 * 0.2 / 11, 0.2 / 11))  # 9 : 1 via (2, 0.2)
+
+
+def test_a_forwards_cost_follows_the_mean_time_of_each_size_not_one_line():
+    """On 4-bit blocks one row streams the weights and two rows are compute-bound (Zen 4, gguf 1.5B: 1, 4, 9 rows
+    cost 31, 69, 108 ms): the line through them underrates the small sizes a request drafts."""
+    model = ForwardCost()
+    for tokens, ms in [(1, 31.0), (4, 69.0), (9, 108.0)] * 3:
+        model.record(tokens, ms / 1000)
+    c0, c1 = model.coefficients()
+    assert (c0 + 2 * c1) / (c0 + c1) < 1.3  # the line: 2 rows cost < 1.3 one-row forwards
+    assert model.seconds(1) == pytest.approx(0.031) and model.seconds(4) == pytest.approx(0.069)
+    assert model.seconds(2) == pytest.approx(0.031 + (0.069 - 0.031) / 3)  # between two sizes seen: linear
+    assert model.seconds(11) == pytest.approx(0.108 + 2 * c1)  # beyond them: the line's slope
+    assert model.relative(4) == pytest.approx(69 / 31) and model.relative(2) > 1.4
+
+
+def test_a_larger_size_measured_faster_is_pooled_with_the_one_before_it():
+    model = ForwardCost()
+    for tokens, seconds in [(2, 0.05), (3, 0.07), (3, 0.07), (4, 0.06), (4, 0.06)]:  # 4 faster than 3: noise
+        model.record(tokens, seconds)
+    assert model.seconds(3) == model.seconds(4) == pytest.approx(0.065)  # never falls with size
+    assert model.seconds(2) == pytest.approx(0.05)
+    assert 0.025 <= model.seconds(1) < 0.05  # below the sizes seen: at least the share of the smallest one

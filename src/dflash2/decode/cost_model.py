@@ -4,8 +4,8 @@
 :class:`DraftCost`: seconds of drafting, per pass (block drafters) or per draft token (draft models).
 :class:`ForwardCost`: a target forward over N tokens costs ``c0 + c1 * N`` seconds (c0: reading the weights once,
 c1: compute per token), fitted online from measured forwards. The batch planner (``decode/scheduler.py``) prices
-the drafts of a ragged step with it; the adaptive draft length (``decode/draft_length.py``) prices a verification
-of k drafts as ``1 + growth * k`` plain steps, ``growth = c1 / (c0 + c1)``.
+the drafts of a ragged step with the line; the adaptive draft length (``decode/draft_length.py``) prices a
+verification of k drafts as ``relative(1 + k)`` plain steps, from the mean time of each size seen (``seconds``).
 :class:`StepCosts`: one speculative step, sync vs overlapped: what overlap can gain, from measured times.
 
 Per target pass (one step), with times measured when each side runs alone:
@@ -20,6 +20,7 @@ Tokens per pass (tau) are the same in both pipelines, so the speedup is ``T_sync
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -138,9 +139,11 @@ class ForwardCost:
     def __init__(self, window: int = 128, prior: tuple[float, float] = (1.0, 1.0 / 32)) -> None:
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.prior = prior  # (c0, c1) until the forwards seen vary enough in size for a fit
+        self._memo: dict[str, object] = {}  # the line and the curve of the samples as they are (a policy asks often)
 
     def record(self, num_tokens: int, seconds: float) -> None:
         self.samples.append((num_tokens, seconds))
+        self._memo.clear()
 
     def fitted(self) -> bool:
         """Whether the forwards seen allow a fit: at least 8, of three sizes or more, or of two sizes seen twice each
@@ -154,6 +157,11 @@ class ForwardCost:
         """(c0, c1): the least-squares line when :meth:`fitted` and positive; otherwise the prior's shape (c1 / c0)
         scaled to pass through the mean of the forwards seen (their time is known, only the split is not); the
         prior itself when nothing was seen."""
+        if "line" not in self._memo:
+            self._memo["line"] = self._line()
+        return self._memo["line"]
+
+    def _line(self) -> tuple[float, float]:
         if not self.samples:
             return self.prior
         tokens, seconds = np.array(self.samples, dtype=np.float64).T
@@ -169,6 +177,54 @@ class ForwardCost:
         """Extra cost of one more token over a one-token forward, relative to it: c1 / (c0 + c1)."""
         c0, c1 = self.coefficients()
         return c1 / (c0 + c1)
+
+    def seconds(self, num_tokens: int) -> float:
+        """Predicted seconds of a forward over ``num_tokens``: through the mean time of each size seen (made
+        non-decreasing in size), linear between them, beyond them the nearest one plus the line's slope (below them
+at least the share of the smallest size's time proportional to its tokens). A CPU's
+        cost is not one line: on 4-bit blocks one row streams the weights while two rows are compute-bound (Zen 4,
+        gguf 1.5B: 1, 2, 3, 4, 9 rows cost 1, 1.5, 2.0, 2.2, 3.5 one-row forwards), so the line fitted over the
+        sizes a request uses underrates the small ones."""
+        c0, c1 = self.coefficients()
+        if "curve" not in self._memo:
+            self._memo["curve"] = self._curve()
+        curve = self._memo["curve"]
+        if not curve:
+            return c0 + c1 * num_tokens
+        sizes = [size for size, _ in curve]
+        i = bisect.bisect_left(sizes, num_tokens)
+        if i < len(curve) and sizes[i] == num_tokens:
+            return curve[i][1]
+        if 0 < i < len(curve):  # between two sizes seen
+            (lo, t_lo), (hi, t_hi) = curve[i - 1], curve[i]
+            return t_lo + (t_hi - t_lo) * (num_tokens - lo) / (hi - lo)
+        if i == 0:  # below the sizes seen: a forward's time grows more slowly than its size (c0 > 0)
+            size, t = curve[0]
+            return max(t - c1 * (size - num_tokens), t * num_tokens / size)
+        size, t = curve[-1]
+        return t + c1 * (num_tokens - size)
+
+    def relative(self, num_tokens: int) -> float:
+        """A forward over ``num_tokens`` in units of a one-token forward."""
+        return self.seconds(num_tokens) / self.seconds(1)
+
+    def _curve(self) -> list[tuple[int, float]]:
+        """(size, mean seconds) of each size seen, ascending, pooled where a larger size came out faster (noise)
+        so that the times never fall with size (pool-adjacent-violators, weighted by the number of forwards)."""
+        totals: dict[int, list[float]] = {}
+        for tokens, seconds in self.samples:
+            total = totals.setdefault(tokens, [0.0, 0.0])
+            total[0] += seconds
+            total[1] += 1.0
+        blocks: list[list] = []  # [sizes, seconds sum, count]
+        for size in sorted(totals):
+            blocks.append([[size], *totals[size]])
+            while len(blocks) > 1 and blocks[-2][1] / blocks[-2][2] > blocks[-1][1] / blocks[-1][2]:
+                sizes, total, count = blocks.pop()
+                blocks[-1][0] += sizes
+                blocks[-1][1] += total
+                blocks[-1][2] += count
+        return [(size, total / count) for sizes, total, count in blocks for size in sizes]
 
 
 @dataclass(frozen=True)

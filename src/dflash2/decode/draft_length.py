@@ -3,8 +3,8 @@
 Any draft length is lossless (verification decides what is kept), so the policy only trades speed. The adaptive
 policy estimates the acceptance at each draft position with the loops' one estimator (``cost_model.Acceptance``:
 ``reach(i)``, the probability that draft i is accepted), and the cost of a step from measured draft and verify
-times with their one forward cost model (``cost_model.ForwardCost``: a verification of k drafts is
-``1 + growth * k`` plain steps). Drafting costs per draft token (a draft model runs once per token) or per pass
+times with their one forward cost model (``cost_model.ForwardCost``: a verification of k drafts costs
+``relative(1 + k)`` plain steps, from the measured time of each size). Drafting costs per draft token (a draft model runs once per token) or per pass
 (a block drafter fills k positions in one forward: ``Drafter.cost_per_pass``). It picks the k in [0, k_max] that
 maximises
 
@@ -110,7 +110,7 @@ class AdaptiveDraftLength:
         if k == 0:
             return 1.0
         hit_rate = self.acceptance.reach(k + 1)[-1]  # a hit: all k accepted and the bonus guessed like one more
-        costs = StepCosts(draft_s=self.draft_cost(k), verify_s=1.0 + self.forward.growth() * k, hit_rate=hit_rate,
+        costs = StepCosts(draft_s=self.draft_cost(k), verify_s=self.forward.relative(1 + k), hit_rate=hit_rate,
                           ahead_s=self.draft_cost(k + 1), num_draft_tokens=k)  # ahead: the bonus guess + k drafts
         return costs.overlap_step() if self.config.overlap else costs.sync_step()
 
@@ -123,7 +123,7 @@ class AdaptiveDraftLength:
             return
         self.acceptance.update(num_drafted, num_accepted)
         if draft_seconds > 0 and verify_seconds > 0:
-            plain_step = verify_seconds / (1.0 + self.forward.growth() * num_drafted)
+            plain_step = verify_seconds / self.forward.relative(1 + num_drafted)
             measured = draft_seconds / plain_step / (1 if self.config.per_pass else num_drafted)
             decay = self.config.decay
             self.draft_ratio = decay * self.draft_ratio + (1.0 - decay) * measured
