@@ -449,3 +449,73 @@ def test_context_window_reads_the_sink_and_the_recent_ids_of_a_long_prompt(model
     plain = run(plain_decode(target, ids, GREEDY, None, capacity, DecodeStats()))
     windowed = PardDrafter(model, MASK, 3, context_window=(2, 5))
     assert run(speculative_steps("sync", target, windowed, ids, GREEDY, None, capacity, DecodeStats())) == plain
+
+
+class _EveryOtherThird:
+    """A draft-length policy that drafts k only every third step (speculation off in between: the drafter falls
+    behind by several ids each time)."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.steps = k, 0
+
+    def next_length(self, room: int) -> int:
+        self.steps += 1
+        return min(self.k, room) if self.steps % 3 == 0 else 0
+
+    def record(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["pard", "model"])
+def test_a_drafter_that_fell_behind_reads_only_the_last_catch_up_ids(models, kind):
+    """catch_up = N: a drafter that missed more than N ids reads only the last N, each at its own position (the
+    drafts equal a forward over exactly the ids it holds); a rollback inside such a gap keeps the slots before it;
+    greedy output stays plain decoding's."""
+    model, target = models["qwen2_other"], models["qwen2"]
+    make = (lambda: PardDrafter(model, MASK, 3, catch_up=2)) if kind == "pard" else (
+        lambda: ModelDrafter(model, 3, catch_up=2))
+    sequence = prompt().tolist()
+    drafter = make()
+    drafter.reset(64)
+    drafter.prefill(sequence[:-1])  # 12 ids read
+    sequence += [20, 21, 22, 23, 24]  # 6 unread ids (the old pending one + 5): only the last 2 are fed
+    assert drafter.unread(sequence) == 2
+    if kind == "pard":
+        logits = drafter.draft_logits(sequence, 3)
+        kept = list(range(12)) + [16, 17]
+        feed = [sequence[i] for i in kept] + [MASK, MASK]
+        expected = model(torch.tensor([feed]), torch.tensor([kept + [18, 19]])).logits[0, -3:]
+        expected[:, MASK] = float("-inf")
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    else:
+        drafter.propose(sequence, 1, GREEDY, None)
+    assert drafter.cached_tokens[: len(sequence)] == sequence and drafter.skipped == 4
+    assert drafter.slot_ids[:14] == list(range(12)) + [16, 17]
+    drafter.draft_logits(sequence[:14] + [9, 9], 2) if kind == "pard" else drafter.propose(
+        sequence[:14] + [9, 9], 1, GREEDY, None)  # diverges inside the gap: ids 0-11 kept, the last 2 of 4 read
+    assert drafter.slot_ids[:14] == list(range(12)) + [14, 15]
+    assert drafter.cached_tokens[:16] == sequence[:14] + [9, 9]
+    with pytest.raises(ValueError, match="catch_up"):
+        PardDrafter(model, MASK, 3, catch_up=0)
+    ids = torch.tensor(prompt().tolist())
+    capacity = len(ids) + NEW_TOKENS + 4
+    plain = run(plain_decode(target, ids, GREEDY, None, capacity, DecodeStats()))
+    behind = make()
+    stats = DecodeStats()
+    steps = speculative_steps("sync", target, behind, ids, GREEDY, None, capacity, stats, _EveryOtherThird(3))
+    assert run(steps) == plain
+    assert behind.skipped > 0  # gaps were left
+
+
+def test_the_catch_up_window_is_chosen_by_the_environment(monkeypatch):
+    from dflash2.drafters.pard import DEFAULT_CATCH_UP, pard_catch_up
+
+    monkeypatch.delenv("DFLASH2_PARD_CATCH_UP", raising=False)
+    assert pard_catch_up() == DEFAULT_CATCH_UP
+    monkeypatch.setenv("DFLASH2_PARD_CATCH_UP", "all")
+    assert pard_catch_up() is None
+    monkeypatch.setenv("DFLASH2_PARD_CATCH_UP", "5")
+    assert pard_catch_up() == 5
+    monkeypatch.setenv("DFLASH2_PARD_CATCH_UP", "0")
+    with pytest.raises(ValueError, match="DFLASH2_PARD_CATCH_UP"):
+        pard_catch_up()

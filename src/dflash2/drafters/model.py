@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 import torch.nn.functional as F
 
@@ -16,28 +18,44 @@ from dflash2.verify.sampling import SamplingParams, choose_token, logits_to_prob
 class CachedModelDrafter(Drafter):
     """A small model with its own KV cache of the committed sequence, kept in sync by rollback.
 
-    ``cached_tokens`` are the committed ids the cache accounts for. ``context_window`` = (sink, recent): a fresh
-    cache given a longer prompt reads only its first ``sink`` and last ``recent`` ids (``skipped`` = how many it
-    left out; None reads everything). Slot s of the cache holds id s when s < sink, else id s + skipped; every id
-    keeps its own position (RoPE), so a window only hides context: the drafts change, never the output.
+    ``cached_tokens`` are the committed ids the cache accounts for; ``slot_ids[s]`` is the index in them of the id
+    cache slot s holds (every id keeps its own position, RoPE: a left-out id only hides context, so the drafts
+    change, never the output). Two windows leave ids out:
+    - ``context_window`` = (sink, recent): a fresh cache given a longer prompt reads only its first ``sink`` and
+      last ``recent`` ids (None reads everything);
+    - ``catch_up``: a cache that fell behind (a drafter idle while speculation was off, or while prompt lookup
+      drafted) reads only the last ``catch_up`` of the ids it missed (None reads them all): resuming then costs
+      about a usual pass, not a forward over every id committed meanwhile.
     """
 
     extra_slots = 0  # cache slots a draft pass writes past the committed sequence (and forgets)
 
     def __init__(self, model: Transformer, num_draft_tokens: int, target_vocab_size: int | None = None,
-                 context_window: tuple[int, int] | None = None) -> None:
+                 context_window: tuple[int, int] | None = None, catch_up: int | None = None) -> None:
         super().__init__(num_draft_tokens)
         if context_window is not None and (context_window[0] < 0 or context_window[1] < 1):
             raise ValueError(f"context_window = (sink >= 0, recent >= 1) ids, got {context_window}")
+        if catch_up is not None and catch_up < 1:
+            raise ValueError(f"catch_up must be >= 1 ids (or None: all), got {catch_up}")
         self.model = model
         self.target_vocab_size = target_vocab_size or model.config.vocab_size
         self.context_window = context_window
+        self.catch_up = catch_up
         self.cache: StaticKVCache | None = None
         self.cached_tokens: list[int] = []
-        self.skipped = 0
+        self.slot_ids: list[int] = []
+        self.prompt_gap_end = 0  # the first id after the ids the context window left out (0: none left out)
+
+    @property
+    def skipped(self) -> int:
+        """Committed ids the cache left out (windows)."""
+        return len(self.cached_tokens) - len(self.slot_ids)
 
     def unread(self, sequence: list[int]) -> int:
-        return max(len(sequence) - len(self.cached_tokens), 1)  # approximately: a rollback may add a few
+        behind = len(sequence) - len(self.cached_tokens)  # approximately: a rollback may add a few
+        if self.catch_up is not None and self.slot_ids:
+            behind = min(behind, self.catch_up)
+        return max(behind, 1)
 
     def state_bytes(self, capacity: int) -> int:
         c = self.model.config
@@ -48,9 +66,13 @@ class CachedModelDrafter(Drafter):
         capacity += self.extra_slots
         if self.cache is None or self.cache.capacity < capacity:
             self.cache = self.model.new_cache(capacity)
+        self._clear()
+
+    def _clear(self) -> None:
         self.cache.reset()
         self.cached_tokens = []
-        self.skipped = 0
+        self.slot_ids = []
+        self.prompt_gap_end = 0
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], prompt_length: int | None = None) -> None:
@@ -68,47 +90,53 @@ class CachedModelDrafter(Drafter):
 
     def _rollback_to_shared_prefix(self, ids: list[int], limit: int) -> None:
         """Roll the cache back to the longest prefix (at most ``limit`` ids) it shares with ``ids``; to empty when
-        that prefix ends inside the part of a prompt the window left out."""
+        that prefix ends inside the part of a prompt the context window left out."""
         cached = self.cached_tokens
         common, limit = 0, min(len(cached), limit)
         while common < limit and cached[common] == ids[common]:
             common += 1
         if common == len(cached):
             return
-        recent_start = (self.context_window[0] + self.skipped) if self.skipped else 0  # first id after the gap
-        if common < recent_start:  # the shared prefix ends before the window's recent part: start over
-            self.cache.reset()
-            cached.clear()
-            self.skipped = 0
+        if common < self.prompt_gap_end:  # the shared prefix ends before the window's recent part: start over
+            self._clear()
             return
-        self.cache.rollback(common - self.skipped)
+        slots = bisect.bisect_left(self.slot_ids, common)  # the slots of ids before `common`
+        self.cache.rollback(slots)
+        del self.slot_ids[slots:]
         del cached[common:]
+
+    def _unread_positions(self, ids: list[int]) -> list[int]:
+        """Indices of the ids of ``ids`` the cache lacks that the next forward feeds: all of them, or what the
+        windows keep (a fresh cache: the context window; a cache that fell behind: the last ``catch_up``)."""
+        positions = list(range(len(self.cached_tokens), len(ids)))
+        window = self.context_window
+        if not self.slot_ids:
+            if window is not None and len(positions) > sum(window):
+                sink, recent = window
+                self.prompt_gap_end = positions[-recent]
+                return positions[:sink] + positions[-recent:]
+        elif self.catch_up is not None and len(positions) > self.catch_up:
+            return positions[-self.catch_up :]
+        return positions
+
+    def _mark_read(self, ids: list[int], positions: list[int]) -> None:
+        """The cache now holds ``positions`` of ``ids`` (and accounts for every id of ``ids``)."""
+        self.slot_ids.extend(positions)
+        self.cached_tokens.extend(ids[len(self.cached_tokens) :])
 
     def _read_into_cache(self, ids: list[int]) -> None:
         """Append the K/V of the ids the cache lacks (after rolling back to the prefix it shares with ``ids``),
-        through the context window when the cache is fresh."""
+        through the windows."""
         assert self.cache is not None, "reset() must be called before prefill() / propose()"
         self._rollback_to_shared_prefix(ids, len(ids))
-        new = ids[len(self.cached_tokens) :]
-        if not new:
+        positions = self._unread_positions(ids)
+        if not positions:
             return
-        first = len(self.cached_tokens)
-        positions = list(range(first, first + len(new)))
-        window = self.context_window
-        if window is not None and self.cache.length == 0 and len(new) > sum(window):
-            sink, recent = window
-            self.skipped = len(new) - sink - recent
-            positions = positions[:sink] + positions[-recent:]
-        feed = [ids[p] for p in positions]
         device = self.model.device
+        feed = [ids[p] for p in positions]
         self.model(torch.tensor([feed], device=device), torch.tensor([positions], device=device), cache=self.cache,
                    logits="none")
-        self.cached_tokens.extend(new)
-
-    def _next_positions(self, count: int) -> torch.Tensor:
-        """[1, count] int64: the positions of the next ``count`` ids fed after the cached ones."""
-        first = len(self.cached_tokens)
-        return torch.arange(first, first + count, device=self.model.device)[None]
+        self._mark_read(ids, positions)
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Pad (with -inf) or trim the drafter's logits [..., V_draft] to the target's vocabulary size."""
@@ -123,19 +151,23 @@ class ModelDrafter(CachedModelDrafter):
 
     def for_request(self) -> ModelDrafter:
         """The same draft model (weights shared), its own KV cache."""
-        return ModelDrafter(self.model, self.num_draft_tokens, self.target_vocab_size, self.context_window)
+        return ModelDrafter(self.model, self.num_draft_tokens, self.target_vocab_size, self.context_window,
+                            self.catch_up)
 
     @torch.inference_mode()
     def propose(self, sequence, num_draft_tokens, params: SamplingParams, generator) -> Draft:
         assert self.cache is not None, "reset() must be called before propose()"
         self._sync(sequence)
-        pending = sequence[len(self.cached_tokens) :]  # ids the draft cache has not seen yet (>= 1)
+        sequence = list(sequence)  # the drafts are appended to a copy
+        positions = self._unread_positions(sequence)  # ids the draft cache has not read yet (>= 1)
+        device = self.model.device
         tokens: list[int] = []
         dists: list[torch.Tensor] = []
         for _ in range(num_draft_tokens):
-            ids = torch.tensor([pending], device=self.model.device)
-            logits = self.model(ids, self._next_positions(len(pending)), cache=self.cache, logits="last").logits
-            self.cached_tokens.extend(pending)
+            ids = torch.tensor([[sequence[p] for p in positions]], device=device)
+            logits = self.model(ids, torch.tensor([positions], device=device), cache=self.cache,
+                                logits="last").logits
+            self._mark_read(sequence, positions)
             logits = self._to_target_vocab(logits[0, -1])  # [V]
             if params.greedy:
                 token = int(choose_token(logits, params, None))
@@ -144,6 +176,7 @@ class ModelDrafter(CachedModelDrafter):
                 token = int(sample(q, generator))
                 dists.append(q)
             tokens.append(token)
-            pending = [token]
+            sequence.append(token)
+            positions = [len(sequence) - 1]
         q_draft = torch.stack(dists) if dists else None
         return Draft(tokens=torch.tensor(tokens, dtype=torch.int64), q_draft=q_draft)

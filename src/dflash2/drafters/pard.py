@@ -278,7 +278,22 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
     model, config = load_pard_model(adapter, base_dir, dtype, device, weights=pard_weights(weights, device, dtype))
     k = num_draft_tokens or config.default_num_draft_tokens or config.num_draft_tokens
     return PardDrafter(model, config.mask_token_id, k, target_vocab_size=target.target.config.vocab_size,
-                       num_paths=num_paths, context_window=pard_context_window())
+                       num_paths=num_paths, context_window=pard_context_window(), catch_up=pard_catch_up())
+
+
+def pard_catch_up() -> int | None:
+    """How many of the ids it missed a drafter that fell behind reads before drafting: :data:`DEFAULT_CATCH_UP`,
+    or ``$DFLASH2_PARD_CATCH_UP`` = N or ``all``. Lossless either way (only the drafts' context shrinks)."""
+    import os
+
+    text = os.environ.get("DFLASH2_PARD_CATCH_UP", "").strip().lower()
+    if not text:
+        return DEFAULT_CATCH_UP
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"DFLASH2_PARD_CATCH_UP must be a number of ids >= 1 or all, got {text!r}")
+    return int(text)
 
 
 def pard_context_window() -> tuple[int, int] | None:
@@ -343,6 +358,9 @@ Q8_0 = "q8_0"  # a drafter-only format: Q8_0 blocks quantized at load, the gguf 
 # A long prompt: the drafter reads its first 32 ids (the chat template's system turn, attention sinks) and its
 # last 480; None reads all of it (docs/pard.md, "Time to first token").
 DEFAULT_CONTEXT_WINDOW: tuple[int, int] | None = (32, 480)
+# A drafter that fell behind (speculation off for a while, or prompt lookup drafting) reads only the last 8 ids it
+# missed: a probe after 100 plain steps then costs about a usual pass (docs/pard.md, "Catching up").
+DEFAULT_CATCH_UP: int | None = 8
 
 
 # ---- the drafter -----------------------------------------------------------------------------------------
@@ -356,8 +374,8 @@ class PardDrafter(CachedModelDrafter):
 
     def __init__(self, model: Transformer, mask_token_id: int, num_draft_tokens: int = 8,
                  target_vocab_size: int | None = None, num_paths: int = 1,
-                 context_window: tuple[int, int] | None = None) -> None:
-        super().__init__(model, num_draft_tokens, target_vocab_size, context_window)
+                 context_window: tuple[int, int] | None = None, catch_up: int | None = None) -> None:
+        super().__init__(model, num_draft_tokens, target_vocab_size, context_window, catch_up)
         if num_paths < 1:
             raise ValueError(f"num_paths must be >= 1, got {num_paths}")
         self.mask_token_id = mask_token_id
@@ -376,7 +394,7 @@ class PardDrafter(CachedModelDrafter):
     def for_request(self) -> PardDrafter:
         """The same network (weights shared), its own KV cache."""
         return PardDrafter(self.model, self.mask_token_id, self.num_draft_tokens, self.target_vocab_size,
-                           self.num_paths, self.context_window)
+                           self.num_paths, self.context_window, self.catch_up)
 
     @torch.inference_mode()
     def draft_logits(self, sequence: list[int], num_draft_tokens: int) -> torch.Tensor:
@@ -384,17 +402,19 @@ class PardDrafter(CachedModelDrafter):
         committed ids only."""
         assert self.cache is not None, "reset() must be called before propose()"
         self._sync(sequence)
-        if self.cache.length == 0 and self.context_window is not None:  # not prefilled: the window applies
+        if not self.slot_ids and self.context_window is not None:  # not prefilled: the window applies
             self._read_into_cache(sequence[:-1])
-        pending = sequence[len(self.cached_tokens) :]  # ids the draft cache has not seen yet (>= 1)
+        positions = self._unread_positions(sequence)  # ids the draft cache has not read yet (>= 1)
+        masks = list(range(len(sequence), len(sequence) + num_draft_tokens - 1))
         start = self.cache.length
-        ids = torch.tensor([pending + [self.mask_token_id] * (num_draft_tokens - 1)], device=self.model.device)
+        device = self.model.device
+        ids = torch.tensor([[sequence[p] for p in positions] + [self.mask_token_id] * len(masks)], device=device)
         last = self.model.config.num_layers - 1
-        out = self.model(ids, self._next_positions(ids.shape[1]), cache=self.cache, hidden_layers=(last,),
-                         logits="none")
-        hidden = out.hidden_states[0][0, len(pending) - 1 :]  # [k, D]: the pending token's output, then the masks'
-        self.cache.rollback(start + len(pending))  # forget the mask positions
-        self.cached_tokens.extend(pending)
+        out = self.model(ids, torch.tensor([positions + masks], device=device), cache=self.cache,
+                         hidden_layers=(last,), logits="none")
+        hidden = out.hidden_states[0][0, len(positions) - 1 :]  # [k, D]: the pending token's output, the masks'
+        self.cache.rollback(start + len(positions))  # forget the mask positions
+        self._mark_read(sequence, positions)
         logits = self.model.lm_head(self.model.norm(hidden)).float()  # [k, V_draft]
         logits[:, self.mask_token_id] = float("-inf")
         return self._to_target_vocab(logits)
