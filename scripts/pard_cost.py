@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--target-weights", default="bf16", choices=("bf16", "int8", "int4", "gguf"))
     parser.add_argument("--drafter-weights", default="bf16,int8",
-                        help="comma-separated: bf16, int8, int4, q8_0; a suffix :vocab uses the adapter's draft "
+                        help="comma-separated: bf16, int8, int4, q8_0, q4_0; a suffix :vocab uses the adapter's draft "
                              "vocabulary")
     parser.add_argument("--adapter", default="", help="adapter directory ('' = shipped if any, else untrained)")
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=0,

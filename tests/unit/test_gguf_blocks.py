@@ -214,6 +214,36 @@ def test_q8_0_from_a_float_weight(backend):
         quantize_q8_0(np.zeros((2, 40), np.float32))
 
 
+@pytest.mark.parametrize("backend", ["torch", *KERNELS])
+def test_q4_0_from_a_float_weight(backend):
+    """quantize_q4_0: fp16 scales per 32 inputs (the largest magnitude at code 0), codes in [0, 15] within half a
+    step of w / d + 8 (a step at 15: the side opposite the largest has 7 steps); the layer over them equals the reference on those blocks and is near the float product."""
+    from dflash2.models.gguf_blocks import quantize_q4_0
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 256, generator=g) * torch.logspace(-2, 1, 40)[:, None]
+    w[3, 32:64] = 0  # an all-zero block: scale 0, codes 8 (zero)
+    t = quantize_q4_0(w.numpy())
+    assert t.qtype == "Q4_0" and not t.signed and t.zero == 8 and t.scale.shape == (40, 8)
+    assert np.array_equal(t.scale, t.scale.astype(np.float16).astype(np.float32))
+    assert t.codes.max() <= 15 and np.all(t.codes[3, 32:64] == 8) and t.scale[3, 1] == 0
+    largest = np.abs(w.numpy().reshape(40, 8, 32)).argmax(axis=2)
+    assert np.all(np.take_along_axis(t.codes.reshape(40, 8, 32), largest[..., None], 2)[[0, 5, 39]] == 0)
+    step = np.repeat(np.abs(t.scale), 32, axis=1)
+    half = np.where(t.codes == 15, 1.0, 0.5)  # half a step, one where the side opposite the largest is clipped
+    assert np.all(np.abs(dequantize(t) - w.numpy()) <= half * step + 1e-3 * np.abs(w.numpy()))
+    layer = gl.GgufLinear.from_weight(w, torch.randn(40), backend, qtype="Q4_0")
+    x = torch.randn(3, 256, generator=g)
+    y = layer(x)
+    assert torch.equal(y, gl.reference_rows(x, t) + layer.bias_data)
+    exact = x @ w.T + layer.bias_data
+    assert float((y - exact).abs().max() / exact.abs().max()) < 0.15
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q4_0(np.zeros((2, 40), np.float32))
+    with pytest.raises(ValueError, match="Q8_0 or Q4_0"):
+        gl.GgufLinear.from_weight(w, None, backend, qtype="Q6_K")
+
+
 def test_backend_switch(monkeypatch):
     monkeypatch.setenv(gl.ENV, "torch")
     assert gl.gguf_backend() == "torch"

@@ -396,8 +396,8 @@ def test_pard_with_prompt_lookup_is_lossless(models):
 
 
 def test_the_drafters_weight_format(monkeypatch):
-    """For bf16 on a CPU, also under a gguf target (no GGUF holds the merged weights): q8_0 blocks where the gguf
-    kernel has its VNNI build and the CPU no AMX, else int8; the quantized formats asked for are kept; fp32 and CUDA
+    """For bf16 on a CPU, also under a gguf target (no GGUF holds the merged weights): q8_0 blocks (q4_0 under a
+    gguf target) where the gguf kernel has its VNNI build and the CPU no AMX, else int8; the quantized formats asked for are kept; fp32 and CUDA
     stay unquantized; the environment overrides the default."""
     from dflash2.drafters.pard import DEFAULT_PARD_WEIGHTS, pard_weights
     from dflash2.kernels import gguf_linear
@@ -407,7 +407,8 @@ def test_the_drafters_weight_format(monkeypatch):
     monkeypatch.delenv(gguf_linear.ENV, raising=False)
     vnni = gguf_linear.gguf_kernels_available(gguf_linear.VNNI) and "amx_int8" not in cpu_flags()
     assert DEFAULT_PARD_WEIGHTS == "int8"
-    assert pard_weights(None, "cpu") == pard_weights("gguf", "cpu") == ("q8_0" if vnni else "int8")
+    assert pard_weights(None, "cpu") == ("q8_0" if vnni else "int8")
+    assert pard_weights("gguf", "cpu") == ("q4_0" if vnni else "int8")  # a gguf target: the target's 4-bit bytes
     monkeypatch.setenv(gguf_linear.ENV, "torch")
     assert pard_weights("gguf", "cpu") == pard_weights(None, "cpu") == "int8"
     monkeypatch.setenv(gguf_linear.ENV, "bogus")

@@ -172,7 +172,8 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
     is then the mean embedding). Packed for the CPU kernel when ``packed`` (None: as ``load_transformer``).
     ``weights`` "int8" / "int4": the MERGED projections and the head quantized (weight-only, CPU kernels; quantized
     at each load, ~1 s per 100M weights: the store's cache of quantized layers holds the base, not the merge);
-    "q8_0": quantized to Q8_0 blocks and run by the gguf kernels (activations quantized per 32 inputs as well).
+    "q8_0" / "q4_0": quantized to Q8_0 / Q4_0 blocks and run by the gguf kernels (activations quantized per 32
+    inputs as well).
     ``draft_vocab``: when the adapter directory has ``draft_vocab.safetensors``, the head keeps only those rows
     (:class:`VocabSubsetHead`: logits of the other ids are -inf, so they are never drafted; the head is 28% of the
     0.5B's weights at the full 151936 ids)."""
@@ -184,13 +185,13 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
                                         pack_linear_layers, parse_dtype, should_pack)
     from dflash2.models.state_dict import quantize_linear_layers, replace_linear_layers
 
-    formats = (*(f for f in WEIGHT_FORMATS if f != "gguf"), Q8_0)  # no GGUF file holds a merged drafter
+    formats = (*(f for f in WEIGHT_FORMATS if f != "gguf"), *BLOCK_FORMATS)  # no GGUF file holds a merged drafter
     if weights not in formats:
         raise ValueError(f"unknown pard drafter weight format {weights!r}; choose one of {', '.join(formats)}")
-    if weights != Q8_0:
+    if weights not in BLOCK_FORMATS:
         check_weight_format(weights, device)
     elif torch.device(device).type != "cpu":
-        raise ValueError(f"pard drafter weights {Q8_0} run on the CPU only (device {device!r})")
+        raise ValueError(f"pard drafter weights {weights} run on the CPU only (device {device!r})")
 
     model = load_transformer(base_dir, dtype, device, packed=False)
     if adapter_dir is None:
@@ -215,8 +216,9 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
         model.lm_head = nn.Linear(full.in_features, len(vocab), bias=False, device=full.weight.device,
                                   dtype=full.weight.dtype).requires_grad_(False)
         model.lm_head.weight.data = full.weight.data[vocab].clone()
-    if weights == Q8_0:  # the gguf kernels over Q8_0 blocks quantized from the merged weights
-        replace_linear_layers(model, GgufLinear.from_linear)
+    if weights in BLOCK_FORMATS:  # the gguf kernels over Q8_0 / Q4_0 blocks quantized from the merged weights
+        qtype = BLOCK_FORMATS[weights]
+        replace_linear_layers(model, lambda linear: GgufLinear.from_linear(linear, qtype=qtype))
         own_memory(model)
     elif weights != "bf16":
         quantize_linear_layers(model, weights)
@@ -315,13 +317,14 @@ def pard_context_window() -> tuple[int, int] | None:
 
 def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
     """The drafter's weight format: ``weights`` when quantized (``--weights int8 / int4`` quantizes target and
-    drafter), else for bf16 / fp16 on a CPU (``$DFLASH2_PARD_WEIGHTS`` = bf16 / int8 / int4 / q8_0 overrides it)
-    :data:`Q8_0` where the gguf kernel's AVX512-VNNI build runs on a CPU without AMX (its layers run as one C++
-    call each: a 3-row draft pass 23-26 vs 28-33 ms in int8 under a bf16 target, 8 rows 47 vs 58 ms under a gguf
-    target, Zen 4, docs/pard.md), else :data:`DEFAULT_PARD_WEIGHTS`; not quantized elsewhere (fp32 stays the
-    unquantized reference, as ``load_transformer``). A gguf target's drafter is quantized the same way: its weights
-    are the base merged with the adapter, which no GGUF file holds (int8 drafts faster than the 0.5B's own Q4_K_M
-    blocks on AVX2 at 1-9 rows)."""
+    drafter), else for bf16 / fp16 / gguf on a CPU (``$DFLASH2_PARD_WEIGHTS`` = bf16 / int8 / int4 / q8_0 / q4_0
+    overrides it), where the gguf kernel's AVX512-VNNI build runs on a CPU without AMX (its layers run as one C++
+    call each): :data:`Q4_0` under a gguf target (the target's own bytes per weight: a 3-row draft pass 22 vs 30 ms
+    in Q8_0, acceptance unchanged within noise, Zen 4, docs/pard.md "Session 28"), :data:`Q8_0` under a bf16 target
+    (a 3-row pass 23-26 vs 28-33 ms in int8); else :data:`DEFAULT_PARD_WEIGHTS`. Not quantized elsewhere (fp32
+    stays the unquantized reference, as ``load_transformer``). The blocks are quantized from the base merged with
+    the adapter, which no GGUF file holds (int8 drafts faster than the 0.5B's own Q4_K_M blocks on AVX2 at 1-9
+    rows)."""
     import os
 
     if weights not in (None, "bf16", "gguf"):
@@ -331,7 +334,9 @@ def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
     chosen = os.environ.get("DFLASH2_PARD_WEIGHTS", "").strip().lower()
     if chosen:
         return chosen
-    return Q8_0 if _vnni_q8_0(gguf_target=weights == "gguf") else DEFAULT_PARD_WEIGHTS
+    if not _vnni_q8_0(gguf_target=weights == "gguf"):
+        return DEFAULT_PARD_WEIGHTS
+    return Q4_0 if weights == "gguf" else Q8_0
 
 
 def _vnni_q8_0(gguf_target: bool) -> bool:
@@ -355,6 +360,9 @@ def _vnni_q8_0(gguf_target: bool) -> bool:
 # docs/pard.md); the drafts need not be exact, only verification must (and it is, whatever the drafter computes)
 DEFAULT_PARD_WEIGHTS = "int8"
 Q8_0 = "q8_0"  # a drafter-only format: Q8_0 blocks quantized at load, the gguf kernels (load_pard_model)
+Q4_0 = "q4_0"  # the same with Q4_0 blocks (4.5 bits per weight)
+# drafter-only formats: the merged weights quantized at load to these GGUF block types, run by the gguf kernels
+BLOCK_FORMATS = {Q8_0: "Q8_0", Q4_0: "Q4_0"}
 # A long prompt: the drafter reads its first 32 ids (the chat template's system turn, attention sinks) and its
 # last 480; None reads all of it (docs/pard.md, "Time to first token").
 DEFAULT_CONTEXT_WINDOW: tuple[int, int] | None = (32, 480)

@@ -44,7 +44,8 @@ from dflash2.kernels import jit
 from dflash2.kernels import packed_linear as _bf16
 from dflash2.kernels.gguf_packing import PANEL, PackedBlocks, pack_blocks, unpack_blocks
 from dflash2.models.gguf_blocks import (BLOCK, SUPPORTED_TYPES, BlockTensor, dequantize, integer_weights,
-                                        quantize_q8_0, random_blocks, take_rows)
+                                        quantize_q4_0, quantize_q8_0, random_blocks,
+                                        take_rows)
 
 __all__ = ["ENV", "VNNI", "GgufLinear", "PackedBlocks", "activation_block", "build_namespace", "gguf_backend",
            "gguf_kernel_status", "gguf_kernels_available", "kernel_backends", "kernel_ops", "pack_blocks",
@@ -306,16 +307,20 @@ class GgufLinear(_bf16.CpuLinear):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    backend: str | None = None) -> "GgufLinear":
-        """A float [N, K] weight quantized to Q8_0 blocks (:func:`~dflash2.models.gguf_blocks.quantize_q8_0`) on
-        the kernel ``backend`` (None: :func:`gguf_backend`): for weights no GGUF file holds (a merged drafter)."""
-        blocks = quantize_q8_0(weight.detach().to("cpu", torch.float32).numpy())
+                    backend: str | None = None, qtype: str = "Q8_0") -> "GgufLinear":
+        """A float [N, K] weight quantized to Q8_0 or Q4_0 blocks (``qtype``; :func:`~dflash2.models.gguf_blocks.
+        quantize_q8_0` / ``quantize_q4_0``) on the kernel ``backend`` (None: :func:`gguf_backend`): for weights no
+        GGUF file holds (a merged drafter)."""
+        quantizers = {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0}
+        if qtype not in quantizers:
+            raise ValueError(f"GgufLinear.from_weight quantizes to {' or '.join(quantizers)}, not {qtype!r}")
+        blocks = quantizers[qtype](weight.detach().to("cpu", torch.float32).numpy())
         b = None if bias is None else bias.detach().to("cpu", torch.float32).contiguous()
         return cls([pack_blocks(blocks)], b, backend or gguf_backend())
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Module, backend: str | None = None) -> "GgufLinear":
-        return cls.from_weight(linear.weight, linear.bias, backend)
+    def from_linear(cls, linear: torch.nn.Module, backend: str | None = None, qtype: str = "Q8_0") -> "GgufLinear":
+        return cls.from_weight(linear.weight, linear.bias, backend, qtype)
 
     kernel_takes_bf16 = True  # the kernel quantizes bf16 rows as they are (widening to fp32 is exact)
 

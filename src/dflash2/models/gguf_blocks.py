@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["BLOCK", "SUPPORTED_TYPES", "BlockTensor", "GGUFBlockError", "concat_rows", "decode_blocks",
-           "dequantize", "integer_weights", "quantize_q8_0", "random_blocks", "random_raw", "take_rows"]
+           "dequantize", "integer_weights", "quantize_q4_0", "quantize_q8_0", "random_blocks", "random_raw", "take_rows"]
 
 BLOCK = 32  # inputs per activation block and per kernel block
 SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
@@ -193,6 +193,22 @@ def concat_rows(parts: list[BlockTensor]) -> BlockTensor:
     qtype = first.qtype if all(p.qtype == first.qtype for p in parts) else "+".join(p.qtype for p in parts)
     return BlockTensor(qtype, cat("codes"), first.signed, first.bits, first.zero, first.sub, cat("sub_scales"),
                        first.group, cat("scale"), cat("offset"), cat("offset_mult"))
+
+
+def quantize_q4_0(weight: np.ndarray) -> BlockTensor:
+    """A float [N, K] weight (K a multiple of 32) as Q4_0 blocks: per 32 inputs ``d = fp16(m / -8)``, m the input
+    of largest magnitude (it maps to code 0, so the other side keeps 7 steps), and codes ``round(w / d) + 8``
+    (half to even) clamped to [0, 15]; 4.5 bits per weight. For weights no GGUF holds (a merged drafter)."""
+    w = np.asarray(weight, dtype=np.float32)
+    n, k = w.shape
+    if k % BLOCK:
+        raise GGUFBlockError(f"Q4_0 needs K a multiple of {BLOCK}, got [{n}, {k}]")
+    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[..., None], axis=2)[..., 0]  # [N, B]
+    d = (largest / np.float32(-8)).astype(np.float16).astype(np.float32)
+    safe = np.where(d != 0, d, np.float32(1))
+    codes = np.where(d[..., None] != 0, np.clip(np.rint(blocks / safe[..., None]) + 8, 0, 15), 8).astype(np.uint8)
+    return BlockTensor("Q4_0", codes.reshape(n, k), False, 4, 8, BLOCK, None, 1, d, None, None)
 
 
 def quantize_q8_0(weight: np.ndarray) -> BlockTensor:
