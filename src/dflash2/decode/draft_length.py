@@ -12,8 +12,8 @@ maximises
 
 k = 0 is plain decoding (speculation off). While off, nothing is drafted so nothing is learnt: every
 ``probe_interval`` steps one short probe draft refreshes the estimate; a probe that leaves speculation off doubles
-the interval (up to ``max_probe_interval``): a probe costs more than a draft pass (the drafter first reads every
-token committed while it was off), so on text where drafts do not pay it should be rare. While on at one length,
+the interval (up to ``max_probe_interval``): a probe costs more than a draft pass (the drafter first reads what it
+missed while it was off, up to its catch-up window), so on text where drafts do not pay it should be rare. While on at one length,
 the verification cost's growth with k cannot be fitted (every forward has the same size): every
 ``probe_interval`` steps one step drafts one token fewer (one more when k = 1), which costs about nothing. The forward cost model may be shared by
 the requests of one engine (the same target), so later requests start from a fit.
