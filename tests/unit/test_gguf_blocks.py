@@ -204,20 +204,27 @@ def test_q8_0_from_a_float_weight(backend):
     assert not t.codes.view(np.int8)[3, 32:64].any() and t.scale[3, 1] == 0
     step = np.repeat(t.scale, 32, axis=1)
     assert np.all(np.abs(dequantize(t) - w.numpy()) <= 0.5 * step + 1e-6 * np.abs(w.numpy()))
-    layer = gl.GgufLinear.from_weight(w, torch.randn(40), backend)
-    x = torch.randn(3, 256, generator=g)
+    _check_layer_over(t, w, backend, "Q8_0", g, 0.02)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(np.zeros((2, 40), np.float32))
+
+
+def _check_layer_over(t, w, backend, qtype, g, tolerance):
+    """GgufLinear.from_weight(w) over ``qtype`` blocks computes the reference over ``t``, within ``tolerance`` (of
+    the largest output) of the float product."""
+    layer = gl.GgufLinear.from_weight(w, torch.randn(w.shape[0], generator=g), backend, qtype=qtype)
+    x = torch.randn(3, w.shape[1], generator=g)
     y = layer(x)
     assert torch.equal(y, gl.reference_rows(x, t) + layer.bias_data)
     exact = x @ w.T + layer.bias_data
-    assert float((y - exact).abs().max() / exact.abs().max()) < 0.02
-    with pytest.raises(ValueError, match="multiple of 32"):
-        quantize_q8_0(np.zeros((2, 40), np.float32))
+    assert float((y - exact).abs().max() / exact.abs().max()) < tolerance
 
 
 @pytest.mark.parametrize("backend", ["torch", *KERNELS])
 def test_q4_0_from_a_float_weight(backend):
     """quantize_q4_0: fp16 scales per 32 inputs (the largest magnitude at code 0), codes in [0, 15] within half a
-    step of w / d + 8 (a step at 15: the side opposite the largest has 7 steps); the layer over them equals the reference on those blocks and is near the float product."""
+    step of w / d + 8 (a step at 15: the side opposite the largest has 7 steps); the layer over them equals the
+    reference on those blocks and is near the float product."""
     from dflash2.models.gguf_blocks import quantize_q4_0
 
     g = torch.Generator().manual_seed(4)
@@ -232,12 +239,7 @@ def test_q4_0_from_a_float_weight(backend):
     step = np.repeat(np.abs(t.scale), 32, axis=1)
     half = np.where(t.codes == 15, 1.0, 0.5)  # half a step, one where the side opposite the largest is clipped
     assert np.all(np.abs(dequantize(t) - w.numpy()) <= half * step + 1e-3 * np.abs(w.numpy()))
-    layer = gl.GgufLinear.from_weight(w, torch.randn(40), backend, qtype="Q4_0")
-    x = torch.randn(3, 256, generator=g)
-    y = layer(x)
-    assert torch.equal(y, gl.reference_rows(x, t) + layer.bias_data)
-    exact = x @ w.T + layer.bias_data
-    assert float((y - exact).abs().max() / exact.abs().max()) < 0.15
+    _check_layer_over(t, w, backend, "Q4_0", g, 0.15)
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_q4_0(np.zeros((2, 40), np.float32))
     with pytest.raises(ValueError, match="Q8_0 or Q4_0"):
