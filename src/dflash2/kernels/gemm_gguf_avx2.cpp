@@ -195,6 +195,62 @@ inline void block_integers(const Args& a, int64_t p, int64_t b, const int8_t* co
 }
 
 #if GGUF_VNNI
+// block_integers with 256-bit VPDPBUSD (AVX512-VNNI + VL): u8 x s8 products summed by 4 straight into int32 lanes,
+// so each row's int16 adds and the VPMADDWD that widened them go; the sub-scales then multiply the int32 sums of
+// each half (VPMULLD, shared by the rows' lanes). The same exact integers as block_integers, so the same bits.
+template <int MR, int KIND, int H>
+inline void block_integers_dp(const Args& a, int64_t p, int64_t b, const int8_t* const* xr, __m256i S0, __m256i S1,
+                              __m256i* J) {
+  __m256i a0[MR], a1[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
+  if constexpr (KIND == kSigned) {  // |w| (u8) times x with w's sign
+    const uint8_t* wp = a.w + (p * a.B + b) * 256;
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * t));
+      const __m256i av = _mm256_abs_epi8(v);
+      for (int r = 0; r < MR; ++r)
+        a0[r] = _mm256_dpbusd_epi32(a0[r], av, _mm256_sign_epi8(xload(xr[r], 32 * b + 4 * t), v));
+    }
+    for (int r = 0; r < MR; ++r) J[r] = a0[r];
+    return;
+  } else {
+    constexpr int HB = KIND == kNib4 ? 0 : (KIND == kNib5 ? 1 : 2);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const uint8_t* wp = a.w + (p * a.B + b) * (128 + 32 * HB);
+    __m256i plane0 = _mm256_setzero_si256(), plane1 = _mm256_setzero_si256();
+    if constexpr (HB > 0) plane0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 128));
+    if constexpr (HB == 2) plane1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 160));
+    auto high = [&](int t) {  // step t's high bits at bits 4..
+      const __m256i plane = (t * HB) / 8 == 0 ? plane0 : plane1;
+      const __m256i h = _mm256_and_si256(_mm256_srli_epi16(plane, (t * HB) % 8), _mm256_set1_epi8((1 << HB) - 1));
+      return _mm256_slli_epi16(h, 4);
+    };
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 32 * c));
+      __m256i lo = _mm256_and_si256(v, low4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      if constexpr (HB > 0) {
+        lo = _mm256_or_si256(lo, high(c));
+        hi = _mm256_or_si256(hi, high(c + 4));
+      }
+      for (int r = 0; r < MR; ++r) {
+        a0[r] = _mm256_dpbusd_epi32(a0[r], lo, xload(xr[r], 32 * b + 4 * c));
+        a1[r] = _mm256_dpbusd_epi32(a1[r], hi, xload(xr[r], 32 * b + 16 + 4 * c));
+      }
+    }
+    if constexpr (H == 0) {
+      for (int r = 0; r < MR; ++r) J[r] = _mm256_add_epi32(a0[r], a1[r]);
+    } else {  // the sub-scales: the low int16 half of S0 / S1 (dup16), sign-extended
+      const __m256i s0 = _mm256_srai_epi32(_mm256_slli_epi32(S0, 16), 16);
+      const __m256i s1 = _mm256_srai_epi32(_mm256_slli_epi32(S1, 16), 16);
+      for (int r = 0; r < MR; ++r)
+        J[r] = _mm256_add_epi32(_mm256_mullo_epi32(a0[r], s0), _mm256_mullo_epi32(a1[r], s1));
+    }
+  }
+}
+
 #include "gemm_gguf_vnni.h"
 #endif
 
@@ -221,7 +277,11 @@ void panel_rows(const Args& a, int64_t p, int64_t m0, int64_t nv) {
         Spair = pair16(sp, sp + 8);
       }
       __m256i J[MR];
+#if GGUF_VNNI
+      block_integers_dp<MR, KIND, H>(a, p, b, xr, S0, S1, J);
+#else
       block_integers<MR, KIND, H>(a, p, b, xr, S0, S1, J);
+#endif
       __m256i CM = _mm256_setzero_si256();
       if constexpr (OFF == 2) CM = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (p * a.B + b) * 8)));
       for (int r = 0; r < MR; ++r) {
