@@ -49,8 +49,9 @@
 #include <vector>
 
 // Built twice (kernels/gguf_linear.py): for AVX2 + FMA, and for AVX512-VNNI (-mavx512vnni -mavx512vl), where the
-// integer sums use VPDPBUSD (u8 x s8 products summed by 4 into int32 lanes, one instruction) and up to 8 rows
-// share an unpacked block. The integers are exact either way, so both builds give the same bits.
+// integer sums use VPDPBUSD (u8 x s8 products summed by 4 into int32 lanes, one instruction; 256-bit for 1-3 rows,
+// block_integers_dp) and up to 8 rows share an unpacked block. The integers are exact either way, so both builds
+// give the same bits.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define GGUF_VNNI 1
 #else
