@@ -27,7 +27,9 @@
 // One 32-byte vector holds 4 consecutive inputs of 8 outputs, so _mm256_maddubs_epi16 + _mm256_madd_epi16 leave
 // one int32 per output (no horizontal sums); each row broadcasts its 4 activation bytes (one VPBROADCASTD load from
 // xq as it is: measured faster on Zen 4 than reading a pre-broadcast copy 8 times its size, 18.2 vs 13.9 tokens/s
-// plain with the AVX2 build). A block's weights are unpacked once per group of up to 4 rows (8 with VNNI).
+// plain with the AVX2 build). A block's weights are unpacked once per group of up to 4 rows (VNNI, from 5
+// rows: 8). The zero-point and offset terms are int16 pair dot products of the per-output multipliers with each
+// block's two activation half sums, accumulated over a scale group and applied once per group.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -49,9 +51,9 @@
 #include <vector>
 
 // Built twice (kernels/gguf_linear.py): for AVX2 + FMA, and for AVX512-VNNI (-mavx512vnni -mavx512vl), where the
-// integer sums use VPDPBUSD (u8 x s8 products summed by 4 into int32 lanes, one instruction; 256-bit for 1-3 rows,
-// block_integers_dp) and up to 8 rows share an unpacked block. The integers are exact either way, so both builds
-// give the same bits.
+// integer sums use VPDPBUSD (u8 x s8 products summed by 4 into int32 lanes, one instruction; 256-bit for 1-4 rows,
+// block_integers_dp) and from 5 rows up to 8 rows share an unpacked block of two panels. The integers are exact
+// either way, so both builds give the same bits.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define GGUF_VNNI 1
 #else
@@ -66,12 +68,6 @@
 
 namespace {
 
-#if GGUF_VNNI
-constexpr int kMaxRows = 8;  // 32 vector registers: twice the rows per unpacked block
-#else
-constexpr int kMaxRows = 4;
-#endif
-
 constexpr int64_t kPanel = 8;
 
 enum Kind { kNib4 = 0, kNib5 = 1, kNib6 = 2, kSigned = 3 };
@@ -85,6 +81,7 @@ struct Args {
   const int8_t* xq;     // [M, K]: the quantized activations
   const float* dx;      // [M, G]: one activation scale per scale group (32 or 256 inputs)
   const int32_t* bs;    // [M, 2B]
+  const int32_t* bp;    // [M, B]: each block's two half sums as int16 pairs (bs[2b] low, bs[2b + 1] high)
   int64_t K, B, G, group, N;
   int zshift;           // log2(zero), -1 for zero == 0
   float* y;             // [M, N]
@@ -195,6 +192,15 @@ inline void block_integers(const Args& a, int64_t p, int64_t b, const int8_t* co
   }
 }
 
+// acc + the sums of adjacent int16 products of a and b in each int32 lane (VPDPWSSD with VNNI, else VPMADDWD + add).
+inline __m256i dot16_add(__m256i acc, __m256i a, __m256i b) {
+#if GGUF_VNNI
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 #if GGUF_VNNI
 // block_integers with 256-bit VPDPBUSD (AVX512-VNNI + VL): u8 x s8 products summed by 4 straight into int32 lanes,
 // so each row's int16 adds and the VPMADDWD that widened them go; the sub-scales then multiply the int32 sums of
@@ -243,6 +249,9 @@ inline void block_integers_dp(const Args& a, int64_t p, int64_t b, const int8_t*
     }
     if constexpr (H == 0) {
       for (int r = 0; r < MR; ++r) J[r] = _mm256_add_epi32(a0[r], a1[r]);
+    } else if constexpr (H == 1) {  // one sub-scale for both halves: the low int16 half of S0 (dup16)
+      const __m256i s0 = _mm256_srai_epi32(_mm256_slli_epi32(S0, 16), 16);
+      for (int r = 0; r < MR; ++r) J[r] = _mm256_mullo_epi32(_mm256_add_epi32(a0[r], a1[r]), s0);
     } else {  // the sub-scales: the low int16 half of S0 / S1 (dup16), sign-extended
       const __m256i s0 = _mm256_srai_epi32(_mm256_slli_epi32(S0, 16), 16);
       const __m256i s1 = _mm256_srai_epi32(_mm256_slli_epi32(S1, 16), 16);
@@ -264,9 +273,10 @@ void panel_rows(const Args& a, int64_t p, int64_t m0, int64_t nv) {
     xr[r] = a.xq + (m0 + r) * a.K;
   }
   const __m256i ones = _mm256_set1_epi16(1);
+  const bool zero = a.zshift >= 0;
   for (int64_t g = 0; g < a.G; ++g) {
-    __m256i Jg[MR], Tg[MR];
-    for (int r = 0; r < MR; ++r) Jg[r] = Tg[r] = _mm256_setzero_si256();
+    __m256i Jg[MR], Zg[MR], Tg[MR];
+    for (int r = 0; r < MR; ++r) Jg[r] = Zg[r] = Tg[r] = _mm256_setzero_si256();
     for (int64_t b = g * a.group; b < (g + 1) * a.group; ++b) {
       __m256i S0 = ones, S1 = ones, Spair = ones;
       if constexpr (H == 1) {
@@ -283,27 +293,19 @@ void panel_rows(const Args& a, int64_t p, int64_t m0, int64_t nv) {
 #else
       block_integers<MR, KIND, H>(a, p, b, xr, S0, S1, J);
 #endif
-      __m256i CM = _mm256_setzero_si256();
-      if constexpr (OFF == 2) CM = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (p * a.B + b) * 8)));
+      __m256i CM = ones;  // c as an int16 pair (c, c) per output: c * bsum_0 + c * bsum_1
+      if constexpr (OFF == 2) CM = dup16(a.cm + (p * a.B + b) * 8);
       for (int r = 0; r < MR; ++r) {
-        const int32_t* bsr = a.bs + (m0 + r) * 2 * a.B + 2 * b;
-        const int32_t bs32 = bsr[0] + bsr[1];
-        if (a.zshift >= 0) {  // J -= zero * sum_h s_h * bsum_h
-          __m256i Z;
-          if constexpr (H == 0) {
-            Z = _mm256_set1_epi32(bs32);
-          } else {
-            Z = _mm256_madd_epi16(Spair, _mm256_set1_epi32((bsr[0] & 0xFFFF) | (bsr[1] << 16)));
-          }
-          J[r] = _mm256_sub_epi32(J[r], _mm256_sll_epi32(Z, _mm_cvtsi32_si128(a.zshift)));
-        }
+        // the block's half sums as an int16 pair; the zero-point and offset terms are pair dot products with it
+        const __m256i bpair = _mm256_set1_epi32(a.bp[(m0 + r) * a.B + b]);
         Jg[r] = _mm256_add_epi32(Jg[r], J[r]);
-        if constexpr (OFF == 1) {
-          Tg[r] = _mm256_add_epi32(Tg[r], _mm256_set1_epi32(bs32));
-        } else if constexpr (OFF == 2) {  // c (0 .. 63, high int16 half 0) times (bs32, 0)
-          Tg[r] = _mm256_add_epi32(Tg[r], _mm256_madd_epi16(CM, _mm256_set1_epi32(bs32 & 0xFFFF)));
-        }
+        if (zero) Zg[r] = dot16_add(Zg[r], Spair, bpair);  // sum_h s_h * bsum_h
+        if constexpr (OFF != 0) Tg[r] = dot16_add(Tg[r], CM, bpair);
       }
+    }
+    if (zero) {  // J -= zero * sum_b sum_h s_h * bsum_h, once per group
+      const __m128i shift = _mm_cvtsi32_si128(a.zshift);
+      for (int r = 0; r < MR; ++r) Jg[r] = _mm256_sub_epi32(Jg[r], _mm256_sll_epi32(Zg[r], shift));
     }
     const __m256 Av = _mm256_loadu_ps(a.A + (p * a.G + g) * kPanel);
     __m256 Cv = _mm256_setzero_ps();
@@ -371,9 +373,9 @@ struct Panels {  // one panel of 8 outputs, 1-4 rows per call
   static constexpr Fn fn = &panel_rows<MR, KIND, H, OFF>;
 };
 
-// Rows per call when `remaining` rows are left: as few calls of <= kMaxRows rows as possible, evenly sized.
-inline int rows_for_call(int64_t remaining) {
-  const int64_t calls = (remaining + kMaxRows - 1) / kMaxRows;
+// Rows per call when `remaining` rows are left: as few calls of <= max_rows rows as possible, evenly sized.
+inline int rows_for_call(int64_t remaining, int max_rows) {
+  const int64_t calls = (remaining + max_rows - 1) / max_rows;
   return static_cast<int>((remaining + calls - 1) / calls);
 }
 
@@ -472,7 +474,7 @@ void paired_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P
       const int64_t nv1 = q == p ? 0 : std::min<int64_t>(kPanel, a.N - q * kPanel);
       const __mmask16 keep = static_cast<__mmask16>(((1u << nv0) - 1) | (((1u << nv1) - 1) << 8));
       for (int64_t m = 0; m < M;) {
-        const int mr = rows_for_call(M - m);
+        const int mr = rows_for_call(M - m, Pairs::kRows);
         pick<Pairs>(kind, h, off, mr)(a, p, q, m, keep);
         m += mr;
       }
@@ -514,14 +516,22 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
   const int off = C == nullptr ? 0 : (cm == nullptr ? 1 : 2);
   at::Tensor y = at::empty({M, n_out}, dx.options());
   if (M == 0) return y;
+  // Each block's two half sums (|.| <= 16 * 127) as one int16 pair: the zero-point and offset terms' operand.
+  at::Tensor bpair = at::empty({M, B}, bsum.options());
+  const int32_t* bs = bsum.data_ptr<int32_t>();
+  int32_t* bp = bpair.data_ptr<int32_t>();
+  for (int64_t i = 0; i < M * B; ++i)
+    bp[i] = static_cast<int32_t>((static_cast<uint32_t>(bs[2 * i]) & 0xFFFFu) |
+                                 (static_cast<uint32_t>(bs[2 * i + 1]) << 16));
   Args a{packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), C, s, cm, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
-         bsum.data_ptr<int32_t>(), K, B, G, group, n_out,
+         bs, bp, K, B, G, group, n_out,
          zero == 0 ? -1 : (zero == 8 ? 3 : (zero == 16 ? 4 : 5)), y.data_ptr<float>()};
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K));
 #if GGUF_VNNI
-  // From 4 rows, panels in pairs (16 outputs per vector); 1-3 rows stream the weights faster through the 256-bit
-  // micro-kernel below (Zen 4, interleaved: 1 row 27.3 vs 18.7 GB/s, 3 rows 17.2 vs 15.0; 4 rows 10.8 vs 12.4).
-  if (M >= 4) {
+  // From 5 rows, panels in pairs (16 outputs per vector); 1-4 rows take the 256-bit micro-kernel below, which
+  // streams the weights faster there (Zen 4, 6 out-of-cache Q4_K / Q6_K layers, 2 threads: 4 rows 20-40% faster;
+  // 5 rows as 3 + 2 slower than the pairs).
+  if (M >= 5) {
     paired_panels(a, kind, h, off, M, P, std::max<int64_t>(1, grain / 2));
     return y;
   }
@@ -530,7 +540,7 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t nv = std::min<int64_t>(kPanel, n_out - p * kPanel);
       for (int64_t m = 0; m < M;) {
-        const int mr = rows_for_call(M - m);
+        const int mr = rows_for_call(M - m, Panels::kRows);
         pick<Panels>(kind, h, off, mr)(a, p, m, nv);
         m += mr;
       }

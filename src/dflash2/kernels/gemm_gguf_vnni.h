@@ -1,8 +1,9 @@
 // The AVX512-VNNI micro-kernel of gemm_gguf_avx2.cpp (included there, inside its namespace, when built with
-// -mavx512vnni): two panels (16 outputs) per 64-byte vector, so each row's broadcast activation bytes, VPDPBUSD
-// and per-block bookkeeping serve twice the outputs of the 256-bit path. Lanes 0-7 are panel p's outputs, lanes
-// 8-15 panel p + 1's, each lane the 256-bit path's lane: the same exact integers and the same fp32 sequence per
-// output (y = y + (A * dx) * float(J), then the offset term), so the same bits (tested against the reference).
+// -mavx512vnni; used from 5 rows): two panels (16 outputs) per 64-byte vector, so each row's broadcast activation
+// bytes, VPDPBUSD and per-block bookkeeping serve twice the outputs of the 256-bit path. Lanes 0-7 are panel p's
+// outputs, lanes 8-15 panel p + 1's, each lane the 256-bit path's lane: the same exact integers and the same fp32
+// sequence per output (y = y + (A * dx) * float(J), then the offset term), so the same bits (tested against the
+// reference).
 
 // Panel p's 32 bytes at `off` in the low half, panel p + 1's in the high half.
 inline __m512i load_pair(const uint8_t* p0, const uint8_t* p1) {
@@ -28,12 +29,12 @@ inline __m512i xload16(const int8_t* row, int64_t k) {
   return _mm512_set1_epi32(four);
 }
 
-// Per row: the int32 sums of the two halves of block b (inputs 0-15 / 16-31) of panels p, q, less zero times the
-// half's activation sum (z0 / z1: bsum << log2(zero), 0 without a zero point), times their sub-scales (S0 / S1):
-// J = sum_h s_h * (sum u x - zero * bsum_h), block_integers' J less its zero-point term, for 16 outputs.
+// Per row: the int32 sums of the two halves of block b (inputs 0-15 / 16-31) of panels p, q times their
+// sub-scales (S0 / S1): J = sum_h s_h * sum u x, block_integers' J, for 16 outputs (the zero-point term is
+// pair_rows' once per group).
 template <int MR, int KIND, int H>
 inline void pair_block_integers(const Args& a, int64_t p, int64_t q, int64_t b, const int8_t* const* xr,
-                                __m512i S0, __m512i S1, const int32_t* z0, const int32_t* z1, __m512i* J) {
+                                __m512i S0, __m512i S1, __m512i* J) {
   __m512i a0[MR], a1[MR];
   for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
   if constexpr (KIND == kSigned) {  // |w| (u8) times x negated where w < 0
@@ -82,13 +83,17 @@ inline void pair_block_integers(const Args& a, int64_t p, int64_t q, int64_t b, 
   }
   for (int r = 0; r < MR; ++r) {
     if constexpr (H == 2) {
-      J[r] = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(a0[r], _mm512_set1_epi32(z0[r])), S0),
-                              _mm512_mullo_epi32(_mm512_sub_epi32(a1[r], _mm512_set1_epi32(z1[r])), S1));
+      J[r] = _mm512_add_epi32(_mm512_mullo_epi32(a0[r], S0), _mm512_mullo_epi32(a1[r], S1));
     } else {
-      J[r] = _mm512_sub_epi32(_mm512_add_epi32(a0[r], a1[r]), _mm512_set1_epi32(z0[r] + z1[r]));
+      J[r] = _mm512_add_epi32(a0[r], a1[r]);
       if constexpr (H == 1) J[r] = _mm512_mullo_epi32(J[r], S0);
     }
   }
+}
+
+// int32 lanes holding small values -> the int16 pair (lo, hi) in each lane (a VPDPWSSD operand).
+inline __m512i pair16_512(__m512i lo, __m512i hi) {
+  return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(hi, 16));
 }
 
 // Rows m0 .. m0 + MR - 1 of panels p and q (p + 1; or p again for a last, lone panel), the outputs in `keep`
@@ -101,39 +106,40 @@ void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) 
     yv[r] = _mm512_setzero_ps();
     xr[r] = a.xq + (m0 + r) * a.K;
   }
+  const bool zero = a.zshift >= 0;
+  const __m512i ones = _mm512_set1_epi16(1);
   for (int64_t g = 0; g < a.G; ++g) {
-    __m512i Jg[MR], Tg[MR];
-    for (int r = 0; r < MR; ++r) Jg[r] = Tg[r] = _mm512_setzero_si512();
+    __m512i Jg[MR], Zg[MR], Tg[MR];
+    for (int r = 0; r < MR; ++r) Jg[r] = Zg[r] = Tg[r] = _mm512_setzero_si512();
     for (int64_t b = g * a.group; b < (g + 1) * a.group; ++b) {
-      __m512i S0 = _mm512_set1_epi32(1), S1 = S0;
+      __m512i S0 = _mm512_set1_epi32(1), S1 = S0, Spair = ones;  // Spair: (s_0, s_1) as int16 pairs
       if constexpr (H == 1) {
         S0 = S1 = int8_pair(a.s + (p * a.B + b) * 8, a.s + (q * a.B + b) * 8);
+        Spair = pair16_512(S0, S0);
       } else if constexpr (H == 2) {
         const int8_t* s0 = a.s + (p * a.B + b) * 16;
         const int8_t* s1 = a.s + (q * a.B + b) * 16;
         S0 = int8_pair(s0, s1);
         S1 = int8_pair(s0 + 8, s1 + 8);
-      }
-      int32_t z0[MR], z1[MR];  // zero * the activation sum of each half (exact: |.| <= 32 * 16 * 127)
-      for (int r = 0; r < MR; ++r) {
-        const int32_t* bsr = a.bs + (m0 + r) * 2 * a.B + 2 * b;
-        z0[r] = a.zshift >= 0 ? bsr[0] * (1 << a.zshift) : 0;
-        z1[r] = a.zshift >= 0 ? bsr[1] * (1 << a.zshift) : 0;
+        Spair = pair16_512(S0, S1);
       }
       __m512i J[MR];
-      pair_block_integers<MR, KIND, H>(a, p, q, b, xr, S0, S1, z0, z1, J);
-      __m512i CM = _mm512_setzero_si512();
-      if constexpr (OFF == 2) CM = int8_pair(a.cm + (p * a.B + b) * 8, a.cm + (q * a.B + b) * 8);
-      for (int r = 0; r < MR; ++r) {
-        const int32_t* bsr = a.bs + (m0 + r) * 2 * a.B + 2 * b;
-        const int32_t bs32 = bsr[0] + bsr[1];
-        Jg[r] = _mm512_add_epi32(Jg[r], J[r]);
-        if constexpr (OFF == 1) {
-          Tg[r] = _mm512_add_epi32(Tg[r], _mm512_set1_epi32(bs32));
-        } else if constexpr (OFF == 2) {
-          Tg[r] = _mm512_add_epi32(Tg[r], _mm512_mullo_epi32(CM, _mm512_set1_epi32(bs32)));
-        }
+      pair_block_integers<MR, KIND, H>(a, p, q, b, xr, S0, S1, J);
+      __m512i CM = ones;  // (c, c) per output: c * bsum_0 + c * bsum_1
+      if constexpr (OFF == 2) {
+        const __m512i c = int8_pair(a.cm + (p * a.B + b) * 8, a.cm + (q * a.B + b) * 8);
+        CM = pair16_512(c, c);
       }
+      for (int r = 0; r < MR; ++r) {
+        const __m512i bpair = _mm512_set1_epi32(a.bp[(m0 + r) * a.B + b]);  // the half sums as an int16 pair
+        Jg[r] = _mm512_add_epi32(Jg[r], J[r]);
+        if (zero) Zg[r] = _mm512_dpwssd_epi32(Zg[r], Spair, bpair);  // sum_h s_h * bsum_h
+        if constexpr (OFF != 0) Tg[r] = _mm512_dpwssd_epi32(Tg[r], CM, bpair);
+      }
+    }
+    if (zero) {  // J -= zero * sum_b sum_h s_h * bsum_h, once per group
+      const __m128i shift = _mm_cvtsi32_si128(a.zshift);
+      for (int r = 0; r < MR; ++r) Jg[r] = _mm512_sub_epi32(Jg[r], _mm512_sll_epi32(Zg[r], shift));
     }
     const __m512 Av = float_pair(a.A + (p * a.G + g) * kPanel, a.A + (q * a.G + g) * kPanel);
     __m512 Cv = _mm512_setzero_ps();
@@ -148,7 +154,7 @@ void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) 
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + p * kPanel, keep, yv[r]);
 }
 
-struct Pairs {  // panels p and q in one 512-bit vector, 1-8 rows per call (dispatched by gemm_gguf_avx2.cpp's pick)
+struct Pairs {  // panels p and q in one 512-bit vector, 1-8 rows per call (gemm_gguf_avx2.cpp's pick), from 5 rows
   using Fn = void (*)(const Args&, int64_t, int64_t, int64_t, __mmask16);
   static constexpr int kRows = 8;
   template <int MR, int KIND, int H, int OFF>
