@@ -14,7 +14,9 @@
 # chats. Never data/eval.
 # EXTRA: more `dflash2 train pard` options (e.g. --no-initial-eval, --stop-at-step N); RUN / LABELS: directories.
 # INIT: warm start a fresh run from a shipped adapter directory (e.g. INIT=src/dflash2/drafters/trained/...-pard);
-# SOFT_SHARE (default 0.3): share of training sequences drawn from the soft labels. LR (default 3e-4): peak LoRA LR.
+# RANK / ALPHA (default 16 / 32): the LoRA rank and alpha; a warm start may raise the rank with alpha / rank kept
+# (RANK=32 ALPHA=64 from a rank-16 adapter: the added rank starts at zero). SOFT_SHARE (default 0.3): share of
+# training sequences drawn from the soft labels. LR (default 3e-4): peak LoRA LR.
 # THREADS (default 1): torch threads per job. On 2 cores shared with other work, 2 threads per job was several times
 # slower than 1 (threads wait for each other when the cores are oversubscribed: SmolLM2 fp32 speculative steps took
 # 12 s with 2 threads vs 1.7 s with 1 at load average ~9); use 2 on an idle machine.
@@ -34,7 +36,7 @@ case "${1:-}" in
   train)
     $NICE .venv/bin/dflash2 train pard --base qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct \
       --out "$RUN" --threads "${THREADS:-1}" --labels "$LABELS" --hard-labels "$REGEN" --soft-share "${SOFT_SHARE:-0.3}" \
-      --num-draft-tokens 8 --lora-rank 16 --lora-alpha 32 --keep-ratio 0.7 --decay 0.9 --ce-weight 0.1 \
+      --num-draft-tokens 8 --lora-rank "${RANK:-16}" --lora-alpha "${ALPHA:-32}" --keep-ratio 0.7 --decay 0.9 --ce-weight 0.1 \
       --anchors 48 --sequences-per-step 2 --max-seq-len 768 --steps "${STEPS:-1000}" --lr "${LR:-3e-4}" --mask-lr 2e-3 \
       --warmup 20 --heldout 16 --heldout-every 40 --eval-every "${EVAL_EVERY:-0}" --eval-anchors 8 --checkpoint-every 5 \
       ${INIT:+--init-adapter "$INIT"} ${EXTRA:-}

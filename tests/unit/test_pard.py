@@ -11,7 +11,7 @@ import torch
 from dflash2.decode.plain import plain_decode
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.model import ModelDrafter
-from dflash2.drafters.pard import (PardDrafter, adapter_state, add_lora, load_pard_model, merge_lora)
+from dflash2.drafters.pard import (LoRALinear, PardDrafter, adapter_state, add_lora, load_pard_model, merge_lora)
 from dflash2.models.loading import load_transformer
 from dflash2.train.data import TrainingSequence, write_token_shards
 from dflash2.train.labels import HardLabels, LabelConfig, LabelShards, generate_labels
@@ -279,6 +279,20 @@ def test_training_learns_and_resumes(tiny_model_dirs, tmp_path):
     model, mask_id, _, mask_embedding = build_model(other_rank)
     with pytest.raises(ValueError, match="lora_rank"):
         _warm_start(shipped, other_rank, model, mask_embedding, mask_id)
+    # more capacity: a run of twice the rank (same alpha / rank) starts with the adapter's exact weight updates
+    wider = PardTrainConfig(**{**common, "lora_rank": 8, "lora_alpha": 2 * warm.lora_alpha,
+                               "init_adapter": str(shipped)})
+    model, mask_id, _, mask_embedding = build_model(wider)
+    _warm_start(shipped, wider, model, mask_embedding, mask_id)
+    reference, _, _, _ = build_model(warm)
+    _warm_start(shipped, warm, reference, mask_embedding, mask_id)
+    pairs = [(m, r) for m, r in zip(model.modules(), reference.modules()) if isinstance(m, LoRALinear)]
+    assert pairs and all(m.lora_a.shape[0] == 8 and torch.allclose(m.delta(), r.delta(), atol=1e-6) for m, r in pairs)
+    assert all(m.lora_b[:, 4:].abs().max() == 0 and m.lora_a[4:].abs().max() > 0 for m, _ in pairs)
+    same_alpha = PardTrainConfig(**{**common, "lora_rank": 8, "init_adapter": str(shipped)})  # alpha / rank halved
+    model, mask_id, _, mask_embedding = build_model(same_alpha)
+    with pytest.raises(ValueError, match="lora_scale"):
+        _warm_start(shipped, same_alpha, model, mask_embedding, mask_id)
 
 
 def test_for_request_shares_weights_not_the_cache(models):

@@ -149,14 +149,29 @@ def adapter_state(model: Transformer, mask_embedding: torch.Tensor, dtype: torch
     return state
 
 
-def load_adapter_state(model: Transformer, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``adapter_state`` tensors into the LoRA modules of ``model`` (added with the same config)."""
+def load_adapter_state(model: Transformer, state: dict[str, torch.Tensor], grow: bool = False) -> None:
+    """Copy ``adapter_state`` tensors into the LoRA modules of ``model`` (added with the same config).
+
+    ``grow``: the modules may have a higher rank than the state's; its A rows and B columns fill the leading ones,
+    the other B columns are zeroed (their A rows keep their initialization), so with the same ``alpha / rank`` the
+    layers compute what the state's adapter computed, and training can use the added rank."""
     for index, layer in enumerate(model.layers):
         for owner, name in _projections(layer, LORA_TARGETS):
             module = getattr(owner, name)
-            if isinstance(module, LoRALinear):
-                module.lora_a.data.copy_(state[f"layers.{index}.{name}.lora_a"])
-                module.lora_b.data.copy_(state[f"layers.{index}.{name}.lora_b"])
+            if not isinstance(module, LoRALinear):
+                continue
+            a, b = state[f"layers.{index}.{name}.lora_a"], state[f"layers.{index}.{name}.lora_b"]  # [r, in], [out, r]
+            if not grow:
+                module.lora_a.data.copy_(a)
+                module.lora_b.data.copy_(b)
+                continue
+            rank = a.shape[0]
+            if rank > module.lora_a.shape[0]:
+                raise ValueError(f"layer {index} {name}: an adapter of rank {rank} cannot grow into rank "
+                                 f"{module.lora_a.shape[0]}")
+            module.lora_a.data[:rank].copy_(a)
+            module.lora_b.data.zero_()
+            module.lora_b.data[:, :rank].copy_(b)
 
 
 def initial_mask_embedding(model: Transformer, used_ids: int | None = None) -> torch.Tensor:

@@ -367,20 +367,26 @@ def save_checkpoint(out_dir: Path, model, mask_embedding, optimizer, scheduler, 
 
 
 def _warm_start(adapter_dir: Path, config: PardTrainConfig, model, mask_embedding, mask_id: int) -> None:
-    """Start from a shipped adapter's LoRA weights and mask embedding (the optimizer starts fresh)."""
+    """Start from a shipped adapter's LoRA weights and mask embedding (the optimizer starts fresh). The run's rank
+    may be higher than the adapter's (more capacity) when ``alpha / rank`` is the same: the adapter fills the
+    leading rank, the added B columns start at zero, so step 0 drafts exactly as the adapter does."""
     shipped = PardConfig.load(adapter_dir)
-    expected = {"lora_rank": config.lora_rank, "lora_alpha": config.lora_alpha, "mask_token_id": mask_id,
+    expected = {"lora_scale": config.lora_alpha / config.lora_rank, "mask_token_id": mask_id,
                 "lora_targets": list(LORA_TARGETS)}
-    found = {"lora_rank": shipped.lora_rank, "lora_alpha": shipped.lora_alpha, "mask_token_id": shipped.mask_token_id,
+    found = {"lora_scale": shipped.lora_alpha / shipped.lora_rank, "mask_token_id": shipped.mask_token_id,
              "lora_targets": list(shipped.lora_targets)}
     mismatched = {name: (found[name], want) for name, want in expected.items() if found[name] != want}
+    if shipped.lora_rank > config.lora_rank:
+        mismatched["lora_rank"] = (shipped.lora_rank, config.lora_rank)
     if mismatched:
-        raise ValueError(f"{adapter_dir} cannot start this run: (adapter, run) differ in {mismatched}")
+        raise ValueError(f"{adapter_dir} cannot start this run: (adapter, run) differ in {mismatched} (the run's "
+                         "lora_rank may exceed the adapter's, with the same lora_alpha / lora_rank)")
     with safe_open(str(adapter_dir / ADAPTER_FILE), framework="pt") as handle:
         adapter = {name: handle.get_tensor(name).float() for name in handle.keys()}
-    load_adapter_state(model, adapter)
+    load_adapter_state(model, adapter, grow=True)
     mask_embedding.data.copy_(adapter["mask_embedding"])
-    print(f"warm start from {adapter_dir} ({shipped.extra.get('steps', '?')} steps)", flush=True)
+    grown = f", rank {shipped.lora_rank} -> {config.lora_rank}" if config.lora_rank > shipped.lora_rank else ""
+    print(f"warm start from {adapter_dir} ({shipped.extra.get('steps', '?')} steps{grown})", flush=True)
 
 
 def _load_checkpoint(path: Path, config: PardTrainConfig, model, mask_embedding, optimizer, scheduler) -> int:
