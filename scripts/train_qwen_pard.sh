@@ -45,7 +45,7 @@ case "${1:-}" in
          # DEFAULT_K: the draft length users get (measured fastest with `dflash2 bench`, docs/pard.md)
     rm -rf "$SHIPPED" && .venv/bin/dflash2 train pard-adapter --run "$RUN" --out "$SHIPPED" ${STEP:+--step "$STEP"} \
       --default-num-draft-tokens "${DEFAULT_K:-3}"
-    .venv/bin/dflash2 train pard-vocab --adapter "$SHIPPED" --data "$REGEN" --size "${DRAFT_VOCAB:-32768}"
+    .venv/bin/dflash2 train pard-vocab --adapter "$SHIPPED" --data "$REGEN" --size "${DRAFT_VOCAB:-65536}"
     cp "$RUN/eval.jsonl" "$SHIPPED/eval.jsonl"
     ;;
   export)  # a plain Hugging Face directory of the shipped drafter (merged weights; OUT=dir)

@@ -335,7 +335,7 @@ def _add_export_pard_parser(sub) -> None:
                                               "most frequent in the target's responses)")
     vocab.add_argument("--adapter", required=True, help="the adapter directory (pard_config.json)")
     vocab.add_argument("--data", required=True, help="regenerated token shard directories, comma-separated")
-    vocab.add_argument("--size", type=int, default=32768, help="ids kept (default: %(default)s)")
+    vocab.add_argument("--size", type=int, default=65536, help="ids kept (default: %(default)s)")
     vocab.set_defaults(handler=run_pard_vocab)
 
 
