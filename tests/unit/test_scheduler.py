@@ -8,31 +8,38 @@ def geometric(alpha: float, k: int, pass_s: float = 0.0, token_s: float = 0.0) -
     return RowDrafts(k, [alpha ** (i + 1) for i in range(k)], pass_s, token_s)
 
 
-def rate(rows: list[RowDrafts], plan: list[int], base: int, c0: float, c1: float) -> float:
+def line(c0: float, c1: float):
+    """A forward's seconds as one line: c0 + c1 * tokens."""
+    return lambda tokens: c0 + c1 * tokens
+
+
+def rate(rows: list[RowDrafts], plan: list[int], base: int, c0: float, c1: float, forward_s=None) -> float:
     """Expected committed tokens per second of a step with this plan (base rows, one token each without drafts)."""
+    forward_s = forward_s or line(c0, c1)
     expected = base + sum(sum(row.reach[:k]) for row, k in zip(rows, plan))
-    seconds = c0 + c1 * (base + sum(plan)) + sum(row.pass_s + row.token_s * k for row, k in zip(rows, plan) if k)
+    seconds = forward_s(base + sum(plan)) + sum(row.pass_s + row.token_s * k for row, k in zip(rows, plan) if k)
     return expected / seconds
 
 
 def test_drafts_are_granted_when_tokens_are_nearly_free():
     rows = [geometric(0.8, 4)] * 2
-    assert plan_draft_lengths(rows, base_tokens=2, base_expected=2.0, c0=1.0, c1=1e-4) == [4, 4]
+    assert plan_draft_lengths(rows, base_tokens=2, base_expected=2.0, forward_s=line(1.0, 1e-4)) == [4, 4]
 
 
 def test_speculation_is_switched_off_when_the_forward_is_compute_bound():
-    assert plan_draft_lengths([geometric(0.3, 8)] * 8, base_tokens=8, base_expected=8.0, c0=0.01, c1=1.0) == [0] * 8
+    assert plan_draft_lengths([geometric(0.3, 8)] * 8, base_tokens=8, base_expected=8.0,
+                              forward_s=line(0.01, 1.0)) == [0] * 8
 
 
 def test_better_accepted_requests_get_drafts_first():
-    plan = plan_draft_lengths([geometric(0.9, 4), geometric(0.2, 4)], base_tokens=2, base_expected=2.0, c0=1.0,
-                              c1=0.1)
+    plan = plan_draft_lengths([geometric(0.9, 4), geometric(0.2, 4)], base_tokens=2, base_expected=2.0,
+                              forward_s=line(1.0, 0.1))
     assert plan[0] > plan[1] and plan[0] >= 2
 
 
 def test_every_granted_draft_raises_expected_tokens_per_second():
     rows, c0, c1 = [geometric(0.7, 5), geometric(0.5, 5), geometric(0.2, 5)], 1.0, 0.15
-    plan = plan_draft_lengths(rows, base_tokens=3, base_expected=3.0, c0=c0, c1=c1)
+    plan = plan_draft_lengths(rows, base_tokens=3, base_expected=3.0, forward_s=line(c0, c1))
     best = rate(rows, plan, 3, c0, c1)
     for row in range(3):  # no single draft more or fewer does better
         for delta in (-1, 1):
@@ -47,9 +54,9 @@ def test_a_drafting_pass_is_weighed_against_what_its_whole_block_gains():
     a pass that costs more than its block gains is not run at all (plain decoding for that row)."""
     c0, c1 = 0.1, 0.001
     cheap = [RowDrafts(4, [0.5, 0.4, 0.3, 0.2], pass_s=0.1)]
-    assert plan_draft_lengths(cheap, base_tokens=1, base_expected=1.0, c0=c0, c1=c1) == [4]
+    assert plan_draft_lengths(cheap, base_tokens=1, base_expected=1.0, forward_s=line(c0, c1)) == [4]
     costly = [RowDrafts(4, [0.5, 0.4, 0.3, 0.2], pass_s=0.3)]
-    assert plan_draft_lengths(costly, base_tokens=1, base_expected=1.0, c0=c0, c1=c1) == [0]
+    assert plan_draft_lengths(costly, base_tokens=1, base_expected=1.0, forward_s=line(c0, c1)) == [0]
     assert rate(costly, [4], 1, c0, c1) < rate(costly, [0], 1, c0, c1)
     assert rate(cheap, [4], 1, c0, c1) > rate(cheap, [1], 1, c0, c1)
 
@@ -60,9 +67,9 @@ def test_with_many_rows_drafting_passes_lose_to_plain_batching():
     prompt lookup (nearly free) drafting stays on."""
     c0, c1 = 0.1, 0.002
     pard = [RowDrafts(3, [0.6, 0.3, 0.1], pass_s=0.025)] * 8
-    assert plan_draft_lengths(pard, base_tokens=8, base_expected=8.0, c0=c0, c1=c1) == [0] * 8
+    assert plan_draft_lengths(pard, base_tokens=8, base_expected=8.0, forward_s=line(c0, c1)) == [0] * 8
     lookup = [RowDrafts(3, [0.6, 0.3, 0.1], pass_s=0.0001)] * 8
-    assert all(k > 0 for k in plan_draft_lengths(lookup, base_tokens=8, base_expected=8.0, c0=c0, c1=c1))
+    assert all(k > 0 for k in plan_draft_lengths(lookup, base_tokens=8, base_expected=8.0, forward_s=line(c0, c1)))
 
 
 def test_the_plan_is_the_best_of_every_possible_plan_on_small_cases():
@@ -71,9 +78,27 @@ def test_the_plan_is_the_best_of_every_possible_plan_on_small_cases():
     c0, c1 = 0.1, 0.01
     rows = [RowDrafts(3, [0.9, 0.8, 0.7], pass_s=0.05), RowDrafts(3, [0.5, 0.2, 0.1], pass_s=0.02),
             RowDrafts(2, [0.6, 0.3], token_s=0.02)]
-    plan = plan_draft_lengths(rows, base_tokens=3, base_expected=3.0, c0=c0, c1=c1)
+    plan = plan_draft_lengths(rows, base_tokens=3, base_expected=3.0, forward_s=line(c0, c1))
     best = max(rate(rows, list(p), 3, c0, c1) for p in itertools.product(range(4), range(4), range(3)))
     assert rate(rows, plan, 3, c0, c1) == pytest.approx(best, rel=0.02)
+
+
+def test_the_plan_prices_each_forward_size_by_the_measured_curve():
+    """One request on a CPU whose small forwards stream the weights: 1-3 tokens cost about one forward, more turn
+    compute-bound. The line fitted through the sizes seen (1, 2, 3, 9 tokens) rates 3 tokens at 1.9 one-token
+    forwards and refuses a pass that the measured curve (1.05) pays for; the plan is the best of all plans under
+    the curve, and a free extension (a flat stretch of the curve) is granted."""
+    cost = ForwardCost(prior=(1.0, 0.0))
+    for tokens, seconds in [(1, 1.0), (2, 1.02), (3, 1.05), (9, 3.4)] * 4:
+        cost.record(tokens, seconds)
+    rows = [RowDrafts(8, [0.7, 0.45, 0.2, 0.1, 0.05, 0.02, 0.01, 0.0], pass_s=0.35)]
+    assert plan_draft_lengths(rows, base_tokens=1, base_expected=1.0, forward_s=line(*cost.coefficients())) == [0]
+    plan = plan_draft_lengths(rows, base_tokens=1, base_expected=1.0, forward_s=cost.seconds)
+    assert plan == [2]
+    best = max(rate(rows, [k], 1, 0, 0, cost.seconds) for k in range(9))
+    assert rate(rows, plan, 1, 0, 0, cost.seconds) == pytest.approx(best)
+    flat = [RowDrafts(2, [0.5, 0.1])]  # no drafting cost, and 2 -> 3 tokens cost nothing on a flat curve
+    assert plan_draft_lengths(flat, base_tokens=1, base_expected=1.0, forward_s=lambda n: 1.0 if n <= 3 else n) == [2]
 
 
 def test_acceptance_counts_each_position_up_to_the_first_rejection():

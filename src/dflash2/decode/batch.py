@@ -390,7 +390,7 @@ class BatchEngine:
             return wanted
         base_tokens = sum(1 if chunk is None else chunk for chunk in chunks)
         rows = [self._row_drafts(seq, k) for seq, k in zip(running, wanted)]
-        plan = plan_draft_lengths(rows, base_tokens, float(len(running)), *self.cost.coefficients())
+        plan = plan_draft_lengths(rows, base_tokens, float(len(running)), self.cost.seconds)
         # A seeded sampled request keeps its draft length: its random draws, hence its output, stay reproducible
         # whatever else is in the batch.
         return [k if _seeded(seq.request.params) else p for seq, k, p in zip(running, wanted, plan)]

@@ -181,7 +181,7 @@ class ForwardCost:
     def seconds(self, num_tokens: int) -> float:
         """Predicted seconds of a forward over ``num_tokens``: through the mean time of each size seen (made
         non-decreasing in size), linear between them, beyond them the nearest one plus the line's slope (below them
-at least the share of the smallest size's time proportional to its tokens). A CPU's
+        at least the share of the smallest size's time proportional to its tokens). A CPU's
         cost is not one line: on 4-bit blocks one row streams the weights while two rows are compute-bound (Zen 4,
         gguf 1.5B: 1, 2, 3, 4, 9 rows cost 1, 1.5, 2.0, 2.2, 3.5 one-row forwards), so the line fitted over the
         sizes a request uses underrates the small ones."""
