@@ -276,17 +276,17 @@ def _run_recording_first_pass(batch, requests, join_every):
     from dflash2.drafters.pard import PardDrafter
 
     first_pass: dict[int, tuple[int, int]] = {}
-    original = PardDrafter.draft_logits
+    original = PardDrafter._prepare_pass  # every pass starts here, alone or batched with other requests'
 
     def recording(self, sequence, num_draft_tokens):
         first_pass.setdefault(id(self), (self.cache.length, self.skipped))
         return original(self, sequence, num_draft_tokens)
 
-    PardDrafter.draft_logits = recording
+    PardDrafter._prepare_pass = recording
     try:
         return run_to_completion(batch, requests, join_every=join_every), first_pass
     finally:
-        PardDrafter.draft_logits = original
+        PardDrafter._prepare_pass = original
 
 
 @pytest.mark.parametrize("width", [1, 2], ids=["chain", "tree"])
@@ -335,3 +335,36 @@ def test_a_chunked_long_prompt_reaches_the_drafter_through_its_context_window(en
         assert result.token_ids == single(engine, request.prompt_ids, BatchRequest(request.prompt_ids, 12))
     lengths = sorted(len(r.prompt_ids) for r in requests)
     assert sorted(at_first_pass.values()) == [(7, n - 7) for n in lengths]
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["batched", "batched-pass-fails"])
+def test_pard_drafters_of_a_batch_share_one_pass_per_step(engine, tiny_model_dirs, fails, monkeypatch):
+    """The running requests' pard drafts come from ONE forward of the drafter network per step (propose_batch);
+    if that forward fails, each request drafts alone; either way every request gets its plain greedy tokens and a
+    seeded sampled request the tokens it gets alone."""
+    from dflash2.drafters import pard
+    from dflash2.drafters.pard import PardDrafter
+
+    drafter_model = load_transformer(tiny_model_dirs["qwen2_other"], "fp32", "cpu")
+    sizes: list[int] = []
+    original = pard.propose_batch
+
+    def counting(requests):
+        sizes.append(len(requests))
+        if fails and len(requests) > 1:
+            raise RuntimeError("injected failure of the batched pass")
+        return original(requests)
+
+    monkeypatch.setattr(pard, "propose_batch", counting)
+    config = BatchConfig(num_blocks=96, block_size=8, adaptive_drafts=False)
+    batch = BatchEngine(engine, config, {"pard": lambda: PardDrafter(drafter_model, 255, 3)})
+    requests = [BatchRequest(p, 14, drafter="pard", num_draft_tokens=3) for p in prompts(3)]
+    results = run_to_completion(batch, requests)
+    for request, result in zip(requests, results):
+        assert result.token_ids == single(engine, request.prompt_ids, BatchRequest(request.prompt_ids, 14))
+        assert sum(result.stats.drafted_by_position) > 0
+    assert max(sizes) == 3  # all three drafted in one pass
+    seeded = BatchRequest(prompts(1, seed=9)[0], 12, params=SamplingParams(temperature=0.8, seed=3), drafter="pard",
+                          num_draft_tokens=3)
+    alone = run_to_completion(batch, [seeded])[0].token_ids
+    assert run_to_completion(batch, requests[:2] + [seeded])[2].token_ids == alone

@@ -534,3 +534,59 @@ def test_the_catch_up_window_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.setenv("DFLASH2_PARD_CATCH_UP", "0")
     with pytest.raises(ValueError, match="DFLASH2_PARD_CATCH_UP"):
         pard_catch_up()
+
+
+def _drafters_in_different_states(model, make):
+    """Three drafters of one network at different points: fresh with a 13-id prompt, prefilled and 3 ids behind, a
+    context window over a long prompt (each a copy made by ``make``); with their sequences and draft lengths."""
+    base = prompt().tolist()
+    fresh, behind, windowed = make(), make(), make(context_window=(2, 5))
+    for drafter in (fresh, behind, windowed):
+        drafter.reset(96)
+    behind.prefill(base[:-1])
+    return [(fresh, base[:7], 3), (behind, base + [20, 21, 22], 4), (windowed, base + base + [9], 2)]
+
+
+@pytest.fixture(scope="module")
+def bf16_drafter_model(tiny_model_dirs):
+    return load_transformer(tiny_model_dirs["qwen2_other"], "bf16")
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, top_p=0.9)], ids=["greedy", "sampled"])
+def test_one_batched_pass_drafts_what_each_drafter_drafts_alone(models, bf16_drafter_model, params):
+    """propose_batch runs several requests' passes as ONE forward (segments of the token axis, each over its own
+    cache): every draft, q_draft and cache afterwards equals that drafter's own propose, bit for bit (bf16: the
+    row-invariant kernels; fp32 goes through PyTorch's matmul, whose rounding may depend on the row count); twice
+    in a row (the second pass after the first's rollback of the mask slots)."""
+    from dflash2.drafters.pard import propose_batch
+
+    model = bf16_drafter_model
+    make = lambda **kw: PardDrafter(model, MASK, 4, **kw)  # noqa: E731
+    alone, batched = _drafters_in_different_states(model, make), _drafters_in_different_states(model, make)
+    calls = []
+    original = model.forward
+    model.forward = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    try:
+        for round_ in range(2):
+            expected = [d.propose(s, k, params, torch.Generator().manual_seed(i)) for i, (d, s, k) in enumerate(alone)]
+            calls.clear()
+            got = propose_batch([(d, s, k, params, torch.Generator().manual_seed(i)) for i, (d, s, k) in
+                                 enumerate(batched)])
+            # one forward for the three requests (first round: + the windowed drafter's read of its long prompt)
+            assert len(calls) == (2 if round_ == 0 else 1)
+            for (a, _, _), (b, _, _), want, have in zip(alone, batched, expected, got):
+                assert torch.equal(want.tokens, have.tokens)
+                assert (want.q_draft is None) == (have.q_draft is None)
+                if want.q_draft is not None:
+                    assert torch.equal(want.q_draft, have.q_draft)
+                assert (a.cache.length, a.slot_ids, a.cached_tokens) == (b.cache.length, b.slot_ids, b.cached_tokens)
+                n = a.cache.length
+                assert torch.equal(a.cache.keys[:, :, :, :n], b.cache.keys[:, :, :, :n])
+            for entries in (alone, batched):  # the next step: two drafts accepted and a new pending id
+                entries[:] = [(d, s + want.tokens[:2].tolist() + [5], k) for (d, s, k) in entries]
+    finally:
+        del model.forward
+    other = PardDrafter(models["qwen2"], MASK, 4)
+    other.reset(32)
+    with pytest.raises(ValueError, match="sharing one network"):
+        propose_batch([(alone[0][0], alone[0][1], 2, GREEDY, None), (other, alone[0][1], 2, GREEDY, None)])

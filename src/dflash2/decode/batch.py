@@ -41,13 +41,13 @@ from dflash2.decode.batch_types import (  # noqa: F401  (re-exported: the batch 
 from dflash2.decode.engine import Engine
 from dflash2.decode.output import GenerationResult, OutputTracker
 from dflash2.decode.ragged import RaggedRow, ragged_forward
-from dflash2.decode.cost_model import Acceptance, DraftCost, ForwardCost
-from dflash2.decode.scheduler import RowDrafts, plan_draft_lengths
+from dflash2.decode.batch_drafting import BatchDrafting
+from dflash2.decode.cost_model import Acceptance, ForwardCost
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.kv.paged import BlockTable, KVBudgetError, PagedKVPool
-from dflash2.decode.speculative import chain_outcome, commit_kept, empty_draft, fit_draft, record_step, tree_outcome
-from dflash2.verify import SamplingParams, choose_token, compile_tree
+from dflash2.decode.speculative import chain_outcome, commit_kept, empty_draft, record_step, tree_outcome
+from dflash2.verify import choose_token, compile_tree
 
 log = logging.getLogger("dflash2.batch")
 
@@ -121,7 +121,7 @@ class BatchEngine:
         self._steps = 0
         self._workspace_peak = 0  # bytes: the largest padded attention workspace of a step (RaggedOutput)
         self.cost = ForwardCost()
-        self.draft_costs: dict[str, DraftCost] = {}  # per drafter name (request.drafter), shared by its requests
+        self.drafting = BatchDrafting(config.adaptive_drafts, self.cost, self._guard)
 
     # ---- the caller's side -------------------------------------------------------------------------------------
     def submit(self, request: BatchRequest, sink: Sink) -> RequestHandle:
@@ -313,12 +313,9 @@ class BatchEngine:
         chunks = self._prefill_chunks(running)
         fed = [(seq, chunk) for seq, chunk in zip(running, chunks) if chunk != 0]  # rows out of budget wait
         running, chunks = [seq for seq, _ in fed], [chunk for _, chunk in fed]
-        lengths = self._draft_lengths(running, chunks)
-        planned: list[tuple[_Sequence, Draft | None, RaggedRow]] = []
-        for seq, k, chunk in zip(running, lengths, chunks):
-            with self._guard(seq, "drafting"):
-                draft = self._propose(seq, k) if seq.prefilled else None
-                planned.append((seq, draft, self._row(seq, draft, chunk)))
+        drafts = self.drafting.drafts(running, self.drafting.lengths(running, chunks))
+        planned = [(seq, drafts[i], self._row(seq, drafts[i], chunk))
+                   for i, (seq, chunk) in enumerate(zip(running, chunks)) if i in drafts]
         if not planned:
             return
         outputs = self._target_forward(planned)
@@ -381,47 +378,6 @@ class BatchEngine:
             chunks.append(chunk)
             budget -= chunk
         return chunks
-
-    def _draft_lengths(self, running: list[_Sequence], chunks: list[int | None]) -> list[int]:
-        """Drafts per row this step: the request's draft length within its KV room, lowered by the scheduler."""
-        wanted = [min(seq.request.num_draft_tokens, seq.max_slots - len(seq.sequence))
-                  if seq.prefilled and seq.drafter is not None else 0 for seq in running]
-        if not self.config.adaptive_drafts or not any(wanted):
-            return wanted
-        base_tokens = sum(1 if chunk is None else chunk for chunk in chunks)
-        rows = [self._row_drafts(seq, k) for seq, k in zip(running, wanted)]
-        plan = plan_draft_lengths(rows, base_tokens, float(len(running)), self.cost.seconds)
-        # A seeded sampled request keeps its draft length: its random draws, hence its output, stay reproducible
-        # whatever else is in the batch.
-        return [k if _seeded(seq.request.params) else p for seq, k, p in zip(running, wanted, plan)]
-
-    def _row_drafts(self, seq: _Sequence, k: int) -> RowDrafts:
-        if k <= 0:
-            return RowDrafts(0, [])
-        if not seq.drafter.runs_a_pass(seq.sequence, k):  # a lookup draft: only its verification rows cost
-            return RowDrafts(k, seq.lookup_acceptance.reach(k))
-        cost, unread = self._draft_cost(seq), seq.drafter.unread(seq.sequence)
-        per_token = cost.seconds(2, 0) - cost.seconds(1, 0)  # what one more draft adds
-        return RowDrafts(k, seq.acceptance.reach(k), cost.seconds(1, unread) - per_token, per_token)
-
-    def _draft_cost(self, seq: _Sequence) -> DraftCost:
-        name = seq.request.drafter
-        if name not in self.draft_costs:
-            self.draft_costs[name] = DraftCost(per_pass=seq.drafter.cost_per_pass)
-        return self.draft_costs[name]
-
-    def _propose(self, seq: _Sequence, k: int) -> Draft | None:
-        if seq.drafter is None or k <= 0:
-            return None
-        timed = seq.drafter.runs_a_pass(seq.sequence, k)  # a lookup's ~0 s would blur the network's cost
-        seq.drafted_by_lookup = not timed
-        unread, started = seq.drafter.unread(seq.sequence), time.perf_counter()
-        draft = seq.drafter.propose(seq.sequence, k, seq.request.params, seq.generator)
-        if timed:
-            self._draft_cost(seq).record(len(draft.tokens), unread, time.perf_counter() - started)
-        room = seq.max_slots - len(seq.sequence)  # a tree of k * W nodes may not fit where k drafts do
-        draft = fit_draft(draft, room)
-        return draft if len(draft.tokens) else None
 
     @staticmethod
     def _row(seq: _Sequence, draft: Draft | None, chunk: int | None) -> RaggedRow:
@@ -553,10 +509,6 @@ def prefix_tap_layers(engine: Engine) -> tuple[int, ...]:
     """The target layers the pool keeps per slot for the prefix cache: those the engine's drafter reads (the
     drafters ``request_drafters`` offers are it, its block drafter, and n-gram lookup, which reads none)."""
     return tuple(sorted(getattr(engine.drafter, "hidden_layers", ())))
-
-
-def _seeded(params: SamplingParams) -> bool:
-    return params.seed is not None and not params.greedy
 
 
 def request_drafters(engine: Engine, max_draft_tokens: int | None = None) -> dict[str, DrafterFactory]:

@@ -61,6 +61,20 @@ class Drafter(ABC):
         """Whether drafting after ``sequence`` runs the drafter's network (False: a lookup that costs ~nothing)."""
         return True
 
+    def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> tuple[Drafter, int] | None:
+        """(network drafter, k) when this step's draft is one pass of a network that other requests' drafters
+        share, so that the batch engine can run their passes as ONE forward (``drafters.pard.propose_batch``);
+        None: draft with :meth:`propose` alone."""
+        return None
+
+    @staticmethod
+    def propose_batch(requests: list[tuple[Drafter, list[int], int, SamplingParams, torch.Generator | None]]
+                      ) -> list[Draft]:
+        """The drafts of several requests whose :meth:`shared_pass` named drafters of one network, each as its own
+        ``propose`` would make it: (drafter, sequence, k, params, generator) per request. The default drafts them
+        one by one; a drafter class that can batch its network's passes overrides this."""
+        return [drafter.propose(sequence, k, params, generator) for drafter, sequence, k, params, generator in requests]
+
     def state_bytes(self, capacity: int) -> int:
         """Memory the per-request state of this drafter takes after ``reset(capacity)`` (its own caches; the
         weights are shared): what the batch engine reserves from its drafter memory budget. 0 = stateless."""

@@ -55,6 +55,14 @@ class HybridDrafter(Drafter):
     def runs_a_pass(self, sequence: list[int], num_draft_tokens: int) -> bool:
         return not self._lookup(sequence, num_draft_tokens)
 
+    def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> tuple[Drafter, int] | None:
+        if self._lookup(sequence, num_draft_tokens):
+            return None
+        return self.block.shared_pass(sequence, self._block_k(num_draft_tokens))
+
+    def _block_k(self, num_draft_tokens: int) -> int:
+        return min(num_draft_tokens, self.num_draft_tokens, self.block.num_draft_tokens)
+
     def _lookup(self, sequence: list[int], num_draft_tokens: int) -> list[int]:
         """The prompt-lookup draft when its match is long enough (empty: the block drafter drafts); the last answer
         is kept, since a step asks for it more than once."""
@@ -85,5 +93,4 @@ class HybridDrafter(Drafter):
             self.ngram_steps += 1
             return Draft(tokens=torch.tensor(lookup, dtype=torch.int64), q_draft=None)  # deterministic: exact rule
         self.block_steps += 1
-        k = min(num_draft_tokens, self.num_draft_tokens, self.block.num_draft_tokens)
-        return self.block.propose(sequence, k, params, generator)
+        return self.block.propose(sequence, self._block_k(num_draft_tokens), params, generator)

@@ -33,7 +33,7 @@ from torch import nn
 from dflash2.drafters.base import Draft
 from dflash2.drafters.dflash2_parts import best_tree
 from dflash2.drafters.model import CachedModelDrafter
-from dflash2.models.decoder import Transformer
+from dflash2.models.decoder import SegmentedAttention, Transformer
 from dflash2.verify.sampling import SamplingParams, logits_to_probs, sample
 
 PARD_CONFIG = "pard_config.json"
@@ -419,32 +419,54 @@ class PardDrafter(CachedModelDrafter):
         return PardDrafter(self.model, self.mask_token_id, self.num_draft_tokens, self.target_vocab_size,
                            self.num_paths, self.context_window, self.catch_up)
 
+    def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> tuple[PardDrafter, int] | None:
+        """A chain's pass can share one forward with other requests' (:func:`propose_batch`); a tree's cannot."""
+        return (self, num_draft_tokens) if self.num_paths == 1 else None
+
+    @staticmethod
+    def propose_batch(requests):  # see Drafter.propose_batch
+        return propose_batch(requests)
+
     @torch.inference_mode()
     def draft_logits(self, sequence: list[int], num_draft_tokens: int) -> torch.Tensor:
         """[k, V_target] float32 logits of drafts 1..k after ``sequence``, from one forward; the cache keeps the
         committed ids only."""
+        feed = self._prepare_pass(sequence, num_draft_tokens)
+        device = self.model.device
+        out = self.model(torch.tensor([feed.ids], device=device), torch.tensor([feed.positions], device=device),
+                         cache=self.cache, hidden_layers=(self.model.config.num_layers - 1,), logits="none")
+        hidden = out.hidden_states[0][0, feed.draft_rows]  # [k, D]: the pending token's output, the masks'
+        self._finish_pass(sequence, feed)
+        return self._head(hidden)
+
+    def _prepare_pass(self, sequence: list[int], num_draft_tokens: int) -> PassFeed:
+        """Sync the cache with ``sequence`` and lay out the pass: the ids it has not read, then k - 1 masks."""
         assert self.cache is not None, "reset() must be called before propose()"
         self._sync(sequence)
         if not self.slot_ids and self.context_window is not None:  # not prefilled: the window applies
             self._read_into_cache(sequence[:-1])
-        positions = self._unread_positions(sequence)  # ids the draft cache has not read yet (>= 1)
+        read = self._unread_positions(sequence)  # ids the draft cache has not read yet (>= 1)
         masks = list(range(len(sequence), len(sequence) + num_draft_tokens - 1))
-        start = self.cache.length
-        device = self.model.device
-        ids = torch.tensor([[sequence[p] for p in positions] + [self.mask_token_id] * len(masks)], device=device)
-        last = self.model.config.num_layers - 1
-        out = self.model(ids, torch.tensor([positions + masks], device=device), cache=self.cache,
-                         hidden_layers=(last,), logits="none")
-        hidden = out.hidden_states[0][0, len(positions) - 1 :]  # [k, D]: the pending token's output, the masks'
-        self.cache.rollback(start + len(positions))  # forget the mask positions
-        self._mark_read(sequence, positions)
+        return PassFeed(ids=[sequence[p] for p in read] + [self.mask_token_id] * len(masks), positions=read + masks,
+                        read=read, start=self.cache.length)
+
+    def _finish_pass(self, sequence: list[int], feed: PassFeed) -> None:
+        """After the forward: forget the mask positions' slots, mark the read ids as held."""
+        self.cache.rollback(feed.start + len(feed.read))
+        self._mark_read(sequence, feed.read)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [k, D] -> [k, V_target] float32 logits, the mask id never drafted."""
         logits = self.model.lm_head(self.model.norm(hidden)).float()  # [k, V_draft]
         logits[:, self.mask_token_id] = float("-inf")
         return self._to_target_vocab(logits)
 
     @torch.inference_mode()
     def propose(self, sequence, num_draft_tokens, params: SamplingParams, generator) -> Draft:
-        logits = self.draft_logits(sequence, num_draft_tokens)  # [k, V]
+        return self._draft(self.draft_logits(sequence, num_draft_tokens), params, generator)
+
+    def _draft(self, logits: torch.Tensor, params: SamplingParams, generator) -> Draft:
+        """logits [k, V] -> the draft: a tree (``num_paths`` > 1), the argmaxes (T = 0) or samples with q_draft."""
         if self.num_paths > 1:  # deterministic nodes (verified by the exact tree rule at T > 0: lossless)
             rows, parents = best_tree(None, logits, logits, 0, len(logits) * self.num_paths)
             return Draft(tokens=torch.tensor(rows, dtype=torch.int64), q_draft=None, parents=parents)
@@ -452,3 +474,50 @@ class PardDrafter(CachedModelDrafter):
             return Draft(tokens=logits.argmax(dim=-1).to(torch.int64).cpu(), q_draft=None)
         q_draft = logits_to_probs(logits, params)  # [k, V]: each position's own distribution
         return Draft(tokens=sample(q_draft, generator).to(torch.int64).cpu(), q_draft=q_draft)
+
+
+@dataclass
+class PassFeed:
+    """One draft pass's input: the ids the cache has not read (at their positions), then the mask positions."""
+
+    ids: list[int]
+    positions: list[int]
+    read: list[int]  # positions of the committed ids read by this pass (the pending one last)
+    start: int  # the cache's length before the pass
+
+    @property
+    def draft_rows(self) -> slice:
+        """The rows whose outputs are the drafts: the pending token's, then the masks'."""
+        return slice(len(self.read) - 1, len(self.ids))
+
+
+@torch.inference_mode()
+def propose_batch(requests: list[tuple[PardDrafter, list[int], int, SamplingParams, torch.Generator | None]]
+                  ) -> list[Draft]:
+    """Draft for several requests whose drafters share one network in ONE forward: each request's pass is a
+    segment of the token axis attending to its own cache (``SegmentedAttention``), so the weights are read once
+    for all of them. Each draft equals that drafter's own ``propose`` (the kernels are row-invariant on CPU).
+
+    ``requests``: (drafter, committed sequence, k, sampling parameters, generator) per request."""
+    if len(requests) == 1:
+        drafter, sequence, k, params, generator = requests[0]
+        return [drafter.propose(sequence, k, params, generator)]
+    model = requests[0][0].model
+    first = requests[0][0]
+    if any(d.model is not model or d.num_paths > 1 or d.mask_token_id != first.mask_token_id
+           or d.target_vocab_size != first.target_vocab_size for d, *_ in requests):
+        raise ValueError("propose_batch needs chain drafters sharing one network, mask id and target vocabulary")
+    feeds = [drafter._prepare_pass(sequence, k) for drafter, sequence, k, _, _ in requests]
+    device = model.device
+    ids = torch.tensor([[i for feed in feeds for i in feed.ids]], device=device)  # [1, N]
+    positions = torch.tensor([[p for feed in feeds for p in feed.positions]], device=device)  # [1, N]
+    context = SegmentedAttention([drafter.cache for drafter, *_ in requests], [len(feed.ids) for feed in feeds])
+    out = model(ids, positions, hidden_layers=(model.config.num_layers - 1,), logits="none", context=context)
+    segments = out.hidden_states[0][0].split([len(feed.ids) for feed in feeds])  # per request [T_i, D]
+    hidden = torch.cat([segment[feed.draft_rows] for segment, feed in zip(segments, feeds)])  # [sum k, D]
+    drafters = [drafter for drafter, *_ in requests]
+    for drafter, feed, (_, sequence, *_) in zip(drafters, feeds, requests):
+        drafter._finish_pass(sequence, feed)
+    logits = drafters[0]._head(hidden).split([k for _, _, k, _, _ in requests])  # per request [k, V]
+    return [drafter._draft(rows, params, generator)
+            for drafter, rows, (_, _, _, params, generator) in zip(drafters, logits, requests)]

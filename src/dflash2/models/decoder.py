@@ -136,6 +136,27 @@ class CachedAttention:
             self.cache.advance(num_tokens)
 
 
+class SegmentedAttention:
+    """Several independent sequences in one forward: the [1, N] tokens are their new tokens one after another
+    (``lengths``: T_i each, summing to N), each segment attending causally to its own :class:`StaticKVCache` (the
+    draft caches of several requests sharing one network: the linear layers then read their weights once)."""
+
+    def __init__(self, caches: Sequence[StaticKVCache], lengths: Sequence[int]) -> None:
+        if len(caches) != len(lengths):
+            raise ValueError(f"{len(caches)} caches for {len(lengths)} segments")
+        self.parts = [CachedAttention(cache, None) for cache in caches]
+        self.lengths = list(lengths)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [1, H, N, Dh], k / v [1, H_kv, N, Dh] -> [1, H, N, Dh], each segment attended as if alone."""
+        split = [t.split(self.lengths, dim=2) for t in (q, k, v)]
+        return torch.cat([part.attend(layer, *qkv) for part, *qkv in zip(self.parts, *split)], dim=2)
+
+    def finish(self, num_tokens: int) -> None:
+        for part, length in zip(self.parts, self.lengths):
+            part.finish(length)
+
+
 def causal_mask(num_queries: int, num_keys: int, device: torch.device | str) -> torch.Tensor:
     """[1, 1, T, S] bool: query i (at slot S - T + i) sees every slot up to and including its own."""
     query_slots = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
