@@ -83,6 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--weights", default="bf16", help="the target's weight format (bf16, int8, gguf...)")
     parser.add_argument("--drafter", default="ngram", help="the server's drafter spec (auto: the target's default)")
     parser.add_argument("--suite", default="humaneval",
                         help="prompts: comma-separated bench suites, interleaved (humaneval, gsm8k, mt_bench...)")
@@ -96,7 +97,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = dflash2.load(args.model, drafter=args.drafter, dtype=args.dtype, device="cpu")
+    engine = dflash2.load(args.model, drafter=args.drafter, dtype=args.dtype, weights=args.weights, device="cpu")
     drafter, k = engine.drafter.name, engine.drafter.num_draft_tokens
     print(f"drafter {args.drafter} = {drafter}, k = {k}", flush=True)
     per_suite = [load_suite(name, limit=args.requests) for name in args.suite.split(",")]
@@ -119,7 +120,7 @@ def main() -> None:
                 num_draft_tokens = k if MODES[mode][0] is None else MODES[mode][0]
                 run = run_streams(batches[mode], prompts, s, drafter, num_draft_tokens, args.max_tokens)
                 run.update(round=round_index, streams=s, mode=mode, model=args.model, dtype=args.dtype,
-                           drafter=drafter, k=num_draft_tokens, suite=args.suite)
+                           weights=args.weights, drafter=drafter, k=num_draft_tokens, suite=args.suite)
                 totals[(s, mode)].append(run)
                 print(json.dumps(run), flush=True)
                 if out:
