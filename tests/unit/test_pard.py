@@ -586,6 +586,17 @@ def test_one_batched_pass_drafts_what_each_drafter_drafts_alone(models, bf16_dra
                 entries[:] = [(d, s + want.tokens[:2].tolist() + [5], k) for (d, s, k) in entries]
     finally:
         del model.forward
+    # a batched pass that fails after its forward leaves every cache as it was: each drafter then drafts alone as if
+    # nothing had happened
+    first = batched[0][0]
+    first._head = lambda hidden: (_ for _ in ()).throw(RuntimeError("injected"))
+    with pytest.raises(RuntimeError, match="injected"):
+        propose_batch([(d, s, k, params, torch.Generator()) for d, s, k in batched])
+    del first._head
+    for i, ((a, s, k), (b, _, _)) in enumerate(zip(alone, batched)):
+        want = a.propose(s, k, params, torch.Generator().manual_seed(i))
+        assert torch.equal(want.tokens, b.propose(s, k, params, torch.Generator().manual_seed(i)).tokens)
+        assert (a.cache.length, a.slot_ids) == (b.cache.length, b.slot_ids)
     other = PardDrafter(models["qwen2"], MASK, 4)
     other.reset(32)
     with pytest.raises(ValueError, match="sharing one network"):

@@ -496,14 +496,15 @@ def propose_batch(requests: list[tuple[PardDrafter, list[int], int, SamplingPara
                   ) -> list[Draft]:
     """Draft for several requests whose drafters share one network in ONE forward: each request's pass is a
     segment of the token axis attending to its own cache (``SegmentedAttention``), so the weights are read once
-    for all of them. Each draft equals that drafter's own ``propose`` (the kernels are row-invariant on CPU).
+    for all of them. Each draft equals that drafter's own ``propose``: bit for bit where the kernels are
+    row-invariant (bf16 and GGUF blocks on CPU), to rounding otherwise (PyTorch's fp32 matmul).
 
     ``requests``: (drafter, committed sequence, k, sampling parameters, generator) per request."""
     if len(requests) == 1:
         drafter, sequence, k, params, generator = requests[0]
         return [drafter.propose(sequence, k, params, generator)]
-    model = requests[0][0].model
     first = requests[0][0]
+    model = first.model
     if any(d.model is not model or d.num_paths > 1 or d.mask_token_id != first.mask_token_id
            or d.target_vocab_size != first.target_vocab_size for d, *_ in requests):
         raise ValueError("propose_batch needs chain drafters sharing one network, mask id and target vocabulary")
@@ -511,13 +512,18 @@ def propose_batch(requests: list[tuple[PardDrafter, list[int], int, SamplingPara
     device = model.device
     ids = torch.tensor([[i for feed in feeds for i in feed.ids]], device=device)  # [1, N]
     positions = torch.tensor([[p for feed in feeds for p in feed.positions]], device=device)  # [1, N]
-    context = SegmentedAttention([drafter.cache for drafter, *_ in requests], [len(feed.ids) for feed in feeds])
-    out = model(ids, positions, hidden_layers=(model.config.num_layers - 1,), logits="none", context=context)
-    segments = out.hidden_states[0][0].split([len(feed.ids) for feed in feeds])  # per request [T_i, D]
-    hidden = torch.cat([segment[feed.draft_rows] for segment, feed in zip(segments, feeds)])  # [sum k, D]
     drafters = [drafter for drafter, *_ in requests]
+    context = SegmentedAttention([drafter.cache for drafter in drafters], [len(feed.ids) for feed in feeds])
+    try:
+        out = model(ids, positions, hidden_layers=(model.config.num_layers - 1,), logits="none", context=context)
+        segments = out.hidden_states[0][0].split([len(feed.ids) for feed in feeds])  # per request [T_i, D]
+        hidden = torch.cat([segment[feed.draft_rows] for segment, feed in zip(segments, feeds)])  # [sum k, D]
+        logits = drafters[0]._head(hidden).split([k for _, _, k, _, _ in requests])  # per request [k, V]
+    except BaseException:  # leave each cache as a pass alone expects it (the engine then drafts them one by one)
+        for drafter, feed in zip(drafters, feeds):
+            drafter.cache.rollback(feed.start)
+        raise
     for drafter, feed, (_, sequence, *_) in zip(drafters, feeds, requests):
         drafter._finish_pass(sequence, feed)
-    logits = drafters[0]._head(hidden).split([k for _, _, k, _, _ in requests])  # per request [k, V]
     return [drafter._draft(rows, params, generator)
             for drafter, rows, (_, _, _, params, generator) in zip(drafters, logits, requests)]
