@@ -12,7 +12,8 @@
 # target's greedy responses to GSM8K-train / stdlib-docstring / synthetic chat prompts), GSM8K train solutions
 # (data/train/gsm8k_train.jsonl, MIT) as chats, and this interpreter's standard-library sources (PSF) as code
 # chats. Never data/eval.
-# EXTRA: more `dflash2 train pard` options (e.g. --no-initial-eval, --stop-at-step N); RUN / LABELS: directories.
+# EXTRA: more `dflash2 train pard` options (e.g. --no-initial-eval, --stop-at-step N); RUN / LABELS: directories;
+# SHIPPED: where `ship` writes (default: the shipped adapter directory; elsewhere to compare a candidate first).
 # INIT: warm start a fresh run from a shipped adapter directory (e.g. INIT=src/dflash2/drafters/trained/...-pard);
 # RANK / ALPHA (default 16 / 32): the LoRA rank and alpha; a warm start may raise the rank with alpha / rank kept
 # (RANK=32 ALPHA=64 from a rank-16 adapter: the added rank starts at zero). SOFT_SHARE (default 0.3): share of
@@ -25,7 +26,7 @@ cd "$(dirname "$0")/.."
 LABELS=${LABELS:-runs/pard-labels/v1}
 RUN=${RUN:-runs/pard-train/v1}
 REGEN=data/dflash-train/qwen2.5-coder-1.5b-instruct,data/dflash-train/qwen2.5-coder-1.5b-instruct-chat
-SHIPPED=src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct-pard
+SHIPPED=${SHIPPED:-src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct-pard}
 NICE="nice -n ${NICE:-19}"
 case "${1:-}" in
   labels)
