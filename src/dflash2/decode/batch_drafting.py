@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 from dflash2.decode.cost_model import DraftCost, ForwardCost
 from dflash2.decode.scheduler import RowDrafts, plan_draft_lengths
@@ -16,8 +16,7 @@ from dflash2.decode.speculative import fit_draft
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.verify import SamplingParams
 
-if TYPE_CHECKING:
-    from dflash2.decode.batch import _Sequence
+_Sequence = Any  # a running request: ``decode.batch._Sequence`` (not imported: batch.py imports this module)
 
 log = logging.getLogger("dflash2.batch")
 
