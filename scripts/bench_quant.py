@@ -92,12 +92,12 @@ def greedy(model, prompt: torch.Tensor, tokens: int) -> tuple[list[int], float]:
 
 
 def load_format(model_dir: Path, fmt: str):
-    """A model in weight format ``fmt``; ``gguf@<kernel>`` (avx2, vnni, torch) also names the gguf kernel."""
+    """A model in weight format ``fmt``; ``gguf@<kernel>`` (amx, avx2, vnni, torch) also names the gguf kernel."""
     weights, _, kernel = fmt.partition("@")
     if not kernel:
         return load_transformer(model_dir, "bf16", weights=weights)
     if weights != "gguf":
-        raise SystemExit(f"--formats {fmt}: only gguf takes a kernel (gguf@avx2, gguf@vnni, gguf@torch)")
+        raise SystemExit(f"--formats {fmt}: only gguf takes a kernel (gguf@amx, gguf@vnni, gguf@avx2, gguf@torch)")
     before = os.environ.get(gguf_linear.ENV)
     os.environ[gguf_linear.ENV] = kernel
     try:

@@ -91,10 +91,12 @@ def test_reference_is_close_to_the_dequantized_product():
 
 
 needs_kernel = pytest.mark.skipif(not gl.gguf_kernels_available(), reason="the gguf AVX2 kernel is unavailable")
-# Every kernel build this CPU runs (AVX2; AVX512-VNNI where the CPU has it): each must give the reference's bits.
+# Every kernel build this CPU runs (AVX2; AVX512-VNNI and AMX-INT8 where the CPU has them): each must give the
+# reference's bits.
 KERNELS = [pytest.param(gl.KERNEL, marks=needs_kernel),
-           pytest.param(gl.VNNI, marks=pytest.mark.skipif(not gl.gguf_kernels_available(gl.VNNI),
-                                                          reason=f"gguf VNNI: {gl.gguf_kernel_status(gl.VNNI)}"))]
+           *(pytest.param(b, marks=pytest.mark.skipif(not gl.gguf_kernels_available(b),
+                                                      reason=f"gguf {b}: {gl.gguf_kernel_status(b)}"))
+             for b in (gl.VNNI, gl.AMX))]
 
 
 def _op(backend: str = gl.KERNEL):
@@ -126,10 +128,21 @@ def test_kernel_equals_reference_and_is_row_count_invariant(qtype, backend):
     x = torch.randn(40, k)
     full = gl._matmul(op, quantize(x, block), pb)
     assert torch.equal(full, gl.reference_rows(x, t))
-    for m in range(1, 18):  # every row-block split of the kernel (1..4 rows per call; VNNI: 1..8)
+    for m in range(1, 41):  # every row-block split of the kernel (1..4 rows per call; VNNI: 1..8; AMX: tile
+        # chunks of <= 16 rows, evenly sized, over zero-padded rows)
         assert torch.equal(gl._matmul(op, quantize(x[:m], block), pb), full[:m]), m
     for r in (0, 13, 39):
         assert torch.equal(gl._matmul(op, quantize(x[r : r + 1], block), pb), full[r : r + 1])
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+def test_kernel_on_many_rows_equals_the_reference(qtype, backend):
+    # AMX: passes of <= 64 rows (several of them, the last one short), each in tile chunks over zero-padded rows
+    op, quantize = _op(backend)
+    t = random_blocks(qtype, 24, 512, seed=9)
+    x = torch.randn(150, 512)
+    assert torch.equal(gl._matmul(op, quantize(x, gl.activation_block(t)), gl.pack_blocks(t)), gl.reference_rows(x, t))
 
 
 @pytest.mark.parametrize("backend", KERNELS)
@@ -250,15 +263,24 @@ def test_backend_switch(monkeypatch):
     monkeypatch.setenv(gl.ENV, "torch")
     assert gl.gguf_backend() == "torch"
     monkeypatch.setenv(gl.ENV, "maybe")
-    with pytest.raises(ValueError, match="expected vnni, avx2 or torch"):
+    with pytest.raises(ValueError, match="expected amx, vnni, avx2 or torch"):
         gl.gguf_backend()
 
 
 @needs_kernel
 def test_default_backend_is_the_fastest_kernel_here_and_a_named_one_is_required(monkeypatch):
     monkeypatch.delenv(gl.ENV, raising=False)
-    has_vnni = gl.gguf_kernels_available(gl.VNNI)
+    monkeypatch.delenv("DFLASH2_AMX", raising=False)
+    has_vnni, has_amx = gl.gguf_kernels_available(gl.VNNI), gl.gguf_kernels_available(gl.AMX)
+    assert gl.gguf_backend() == (gl.AMX if has_amx else gl.VNNI if has_vnni else gl.KERNEL)
+    monkeypatch.setenv("DFLASH2_AMX", "off")  # the machine-wide AMX switch keeps the VNNI build
     assert gl.gguf_backend() == (gl.VNNI if has_vnni else gl.KERNEL)
+    monkeypatch.setenv(gl.ENV, "amx")
+    if has_amx:
+        assert gl.gguf_backend() == gl.AMX
+    else:
+        with pytest.raises(RuntimeError, match="amx-int8 kernel, which is unavailable"):
+            gl.gguf_backend()
     monkeypatch.setenv(gl.ENV, "avx2")
     assert gl.gguf_backend() == gl.KERNEL
     monkeypatch.setenv(gl.ENV, "vnni")

@@ -411,15 +411,14 @@ def test_pard_with_prompt_lookup_is_lossless(models):
 
 def test_the_drafters_weight_format(monkeypatch):
     """For bf16 on a CPU, also under a gguf target (no GGUF holds the merged weights): q8_0 blocks (q4_0 under a
-    gguf target) where the gguf kernel has its VNNI build and the CPU no AMX, else int8; the quantized formats asked for are kept; fp32 and CUDA
-    stay unquantized; the environment overrides the default."""
+    gguf target) where the gguf kernel has its VNNI (or AMX) build, else int8; the quantized formats asked for are
+    kept; fp32 and CUDA stay unquantized; the environment overrides the default."""
     from dflash2.drafters.pard import DEFAULT_PARD_WEIGHTS, pard_weights
     from dflash2.kernels import gguf_linear
-    from dflash2.kernels.jit import cpu_flags
 
     monkeypatch.delenv("DFLASH2_PARD_WEIGHTS", raising=False)
     monkeypatch.delenv(gguf_linear.ENV, raising=False)
-    vnni = gguf_linear.gguf_kernels_available(gguf_linear.VNNI) and "amx_int8" not in cpu_flags()
+    vnni = gguf_linear.gguf_kernels_available(gguf_linear.VNNI)
     assert DEFAULT_PARD_WEIGHTS == "int8"
     assert pard_weights(None, "cpu") == ("q8_0" if vnni else "int8")
     assert pard_weights("gguf", "cpu") == ("q4_0" if vnni else "int8")  # a gguf target: the target's 4-bit bytes

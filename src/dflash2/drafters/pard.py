@@ -333,8 +333,8 @@ def pard_context_window() -> tuple[int, int] | None:
 def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
     """The drafter's weight format: ``weights`` when quantized (``--weights int8 / int4`` quantizes target and
     drafter), else for bf16 / fp16 / gguf on a CPU (``$DFLASH2_PARD_WEIGHTS`` = bf16 / int8 / int4 / q8_0 / q4_0
-    overrides it), where the gguf kernel's AVX512-VNNI build runs on a CPU without AMX (its layers run as one C++
-    call each): :data:`Q4_0` under a gguf target (the target's own bytes per weight: a 3-row draft pass 22 vs 30 ms
+    overrides it), where the gguf kernel's AVX512-VNNI or AMX-INT8 build runs (its layers run as one C++ call
+    each): :data:`Q4_0` under a gguf target (the target's own bytes per weight: a 3-row draft pass 22 vs 30 ms
     in Q8_0, acceptance unchanged within noise, Zen 4, docs/pard.md "Session 28"), :data:`Q8_0` under a bf16 target
     (a 3-row pass 23-26 vs 28-33 ms in int8); else :data:`DEFAULT_PARD_WEIGHTS`. Not quantized elsewhere (fp32
     stays the unquantized reference, as ``load_transformer``). The blocks are quantized from the base merged with
@@ -349,22 +349,19 @@ def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
     chosen = os.environ.get("DFLASH2_PARD_WEIGHTS", "").strip().lower()
     if chosen:
         return chosen
-    if not _vnni_q8_0(gguf_target=weights == "gguf"):
+    if not _avx512_gguf_kernel(gguf_target=weights == "gguf"):
         return DEFAULT_PARD_WEIGHTS
     return Q4_0 if weights == "gguf" else Q8_0
 
 
-def _vnni_q8_0(gguf_target: bool) -> bool:
-    """The gguf kernel chosen here is its AVX512-VNNI build, on a CPU without AMX int8 tiles (whose int8 kernel
-    was not measured against it). Under a gguf target a kernel that cannot run is the target's error; under another
-    target it only means the int8 default."""
+def _avx512_gguf_kernel(gguf_target: bool) -> bool:
+    """The gguf kernel chosen here is its AVX512-VNNI or AMX-INT8 build (on Intel AMX a 5-row pass of the 0.5B
+    under a gguf target: Q4_0 29 ms, Q8_0 32 ms, int8 on AMX tiles 35 ms; docs/pard.md "Session 31"). Under a gguf
+    target a kernel that cannot run is the target's error; under another target it only means the int8 default."""
     from dflash2.kernels import gguf_linear
-    from dflash2.kernels.jit import cpu_flags
 
-    if "amx_int8" in cpu_flags():
-        return False
     try:
-        return gguf_linear.gguf_backend() == gguf_linear.VNNI
+        return gguf_linear.gguf_backend() in (gguf_linear.VNNI, gguf_linear.AMX)
     except (RuntimeError, ValueError):  # no gguf kernel here, or a bad DFLASH2_GGUF_KERNEL
         if gguf_target:
             raise

@@ -24,8 +24,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -44,14 +44,6 @@ constexpr int64_t kBlock = kPanel * kStep;  // bf16 elements of one packed (pane
 // reads the buffer just written (it may drop those stores as dead) or that a tile store writes the buffer read next.
 // A compiler barrier around them keeps that order.
 inline void memory_barrier() { asm volatile("" ::: "memory"); }
-
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles 0..3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 5..7: B (16 pair rows x 32 bf16).
 inline void load_config(int rows) {
@@ -176,15 +168,7 @@ inline void run_group_int8_streamed(int np, const int8_t* qg, int64_t panel_stri
 }
 
 // Ask Linux for the AMX tile data state (off by default for a process).  True when AMX can be used.
-bool amx_init() {
-#if defined(__linux__) && defined(SYS_arch_prctl)
-  constexpr int kArchReqXcompPerm = 0x1023;
-  constexpr int kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-  return false;
-#endif
-}
+bool amx_init() { return request_amx_tiles(); }
 
 // One call's shapes, checked: x bf16 [Mp, Kp] (Mp <= 16 or a multiple of 16, zero padded), weight [P, S, 16, 32]
 // (bf16, or int8 for amx_int8_linear), y fp32 [m_out, n_out].

@@ -47,6 +47,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <utility>
 #include <vector>
 
@@ -58,6 +59,15 @@
 #define GGUF_VNNI 1
 #else
 #define GGUF_VNNI 0
+#endif
+// The third build adds -mamx-tile -mamx-int8 (gemm_gguf_amx.h): from kAmxRows rows the block products run on tiles.
+#if GGUF_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define GGUF_AMX 1
+#else
+#define GGUF_AMX 0
+#endif
+#if GGUF_AMX
+#include "amx_tiles.h"
 #endif
 #ifndef DFLASH2_GGUF_NS
 #define DFLASH2_GGUF_NS dflash2_ggufkernels
@@ -465,14 +475,25 @@ const int8_t* opt_int8(const c10::optional<at::Tensor>& t) {
 }
 
 #if GGUF_VNNI
+// The outputs of panels p and q (q = p: a lone last panel, stored once) that exist (lane i: output 8p + i).
+inline __mmask16 pair_keep(const Args& a, int64_t p, int64_t q) {
+  const int64_t nv0 = std::min<int64_t>(kPanel, a.N - p * kPanel);
+  const int64_t nv1 = q == p ? 0 : std::min<int64_t>(kPanel, a.N - q * kPanel);
+  return static_cast<__mmask16>(((1u << nv0) - 1) | (((1u << nv1) - 1) << 8));
+}
+#endif
+
+#if GGUF_AMX
+#include "gemm_gguf_amx.h"
+#endif
+
+#if GGUF_VNNI
 // All rows over panels in pairs (gemm_gguf_vnni.h); an odd last panel is paired with itself and stored once.
 void paired_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, int64_t grain) {
   at::parallel_for(0, (P + 1) / 2, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
-      const int64_t nv0 = std::min<int64_t>(kPanel, a.N - p * kPanel);
-      const int64_t nv1 = q == p ? 0 : std::min<int64_t>(kPanel, a.N - q * kPanel);
-      const __mmask16 keep = static_cast<__mmask16>(((1u << nv0) - 1) | (((1u << nv1) - 1) << 8));
+      const __mmask16 keep = pair_keep(a, p, q);
       for (int64_t m = 0; m < M;) {
         const int mr = rows_for_call(M - m, Pairs::kRows);
         pick<Pairs>(kind, h, off, mr)(a, p, q, m, keep);
@@ -527,6 +548,12 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
          bs, bp, K, B, G, group, n_out,
          zero == 0 ? -1 : (zero == 8 ? 3 : (zero == 16 ? 4 : 5)), y.data_ptr<float>()};
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K));
+#if GGUF_AMX
+  if (M >= kAmxRows && group <= kMaxGroup && gguf_amx_granted()) {
+    tile_panels(a, kind, h, off, M, P, std::max<int64_t>(1, grain / 2));
+    return y;
+  }
+#endif
 #if GGUF_VNNI
   // From 5 rows, panels in pairs (16 outputs per vector); 1-4 rows take the 256-bit micro-kernel below, which
   // streams the weights faster there (Zen 4, 6 out-of-cache Q4_K / Q6_K layers, 2 threads: 4 rows 20-40% faster;
@@ -630,6 +657,15 @@ at::Tensor gguf_linear(const at::Tensor& x, const c10::intrusive_ptr<GgufWeights
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// True where this build multiplies on AMX tiles (the AMX build, the tile state granted by Linux).
+bool gguf_tiles() {
+#if GGUF_AMX
+  return gguf_amx_granted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 #include "gguf_layer.h"
@@ -646,6 +682,7 @@ TORCH_LIBRARY(DFLASH2_GGUF_NS, m) {
         "__torch__.torch.classes." DFLASH2_GGUF_NS_STR ".GgufLayer layer) -> Tensor",
         &gguf_layer);
   m.def("gguf_quantize_rows(Tensor x, int block) -> (Tensor, Tensor, Tensor)", &gguf_quantize_rows);
+  m.def("gguf_tiles() -> bool", &gguf_tiles);
   m.def("gguf_matmul(Tensor xq, Tensor dx, Tensor bsum, Tensor packed, Tensor scale, Tensor? offset, "
         "Tensor? sub_scales, Tensor? offset_mult, int bits, bool is_signed, int zero, int sub, int group, "
         "int n_out) -> Tensor",

@@ -29,6 +29,36 @@ inline __m512i xload16(const int8_t* row, int64_t k) {
   return _mm512_set1_epi32(four);
 }
 
+// The codes of block b of panels p, q (4- to 6-bit kinds), one byte each: step(c, lo, hi) for chunks c = 0..3, lo
+// holding step c (inputs 4c .. 4c + 3) and hi step c + 4 of the 16 outputs (panel p's in the low 32 bytes).
+template <int KIND, class Step>
+inline void pair_codes(const Args& a, int64_t p, int64_t q, int64_t b, Step&& step) {
+  constexpr int HB = KIND == kNib4 ? 0 : (KIND == kNib5 ? 1 : 2);
+  constexpr int64_t per_block = 128 + 32 * HB;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* w0 = a.w + (p * a.B + b) * per_block;
+  const uint8_t* w1 = a.w + (q * a.B + b) * per_block;
+  __m512i plane0 = _mm512_setzero_si512(), plane1 = _mm512_setzero_si512();
+  if constexpr (HB > 0) plane0 = load_pair(w0 + 128, w1 + 128);
+  if constexpr (HB == 2) plane1 = load_pair(w0 + 160, w1 + 160);
+  auto high = [&](int t) {  // step t's high bits at bits 4..
+    const __m512i plane = (t * HB) / 8 == 0 ? plane0 : plane1;
+    const __m512i h = _mm512_and_si512(_mm512_srli_epi16(plane, (t * HB) % 8), _mm512_set1_epi8((1 << HB) - 1));
+    return _mm512_slli_epi16(h, 4);
+  };
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = load_pair(w0 + 32 * c, w1 + 32 * c);
+    __m512i lo = _mm512_and_si512(v, low4);
+    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    if constexpr (HB > 0) {
+      lo = _mm512_or_si512(lo, high(c));
+      hi = _mm512_or_si512(hi, high(c + 4));
+    }
+    step(c, lo, hi);
+  }
+}
+
 // Per row: the int32 sums of the two halves of block b (inputs 0-15 / 16-31) of panels p, q times their
 // sub-scales (S0 / S1): J = sum_h s_h * sum u x, block_integers' J, for 16 outputs (the zero-point term is
 // pair_rows' once per group).
@@ -53,33 +83,12 @@ inline void pair_block_integers(const Args& a, int64_t p, int64_t q, int64_t b, 
     for (int r = 0; r < MR; ++r) J[r] = a0[r];  // Q8_0: no zero point, no sub-scales
     return;
   } else {
-    constexpr int HB = KIND == kNib4 ? 0 : (KIND == kNib5 ? 1 : 2);
-    constexpr int64_t per_block = 128 + 32 * HB;
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const uint8_t* w0 = a.w + (p * a.B + b) * per_block;
-    const uint8_t* w1 = a.w + (q * a.B + b) * per_block;
-    __m512i plane0 = _mm512_setzero_si512(), plane1 = _mm512_setzero_si512();
-    if constexpr (HB > 0) plane0 = load_pair(w0 + 128, w1 + 128);
-    if constexpr (HB == 2) plane1 = load_pair(w0 + 160, w1 + 160);
-    auto high = [&](int t) {  // step t's high bits at bits 4..
-      const __m512i plane = (t * HB) / 8 == 0 ? plane0 : plane1;
-      const __m512i h = _mm512_and_si512(_mm512_srli_epi16(plane, (t * HB) % 8), _mm512_set1_epi8((1 << HB) - 1));
-      return _mm512_slli_epi16(h, 4);
-    };
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = load_pair(w0 + 32 * c, w1 + 32 * c);
-      __m512i lo = _mm512_and_si512(v, low4);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      if constexpr (HB > 0) {
-        lo = _mm512_or_si512(lo, high(c));
-        hi = _mm512_or_si512(hi, high(c + 4));
-      }
+    pair_codes<KIND>(a, p, q, b, [&](int c, __m512i lo, __m512i hi) {
       for (int r = 0; r < MR; ++r) {
         a0[r] = _mm512_dpbusd_epi32(a0[r], lo, xload16(xr[r], 32 * b + 4 * c));
         a1[r] = _mm512_dpbusd_epi32(a1[r], hi, xload16(xr[r], 32 * b + 16 + 4 * c));
       }
-    }
+    });
   }
   for (int r = 0; r < MR; ++r) {
     if constexpr (H == 2) {

@@ -47,17 +47,19 @@ from dflash2.models.gguf_blocks import (BLOCK, SUPPORTED_TYPES, BlockTensor, deq
                                         quantize_q4_0, quantize_q8_0, random_blocks,
                                         take_rows)
 
-__all__ = ["ENV", "VNNI", "GgufLinear", "PackedBlocks", "activation_block", "build_namespace", "gguf_backend",
+__all__ = ["AMX", "ENV", "VNNI", "GgufLinear", "PackedBlocks", "activation_block", "build_namespace", "gguf_backend",
            "gguf_kernel_status", "gguf_kernels_available", "kernel_backends", "kernel_ops", "pack_blocks",
            "quantize_rows", "reference_matmul", "reference_rows", "unpack_blocks"]
 
 ENV = "DFLASH2_GGUF_KERNEL"
 KERNEL = _bf16.KERNEL  # "avx2"
 VNNI = "avx512-vnni"
+AMX = "amx-int8"
 TORCH = _bf16.TORCH
 _SOURCE = Path(__file__).with_name("gemm_gguf_avx2.cpp")
-_HEADERS = (Path(__file__).with_name("gemm_gguf_vnni.h"), Path(__file__).with_name("gguf_layer.h"))  # included
-# by _SOURCE: part of its build tag
+_HEADERS = tuple(Path(__file__).with_name(name)
+                 for name in ("gemm_gguf_vnni.h", "gemm_gguf_amx.h", "amx_tiles.h", "gguf_layer.h"))
+# (included by _SOURCE: part of its build tag)
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
 
 
@@ -71,12 +73,15 @@ class _Build:
     cpu_flags: tuple[str, ...]
 
 
+_VNNI_CFLAGS = (*_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni")
+_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 _BUILDS = {
     KERNEL: _Build(KERNEL, "dflash2_ggufkernels", tuple(_CFLAGS), ()),
-    VNNI: _Build(VNNI, "dflash2_ggufkernels_vnni",
-                 (*_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni",
-                  "-DDFLASH2_GGUF_NS=dflash2_ggufkernels_vnni"),
-                 ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")),
+    VNNI: _Build(VNNI, "dflash2_ggufkernels_vnni", (*_VNNI_CFLAGS, "-DDFLASH2_GGUF_NS=dflash2_ggufkernels_vnni"),
+                 _VNNI_FLAGS),
+    AMX: _Build(AMX, "dflash2_ggufkernels_amx",
+                (*_VNNI_CFLAGS, "-mamx-tile", "-mamx-int8", "-DDFLASH2_GGUF_NS=dflash2_ggufkernels_amx"),
+                (*_VNNI_FLAGS, "amx_tile", "amx_int8")),
 }
 _locks = {name: threading.Lock() for name in _BUILDS}
 _states: dict[str, dict[str, object]] = {name: {} for name in _BUILDS}
@@ -165,11 +170,13 @@ def _self_check(build: _Build) -> str:
     g = torch.Generator().manual_seed(0)
     op, quantize = _ops(build)
     backend = build.backend
+    if backend == AMX and not getattr(torch.ops, build.namespace).gguf_tiles():
+        return "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
     for qtype in SUPPORTED_TYPES:
         t = random_blocks(qtype, 20, 512, seed=1)
-        x = torch.randn(9, 512, generator=g)
+        x = torch.randn(21, 512, generator=g)  # 21 rows: two row chunks of the AMX build
         x[1, 32:64] = 0  # an all-zero scale group
-        for rows in (x[:5], x, x.bfloat16()):  # bf16 rows are read as they are: the same as their exact widening
+        for rows in (x[:5], x[:9], x, x.bfloat16()):  # bf16 rows are read as they are: the same as their exact widening
             got = _matmul(op, quantize(rows, activation_block(t)), pack_blocks(t))
             ref = reference_rows(rows.float(), t)
             if not torch.equal(got, ref):
@@ -237,19 +244,22 @@ def gguf_kernel_status(backend: str = KERNEL) -> str:
 
 
 _CHOICES = {"": None, "on": None, "1": None, "true": None, "yes": None, "auto": None, "avx2": KERNEL,
-            "vnni": VNNI, "avx512-vnni": VNNI, "avx512_vnni": VNNI}
+            "vnni": VNNI, "avx512-vnni": VNNI, "avx512_vnni": VNNI, "amx": AMX, "amx-int8": AMX}
 
 
 def gguf_backend() -> str:
-    """The backend ``DFLASH2_GGUF_KERNEL`` names (``vnni``, ``avx2``, ``torch``), or unset the fastest kernel this
-    CPU runs (AVX512-VNNI, else AVX2); a kernel that is named or needed and cannot run here is an error."""
+    """The backend ``DFLASH2_GGUF_KERNEL`` names (``amx``, ``vnni``, ``avx2``, ``torch``), or unset the fastest
+    kernel this CPU runs (AMX-INT8 unless ``DFLASH2_AMX=off``, else AVX512-VNNI, else AVX2); a kernel that is named
+    or needed and cannot run here is an error."""
     raw = os.environ.get(ENV, "")
     value = raw.strip().lower()
     if value in ("torch", "off", "0", "false", "no"):
         return TORCH
     if value not in _CHOICES:
-        raise ValueError(f"{ENV}={raw!r}: expected vnni, avx2 or torch")
+        raise ValueError(f"{ENV}={raw!r}: expected amx, vnni, avx2 or torch")
     wanted = _CHOICES[value]
+    if wanted is None and not jit.switched_off("DFLASH2_AMX") and gguf_kernels_available(AMX):
+        return AMX
     if wanted is None and gguf_kernels_available(VNNI):
         return VNNI
     backend = wanted or KERNEL

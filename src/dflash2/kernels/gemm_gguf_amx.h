@@ -1,0 +1,283 @@
+// The Intel AMX-INT8 path of gemm_gguf_avx2.cpp (included there, inside its namespace, in the build made with
+// -mamx-tile -mamx-int8 on top of AVX512-VNNI; used from kAmxRows rows): the integer sums run on tiles instead of
+// VPDPBUSD; the fp32 steps are the VNNI pair kernel's.
+//
+// Why: with VPDPBUSD each row costs 8 instructions per block of 32 inputs and 16 outputs, so verifying 9 rows costs
+// about 9 times the arithmetic of one and the forward stops being memory-bound. One TDPBSUD multiplies up to 16
+// rows of activation bytes by a block's 32 x 16 weight codes at once; what stays per row and block is the
+// sub-scale multiply (VPMULLD and an add), so a block's cost grows slowly with the rows.
+//
+// Per panel pair (p, q: 16 outputs, as in gemm_gguf_vnni.h), scale group and chunk of <= 16 rows:
+//   B tile of block b (8 rows x 64 bytes, the layout TDPB*D wants: row t = inputs 4t .. 4t + 3 of the 16 outputs)
+//     = the block's codes widened to bytes with the zero point subtracted (u - zero: signed where zero > 0), made
+//     for the whole group before its first tile load (a tile load right after the stores it reads waits for them);
+//   A tile = the rows' 32 activation bytes of the block, read from xq where they lie (stride K);
+//   P_b = A . B (int32 [rows, 16]: sum_k (u - zero) x per output, exact), stored; per row J += s_b * P_b;
+//   with an offset, T = sum_b A_b . O_b accumulates in a tile over the group, O_b the block's offset multipliers
+//     c_b (1 for Q4_1) repeated down its 8 rows (one 64-byte row loaded with stride 0): T = sum_b c_b sum_k x.
+// Sub-scales per 16 inputs (Q6_K) take two tiles per block, one per half (K = 16 each). J and T are the exact
+// integers of the pair kernel (the zero point folded into the codes instead of subtracted as zero * sums of x),
+// and the fp32 steps per output are its sequence, so the result is the same bits as the VNNI and AVX2 builds
+// (tested, and self-checked at load).
+
+constexpr int kAmxRows = 4;  // rows from which gguf_matmul takes the tiles (fewer: the 256-bit VNNI micro-kernel)
+constexpr int kTileRows = 16;
+constexpr int kMaxGroup = 8;  // blocks per scale group (K-quants: 8)
+constexpr int64_t kPrefetchBlocks = 8;  // how far ahead of the widening the codes are prefetched
+
+// Tiles 0 / 3: P (rows x 16 int32); 1 / 4: A (rows x 32 bytes, or 16 per half); 2 / 5: B (8 rows x 64, or 4);
+// 6: T (rows x 16 int32); 7: O (as B). Without halves, even blocks use tiles 0-2 and odd ones 3-5, so two blocks'
+// tile work can be in flight; with halves, 0-2 hold the first half and 3-5 the second.
+inline void gguf_tile_config(int rows, bool halves) {
+  TileConfig cfg;
+  const int k = halves ? 16 : 32;
+  for (int t : {0, 3, 6}) { cfg.rows[t] = static_cast<uint8_t>(rows); cfg.colsb[t] = 64; }
+  for (int t : {1, 4}) { cfg.rows[t] = static_cast<uint8_t>(rows); cfg.colsb[t] = static_cast<uint16_t>(k); }
+  for (int t : {2, 5, 7}) { cfg.rows[t] = static_cast<uint8_t>(k / 4); cfg.colsb[t] = 64; }
+  _tile_loadconfig(&cfg);
+}
+
+// The tile intrinsics are asm statements without a memory clobber (see gemm_amx.cpp): keep the buffer stores
+// before the tile loads that read them, and the tile stores before the vector loads.
+inline void tile_barrier() { asm volatile("" ::: "memory"); }
+
+// Block b of panels p, q widened to one byte per code, minus the zero point: out[t] = step t's 64 bytes (inputs
+// 4t .. 4t + 3 of the 16 outputs, panel p in bytes 0-31), the B operand's layout.
+template <int KIND>
+inline void widen_pair_block(const Args& a, int64_t p, int64_t q, int64_t b, bool has_zero, __m512i zero,
+                             uint8_t (*out)[64]) {
+  auto put = [&](int t, __m512i v) { _mm512_store_si512(reinterpret_cast<__m512i*>(out[t]), v); };
+  if constexpr (KIND == kSigned) {
+    const uint8_t* w0 = a.w + (p * a.B + b) * 256;
+    const uint8_t* w1 = a.w + (q * a.B + b) * 256;
+    for (int t = 0; t < 8; ++t) put(t, load_pair(w0 + 32 * t, w1 + 32 * t));
+  } else {
+    pair_codes<KIND>(a, p, q, b, [&](int c, __m512i lo, __m512i hi) {
+      if (has_zero) {
+        lo = _mm512_sub_epi8(lo, zero);
+        hi = _mm512_sub_epi8(hi, zero);
+      }
+      put(c, lo);
+      put(c + 4, hi);
+    });
+  }
+}
+
+// Block b's offset multipliers of panels p, q, each repeated in the 4 bytes of its output's lane.
+inline __m512i offset_row(const Args& a, int64_t p, int64_t q, int64_t b) {
+  const __m128i c = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (p * a.B + b) * 8)),
+                                       _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (q * a.B + b) * 8)));
+  return _mm512_mullo_epi32(_mm512_cvtepu8_epi32(c), _mm512_set1_epi32(0x01010101));
+}
+
+// TDPBSSD where the B bytes are signed (Q8_0, codes minus a zero point), else TDPBSUD (unsigned codes).
+#define GGUF_TILE_DP(signed_b, c, x, w) \
+  do {                                  \
+    if (signed_b) {                     \
+      _tile_dpbssd(c, x, w);            \
+    } else {                            \
+      _tile_dpbsud(c, x, w);            \
+    }                                   \
+  } while (0)
+
+// One tile product into tiles TC (P), TA (A), TB (B): P = A . B stored to `out` (int32 [rows, 16]); with an
+// offset also T (tile 6) += A . O (tile 7 holds the block's offset row, read with stride 0). A macro: GCC's tile
+// intrinsics paste the tile number into the instruction, so it must be a literal.
+#define GGUF_TILE_PRODUCT(TC, TA, TB, offset, xb, K, w, orow, signed_b, out) \
+  do {                                                                        \
+    _tile_zero(TC);                                                           \
+    _tile_loadd(TA, xb, K);                                                   \
+    _tile_loadd(TB, w, 64);                                                   \
+    GGUF_TILE_DP(signed_b, TC, TA, TB);                                       \
+    if (offset) {                                                             \
+      _tile_loadd(7, orow, 0);                                                \
+      _tile_dpbsud(6, TA, 7);                                                 \
+    }                                                                         \
+    _tile_stored(TC, out, 64);                                                \
+  } while (0)
+
+// Block j's tile products for one chunk of rows (xb: the chunk's first row at the block's first input) into
+// prod[0] (and prod[1], the second half's, with halves), int32 [rows, 16]. Without halves even blocks take tiles
+// 0-2 and odd ones 3-5 (two blocks in flight); with halves the first half takes 0-2 and the second 3-5.
+template <int H, bool OFFSET>
+inline void tile_block(const int8_t* xb, int64_t K, int j, bool signed_b, const uint8_t (*wide)[64],
+                       const uint8_t* orow, int32_t (*prod)[kTileRows * 16]) {
+  if constexpr (H == 2) {  // two halves of 16 inputs, each with its own sub-scale
+    GGUF_TILE_PRODUCT(0, 1, 2, OFFSET, xb, K, wide[0], orow, signed_b, prod[0]);
+    GGUF_TILE_PRODUCT(3, 4, 5, OFFSET, xb + 16, K, wide[4], orow, signed_b, prod[1]);
+  } else if ((j & 1) == 0) {
+    GGUF_TILE_PRODUCT(0, 1, 2, OFFSET, xb, K, wide[0], orow, signed_b, prod[0]);
+  } else {
+    GGUF_TILE_PRODUCT(3, 4, 5, OFFSET, xb, K, wide[0], orow, signed_b, prod[0]);
+  }
+}
+
+// The rows of one call on tiles: x (xq, or a copy padded with zero rows to a multiple of `rows` when there are more
+// than 16 rows), `rows` per tile chunk (all of them up to 16, else as few chunks of <= 16 as can hold them, evenly
+// sized), `pass` rows per pass (a multiple of `rows`, <= kPassRows).
+struct TileRows {
+  const int8_t* x;
+  int rows, pass;
+};
+
+constexpr int kPassRows = 64;  // rows whose sums one pass keeps (4 tile chunks per widened group of blocks)
+
+// A scale group's operands, made before its tiles: the codes widened (B tiles), the offset rows (O), the
+// sub-scale multipliers.
+struct GroupOperands {
+  alignas(64) uint8_t wide[kMaxGroup][8][64];
+  alignas(64) uint8_t orow[kMaxGroup][64];
+  __m512i S0[kMaxGroup], S1[kMaxGroup];
+};
+
+// One unit of tile work: a scale group g for one chunk of rows; its products, stored for the sums.
+struct UnitSums {
+  alignas(64) int32_t prod[kMaxGroup][2][kTileRows * 16];  // [block of the group][half][row * 16 + output]
+  alignas(64) int32_t tsum[kTileRows * 16];                // T, with an offset
+};
+
+// Rows m0 .. m0 + mr - 1 (mr <= kPassRows) of panels p and q: pair_rows' arithmetic with the integer sums from
+// tiles. Each scale group's codes are widened once and serve every row chunk of the pass. The work runs as a
+// software pipeline over units (group g, chunk c), in order: while unit u's blocks go to the tiles one by one, the
+// next group's blocks are widened and the sums of unit u - 1 are made a slice of rows at a time, so the vector
+// units work while the tile unit does (run one after the other, their times add up).
+template <int KIND, int H, int OFF>
+void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int64_t m0, int mr, __mmask16 keep) {
+  GroupOperands ops[3];  // by group, modulo 3: group g + 1 is made while the sums of group g - 1 still read theirs
+  UnitSums sums[2];      // by unit, modulo 2
+  alignas(64) float yacc[kPassRows][16];
+  const int zero_point = a.zshift >= 0 ? 1 << a.zshift : 0;
+  const __m512i zero = _mm512_set1_epi8(static_cast<char>(zero_point));
+  const bool signed_b = KIND == kSigned || zero_point != 0;
+  const int nb = static_cast<int>(a.group);
+  const int chunks = (mr + t.rows - 1) / t.rows;
+  const int64_t units = a.G * chunks;
+  if constexpr (OFF == 1) {  // Q4_1: T = the sum of x over the block (c = 1)
+    for (auto& o : ops)
+      for (int j = 0; j < nb; ++j) _mm512_store_si512(reinterpret_cast<__m512i*>(o.orow[j]), _mm512_set1_epi8(1));
+  }
+  for (int r = 0; r < mr; ++r) _mm512_store_ps(yacc[r], _mm512_setzero_ps());
+
+  auto make = [&](int64_t g, int j) {  // group g's block j: codes, offset row, sub-scales
+    GroupOperands& o = ops[g % 3];
+    const int64_t b = g * a.group + j;
+    widen_pair_block<KIND>(a, p, q, b, zero_point != 0, zero, o.wide[j]);
+    {  // the codes kPrefetchBlocks blocks ahead (past the panel's end: the next panels', read next): the hardware
+       // prefetcher alone leaves the tiles waiting for memory
+      constexpr int64_t per_block = KIND == kSigned ? 256 : 128 + 32 * (KIND == kNib4 ? 0 : (KIND == kNib5 ? 1 : 2));
+      const uint8_t* w0 = a.w + (p * a.B + b + kPrefetchBlocks) * per_block;
+      const uint8_t* w1 = a.w + (q * a.B + b + kPrefetchBlocks) * per_block;
+      for (int64_t off = 0; off < per_block; off += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(w0 + off), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w1 + off), _MM_HINT_T0);
+      }
+    }
+    if constexpr (OFF == 2) _mm512_store_si512(reinterpret_cast<__m512i*>(o.orow[j]), offset_row(a, p, q, b));
+    if constexpr (H == 1) {
+      o.S0[j] = int8_pair(a.s + (p * a.B + b) * 8, a.s + (q * a.B + b) * 8);
+    } else if constexpr (H == 2) {
+      const int8_t* s0 = a.s + (p * a.B + b) * 16;
+      const int8_t* s1 = a.s + (q * a.B + b) * 16;
+      o.S0[j] = int8_pair(s0, s1);
+      o.S1[j] = int8_pair(s0 + 8, s1 + 8);
+    }
+  };
+  auto finish = [&](int64_t u, int i0, int i1) {  // rows i0 .. i1 - 1 of unit u's chunk: J, then the fp32 steps
+    const int64_t g = u / chunks;
+    const int c0 = static_cast<int>(u % chunks) * t.rows;
+    const GroupOperands& o = ops[g % 3];
+    const UnitSums& us = sums[u % 2];
+    const __m512 Av = float_pair(a.A + (p * a.G + g) * kPanel, a.A + (q * a.G + g) * kPanel);
+    __m512 Cv = _mm512_setzero_ps();
+    if constexpr (OFF != 0) Cv = float_pair(a.C + (p * a.G + g) * kPanel, a.C + (q * a.G + g) * kPanel);
+    for (int i = i0; i < i1; ++i) {
+      const int64_t m = m0 + c0 + i;
+      __m512i J = _mm512_setzero_si512();
+      for (int j = 0; j < nb; ++j) {
+        const __m512i P0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j][0] + 16 * i));
+        if constexpr (H == 2) {
+          const __m512i P1 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j][1] + 16 * i));
+          J = _mm512_add_epi32(J, _mm512_add_epi32(_mm512_mullo_epi32(P0, o.S0[j]), _mm512_mullo_epi32(P1, o.S1[j])));
+        } else if constexpr (H == 1) {
+          J = _mm512_add_epi32(J, _mm512_mullo_epi32(P0, o.S0[j]));
+        } else {
+          J = _mm512_add_epi32(J, P0);
+        }
+      }
+      const __m512 d = _mm512_set1_ps(a.dx[m * a.G + g]);
+      __m512 y = _mm512_load_ps(yacc[c0 + i]);
+      y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_mul_ps(Av, d), _mm512_cvtepi32_ps(J)));
+      if constexpr (OFF != 0) {
+        const __m512i T = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.tsum + 16 * i));
+        y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_mul_ps(Cv, d), _mm512_cvtepi32_ps(T)));
+      }
+      _mm512_store_ps(yacc[c0 + i], y);
+    }
+  };
+  auto rows_of = [&](int64_t u) { return std::min(t.rows, mr - static_cast<int>(u % chunks) * t.rows); };
+
+  for (int j = 0; j < nb; ++j) make(0, j);
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t g = u / chunks;
+    const int c0 = static_cast<int>(u % chunks) * t.rows;
+    const bool make_next = c0 == 0 && g + 1 < a.G;
+    const int prev_rows = u > 0 ? rows_of(u - 1) : 0;
+    const int8_t* xc = t.x + (m0 + c0) * a.K + 32 * g * a.group;
+    const GroupOperands& o = ops[g % 3];
+    UnitSums& us = sums[u % 2];
+    if constexpr (OFF != 0) _tile_zero(6);
+    for (int j = 0; j < nb; ++j) {
+      tile_barrier();
+      tile_block<H, OFF != 0>(xc + 32 * j, a.K, j, signed_b, o.wide[j], o.orow[j], us.prod[j]);
+      tile_barrier();
+      if (make_next) make(g + 1, j);
+      if (u > 0) finish(u - 1, prev_rows * j / nb, prev_rows * (j + 1) / nb);
+    }
+    if constexpr (OFF != 0) _tile_stored(6, us.tsum, 64);
+  }
+  tile_barrier();
+  finish(units - 1, 0, rows_of(units - 1));
+  for (int r = 0; r < mr; ++r) _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + p * kPanel, keep, _mm512_load_ps(yacc[r]));
+}
+
+struct Tiles {  // the AMX family: one function per (kind, sub-scales, offset); rows are a run-time argument
+  using Fn = void (*)(const Args&, const TileRows&, int64_t, int64_t, int64_t, int, __mmask16);
+  static constexpr int kRows = 1;
+  template <int MR, int KIND, int H, int OFF>
+  static constexpr Fn fn = &tile_pair_rows<KIND, H, OFF>;
+};
+
+// Linux grants the tile state to a process on request (amx_tiles.h): asked once.
+inline bool gguf_amx_granted() {
+  static const bool granted = request_amx_tiles();
+  return granted;
+}
+
+// All rows over panels in pairs, on tiles, in passes of <= kPassRows rows, each pass in chunks of `rows` (TileRows).
+// The tile
+// configuration is per thread: loaded once, released at the end.
+void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, int64_t grain) {
+  const Tiles::Fn fn = pick<Tiles>(kind, h, off, 1);
+  const int64_t chunks = (M + kTileRows - 1) / kTileRows;
+  const int rows = static_cast<int>((M + chunks - 1) / chunks);
+  TileRows t{a.xq, rows, kPassRows / rows * rows};
+  std::vector<int8_t> padded;
+  if (M % rows != 0) {  // (only with more than 16 rows)
+    padded.assign(static_cast<size_t>(chunks * rows * a.K), 0);
+    std::memcpy(padded.data(), a.xq, static_cast<size_t>(M * a.K));
+    t.x = padded.data();
+  }
+  at::parallel_for(0, (P + 1) / 2, grain, [&](int64_t i0, int64_t i1) {
+    gguf_tile_config(t.rows, h == 2);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
+      const __mmask16 keep = pair_keep(a, p, q);
+      for (int64_t m = 0; m < M;) {
+        const int mr = static_cast<int>(std::min<int64_t>(t.pass, M - m));
+        fn(a, t, p, q, m, mr, keep);
+        m += mr;
+      }
+    }
+    _tile_release();
+  });
+}
