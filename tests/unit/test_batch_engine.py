@@ -368,3 +368,33 @@ def test_pard_drafters_of_a_batch_share_one_pass_per_step(engine, tiny_model_dir
                           num_draft_tokens=3)
     alone = run_to_completion(batch, [seeded])[0].token_ids
     assert run_to_completion(batch, requests[:2] + [seeded])[2].token_ids == alone
+
+
+def test_a_hybrid_drafter_counts_the_steps_its_block_drafter_drafted_in_a_shared_pass(engine, tiny_model_dirs,
+                                                                                     monkeypatch):
+    """pard+ngram in the batch engine: every draft of the shared pass is one of the hybrid's block steps."""
+    from dflash2.drafters import pard
+    from dflash2.drafters.hybrid import HybridDrafter
+    from dflash2.drafters.pard import PardDrafter
+
+    drafter_model = load_transformer(tiny_model_dirs["qwen2_other"], "fp32", "cpu")
+    shared: list[int] = []
+    original = pard.propose_batch
+
+    def counting(requests):
+        if len(requests) > 1:
+            shared.append(len(requests))
+        return original(requests)
+
+    monkeypatch.setattr(pard, "propose_batch", counting)
+    made: list[HybridDrafter] = []
+
+    def factory():
+        made.append(HybridDrafter(PardDrafter(drafter_model, 255, 3), 3))
+        return made[-1]
+
+    batch = BatchEngine(engine, BatchConfig(num_blocks=96, block_size=8, adaptive_drafts=False), {"pard": factory})
+    requests = [BatchRequest(p, 10, drafter="pard", num_draft_tokens=3) for p in prompts(3)]
+    run_to_completion(batch, requests)
+    assert sum(shared) > 0
+    assert sum(d.block_steps for d in made) >= sum(shared)

@@ -100,6 +100,7 @@ class BatchDrafting:
                 share = (time.perf_counter() - started) / len(members)
                 for seq, (index, *_), draft, behind in zip(seqs, members, batch, unread):
                     seq.drafted_by_lookup = False
+                    seq.drafter.drafted_by_shared_pass()
                     self._cost_of(seq).record(len(draft.tokens), behind, share)
                     drafts[index] = self._fit(seq, draft)
                 return

@@ -67,6 +67,10 @@ class Drafter(ABC):
         None: draft with :meth:`propose` alone."""
         return None
 
+    def drafted_by_shared_pass(self) -> None:
+        """Told when this step's draft came from a shared pass (:meth:`shared_pass`) instead of :meth:`propose`:
+        for a drafter's own step counters."""
+
     @staticmethod
     def propose_batch(requests: list[tuple[Drafter, list[int], int, SamplingParams, torch.Generator | None]]
                       ) -> list[Draft]:

@@ -60,6 +60,9 @@ class HybridDrafter(Drafter):
             return None
         return self.block.shared_pass(sequence, self._block_k(num_draft_tokens))
 
+    def drafted_by_shared_pass(self) -> None:
+        self.block_steps += 1
+
     def _block_k(self, num_draft_tokens: int) -> int:
         return min(num_draft_tokens, self.num_draft_tokens, self.block.num_draft_tokens)
 
