@@ -1,5 +1,5 @@
-"""CPU linear layer over a GGUF file's own quantized blocks (``--weights gguf``): AVX512-VNNI and AVX2 kernels + a
-PyTorch reference.
+"""CPU linear layer over a GGUF file's own quantized blocks (``--weights gguf``): AMX-INT8, AVX512-VNNI and AVX2
+kernels + a PyTorch reference.
 
 What the layer computes (the *quantized target*; the same for every row count, both backends, every thread):
 
@@ -20,11 +20,13 @@ This is llama.cpp's scheme (integer dot products on activations quantized to 8 b
 :func:`reference_matmul` evaluate exactly these operations, so they agree bit for bit, and a row's result never
 depends on the other rows nor on the CPU: the integer sums are exact, whichever instructions form them.
 
-Backends: ``"avx512-vnni"`` (the C++ file built with VPDPBUSD, 8 rows per unpacked block; CPUs listing
-``avx512_vnni`` and ``avx512vl``: Intel Cascade Lake and later, AMD Zen 4 / Zen 5), ``"avx2"`` (the same file built
-for AVX2 + FMA, 4 rows) and ``"torch"`` (:func:`reference_matmul`: portable, slow; float64 integer sums, the same
-fp32 steps).  ``DFLASH2_GGUF_KERNEL`` picks one (``vnni``, ``avx2``, ``torch``); unset, the fastest kernel the CPU
-runs is used, and a CPU or build that can run none is an error naming that switch (no silent fallback).  The
+Backends: ``"amx-int8"`` (the C++ file built with AMX tiles as well: from 4 rows the integer sums of up to 16 rows
+come from one tile product per block; CPUs listing ``amx_tile`` and ``amx_int8``: Sapphire Rapids and later Xeons),
+``"avx512-vnni"`` (built with VPDPBUSD, 8 rows per unpacked block; CPUs listing ``avx512_vnni`` and ``avx512vl``:
+Intel Cascade Lake and later, AMD Zen 4 / Zen 5), ``"avx2"`` (built for AVX2 + FMA, 4 rows) and ``"torch"``
+(:func:`reference_matmul`: portable, slow; float64 integer sums, the same fp32 steps).  ``DFLASH2_GGUF_KERNEL``
+picks one (``amx``, ``vnni``, ``avx2``, ``torch``); unset, the fastest kernel the CPU runs is used (AMX unless
+``DFLASH2_AMX=off``), and a CPU or build that can run none is an error naming that switch (no silent fallback).  The
 packed layout, shared by all backends and by the model store's cache, is built by
 :mod:`dflash2.kernels.gguf_packing` and described in the C++ file.
 """
@@ -201,7 +203,7 @@ def _linear_op(backend: str):
 
 
 def kernel_backends() -> tuple[str, ...]:
-    """The backends run by a build of the C++ file (``avx2``, ``avx512-vnni``)."""
+    """The backends run by a build of the C++ file (``avx2``, ``avx512-vnni``, ``amx-int8``)."""
     return tuple(_BUILDS)
 
 
@@ -235,7 +237,8 @@ def _ensure(backend: str) -> dict[str, object]:
 
 
 def gguf_kernels_available(backend: str = KERNEL) -> bool:
-    """True when ``backend``'s build (``avx2`` or ``avx512-vnni``) is usable here (built, self-check passed)."""
+    """True when ``backend``'s build (``avx2``, ``avx512-vnni`` or ``amx-int8``) is usable here (built, self-check
+    passed)."""
     return bool(_ensure(backend)["available"])
 
 
@@ -335,7 +338,7 @@ class GgufLinear(_bf16.CpuLinear):
     kernel_takes_bf16 = True  # the kernel quantizes bf16 rows as they are (widening to fp32 is exact)
 
     @property
-    def row_kernel(self) -> bool:  # every build of the C++ file (avx2, avx512-vnni)
+    def row_kernel(self) -> bool:  # every build of the C++ file (avx2, avx512-vnni, amx-int8)
         return self.backend in _BUILDS
 
     def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 / bf16 [M, K] -> fp32 [M, N]
