@@ -48,8 +48,8 @@ inline void widen_pair_block(const Args& a, int64_t p, int64_t q, int64_t b, boo
                              uint8_t (*out)[64]) {
   auto put = [&](int t, __m512i v) { _mm512_store_si512(reinterpret_cast<__m512i*>(out[t]), v); };
   if constexpr (KIND == kSigned) {
-    const uint8_t* w0 = a.w + (p * a.B + b) * 256;
-    const uint8_t* w1 = a.w + (q * a.B + b) * 256;
+    const uint8_t* w0 = a.w + (p * a.B + b) * block_bytes(KIND);
+    const uint8_t* w1 = a.w + (q * a.B + b) * block_bytes(KIND);
     for (int t = 0; t < 8; ++t) put(t, load_pair(w0 + 32 * t, w1 + 32 * t));
   } else {
     pair_codes<KIND>(a, p, q, b, [&](int c, __m512i lo, __m512i hi) {
@@ -164,7 +164,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
     widen_pair_block<KIND>(a, p, q, b, zero_point != 0, zero, o.wide[j]);
     {  // the codes kPrefetchBlocks blocks ahead (past the panel's end: the next panels', read next): the hardware
        // prefetcher alone leaves the tiles waiting for memory
-      constexpr int64_t per_block = KIND == kSigned ? 256 : 128 + 32 * (KIND == kNib4 ? 0 : (KIND == kNib5 ? 1 : 2));
+      constexpr int64_t per_block = block_bytes(KIND);
       const uint8_t* w0 = a.w + (p * a.B + b + kPrefetchBlocks) * per_block;
       const uint8_t* w1 = a.w + (q * a.B + b + kPrefetchBlocks) * per_block;
       for (int64_t off = 0; off < per_block; off += 64) {
@@ -254,8 +254,7 @@ inline bool gguf_amx_granted() {
 }
 
 // All rows over panels in pairs, on tiles, in passes of <= kPassRows rows, each pass in chunks of `rows` (TileRows).
-// The tile
-// configuration is per thread: loaded once, released at the end.
+// The tile configuration is per thread: loaded once, released at the end.
 void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, int64_t grain) {
   const Tiles::Fn fn = pick<Tiles>(kind, h, off, 1);
   const int64_t chunks = (M + kTileRows - 1) / kTileRows;

@@ -82,6 +82,9 @@ constexpr int64_t kPanel = 8;
 
 enum Kind { kNib4 = 0, kNib5 = 1, kNib6 = 2, kSigned = 3 };
 
+// Bytes of one packed block (32 inputs of 8 outputs): the nibbles and the high-bit planes, or Q8_0's signed bytes.
+constexpr int64_t block_bytes(int kind) { return kind == kSigned ? 256 : 128 + 32 * kind; }
+
 struct Args {
   const uint8_t* w;
   const float* A;       // [P, G, 8]
@@ -518,7 +521,7 @@ at::Tensor gguf_matmul(const at::Tensor& xq, const at::Tensor& dx, const at::Ten
               is_signed ? " bits, signed" : " bits");
   const int kind = is_signed ? kSigned : (bits == 4 ? kNib4 : (bits == 5 ? kNib5 : kNib6));
   const int64_t P = packed.size(0), G = B / group;
-  const int64_t per_block = is_signed ? 256 : 128 + 32 * (bits - 4);
+  const int64_t per_block = block_bytes(kind);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == P * B * per_block,
               "gguf_matmul: packed weight must be a contiguous uint8 [P, B, ", per_block / 32, ", 32] tensor");
   TORCH_CHECK(n_out > (P - 1) * kPanel && n_out <= P * kPanel, "gguf_matmul: ", n_out, " outputs in ", P, " panels");

@@ -34,10 +34,9 @@ inline __m512i xload16(const int8_t* row, int64_t k) {
 template <int KIND, class Step>
 inline void pair_codes(const Args& a, int64_t p, int64_t q, int64_t b, Step&& step) {
   constexpr int HB = KIND == kNib4 ? 0 : (KIND == kNib5 ? 1 : 2);
-  constexpr int64_t per_block = 128 + 32 * HB;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const uint8_t* w0 = a.w + (p * a.B + b) * per_block;
-  const uint8_t* w1 = a.w + (q * a.B + b) * per_block;
+  const uint8_t* w0 = a.w + (p * a.B + b) * block_bytes(KIND);
+  const uint8_t* w1 = a.w + (q * a.B + b) * block_bytes(KIND);
   __m512i plane0 = _mm512_setzero_si512(), plane1 = _mm512_setzero_si512();
   if constexpr (HB > 0) plane0 = load_pair(w0 + 128, w1 + 128);
   if constexpr (HB == 2) plane1 = load_pair(w0 + 160, w1 + 160);
