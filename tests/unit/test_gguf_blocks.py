@@ -185,6 +185,27 @@ def test_layer_with_mixed_runs_and_bias_equals_the_torch_backend(backend):
         kernel(torch.randn(2, 128))
 
 
+@pytest.mark.parametrize("backend", KERNELS)
+def test_outputs_stored_in_place_with_bias_and_rounding(backend):
+    """Each run's outputs go to their columns with the bias added and bf16 rounding done in the kernel's store:
+    runs that end mid-panel (60 + 12 + 20 outputs), every micro-kernel's row count, against the torch backend;
+    forward_float (bf16 outputs widened to fp32 as they are stored) against the bf16 outputs widened."""
+    parts = [gl.pack_blocks(random_blocks(q, n, 256, seed=i)) for i, (q, n) in
+             enumerate((("Q4_K", 60), ("Q8_0", 12), ("Q6_K", 20)))]
+    bias = torch.randn(92, generator=torch.Generator().manual_seed(5))
+    for b in (bias, None):
+        kernel, torch_layer = gl.GgufLinear(parts, b, backend), gl.GgufLinear(parts, b, "torch")
+        for rows in (1, 3, 4, 5, 9, 17, 33):
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+            for dtype in (torch.float32, torch.bfloat16):
+                got = kernel(x.to(dtype))
+                assert got.dtype == dtype and torch.equal(got, torch_layer(x.to(dtype))), (rows, dtype, b is None)
+                widened = kernel.forward_float(x.to(dtype))  # the head's logits: rounded as dtype, stored as fp32
+                assert widened.dtype == torch.float32 and torch.equal(widened, got.float()), (rows, dtype)
+        half = x.half()
+        assert torch.equal(kernel.forward_float(half), kernel(half).float())
+
+
 @pytest.mark.parametrize("backend", ["torch", *KERNELS])
 def test_selected_rows_give_those_outputs_bitwise(backend):
     """A drafter's head over a draft vocabulary: any rows, in any order, across runs of different block types."""

@@ -1,5 +1,5 @@
 """The one-call layer kernels (dflash2.kernels.layer_ops): the rotary embedding bit for bit PyTorch's operations,
-RMSNorm close to them and row invariant; the decoder uses them only where no gradient is wanted, and a whole model
+RMSNorm and SiLU(gate) * up close to them and row invariant; the decoder uses them only where no gradient is wanted, and a whole model
 gives the same greedy tokens with them as without."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflash2.kernels import layer_ops
+from dflash2.kernels.jit import cpu_flags
 from dflash2.models.decoder import RMSNorm
 from dflash2.models.loading import load_transformer
 
@@ -45,6 +46,31 @@ def test_rms_norm_is_close_to_pytorch_and_row_invariant(dtype):
     for row in (0, 5, 8):  # a row of an 18-row call is bitwise the row alone
         assert torch.equal(layer_ops.rms_norm(x[1, row : row + 1], weight, 1e-6), got[1, row : row + 1])
     assert torch.equal(layer_ops.rms_norm(x[:, 2:5], weight, 1e-6), got[:, 2:5])  # a strided view
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_silu_mul_is_close_to_pytorch_and_row_invariant(dtype):
+    g = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(2, 9, 2 * 8960, generator=g) * 4).to(dtype)
+    gate_up[0, 0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.25, -87.75])  # the exp's edges
+    got = layer_ops.silu_mul(gate_up)
+    expected = layer_ops.reference_silu_mul(gate_up)
+    assert got.dtype == dtype and got.shape == (2, 9, 8960)
+    if dtype == torch.float32:  # an exp of its own: within a few ulp of PyTorch's
+        torch.testing.assert_close(got, expected, rtol=3e-6, atol=1e-30)
+    else:  # the same bits but where silu's fp32 value lies within a few ulp of a bf16 rounding boundary
+        differ = (got != expected).float().mean().item()
+        assert differ < 1e-3, differ
+        torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-30)
+    for row in (0, 5, 8):  # a row of an 18-row call is bitwise the row alone
+        assert torch.equal(layer_ops.silu_mul(gate_up[1, row : row + 1]), got[1, row : row + 1])
+    assert torch.equal(layer_ops.silu_mul(gate_up[:, 2:5]), got[:, 2:5])  # a strided view
+    assert torch.isnan(layer_ops.silu_mul(torch.full((1, 16), float("nan"), dtype=dtype))).all()
+    assert torch.equal(layer_ops.silu_mul(gate_up, lanes=8), got)  # AVX2 lanes: the same bits as the default
+    if "avx512f" in cpu_flags() and "avx512bw" in cpu_flags():  # 16 lanes, and 16 + a last 8 (I = 24)
+        assert torch.equal(layer_ops.silu_mul(gate_up, lanes=16), got)
+        odd = gate_up[..., 8920:8968]
+        assert torch.equal(layer_ops.silu_mul(odd, lanes=16), layer_ops.silu_mul(odd, lanes=8))
 
 
 def test_the_decoder_keeps_pytorch_where_a_gradient_is_wanted_or_the_switch_is_off(monkeypatch):

@@ -454,7 +454,7 @@ class PardDrafter(CachedModelDrafter):
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [k, D] -> [k, V_target] float32 logits, the mask id never drafted."""
-        logits = self.model.lm_head(self.model.norm(hidden)).float()  # [k, V_draft]
+        logits = self.model.float_logits(self.model.norm(hidden))  # [k, V_draft]
         logits[:, self.mask_token_id] = float("-inf")
         return self._to_target_vocab(logits)
 

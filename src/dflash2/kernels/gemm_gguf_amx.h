@@ -237,7 +237,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
   }
   tile_barrier();
   finish(units - 1, 0, rows_of(units - 1));
-  for (int r = 0; r < mr; ++r) _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + p * kPanel, keep, _mm512_load_ps(yacc[r]));
+  for (int r = 0; r < mr; ++r) store_pair(a, m0 + r, p, keep, _mm512_load_ps(yacc[r]));
 }
 
 struct Tiles {  // the AMX family: one function per (kind, sub-scales, offset); rows are a run-time argument

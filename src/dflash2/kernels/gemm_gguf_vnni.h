@@ -23,6 +23,26 @@ inline __m512 float_pair(const float* p0, const float* p1) {
                                              _mm256_castps_pd(_mm256_loadu_ps(p1)), 1));
 }
 
+// Row `row`'s outputs 8p .. 8p + 15 where `keep` holds (lanes 8-15: panel p + 1's), as store_panel: the bias
+// added, stored as fp32 or bf16, or rounded to bf16 and stored as fp32 (the same rounding: bf16_bits in 512 bits).
+inline void store_pair(const Args& a, int64_t row, int64_t p, __mmask16 keep, __m512 v) {
+  const int64_t col = p * kPanel;
+  if (a.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, a.bias + col));
+  if (a.yb != nullptr || a.round_bf16) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i even = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(even, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    if (a.yb == nullptr) {  // the bf16 value widened back to fp32
+      _mm512_mask_storeu_ps(a.y + row * a.ldy + col, keep, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+      return;
+    }
+    _mm256_mask_storeu_epi16(a.yb + row * a.ldy + col, keep, _mm512_cvtepi32_epi16(r));
+  } else {
+    _mm512_mask_storeu_ps(a.y + row * a.ldy + col, keep, v);
+  }
+}
+
 inline __m512i xload16(const int8_t* row, int64_t k) {
   int32_t four;
   std::memcpy(&four, row + k, 4);
@@ -159,7 +179,7 @@ void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) 
         yv[r] = _mm512_add_ps(yv[r], _mm512_mul_ps(_mm512_mul_ps(Cv, d), _mm512_cvtepi32_ps(Tg[r])));
     }
   }
-  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(a.y + (m0 + r) * a.N + p * kPanel, keep, yv[r]);
+  for (int r = 0; r < MR; ++r) store_pair(a, m0 + r, p, keep, yv[r]);
 }
 
 struct Pairs {  // panels p and q in one 512-bit vector, 1-8 rows per call (gemm_gguf_avx2.cpp's pick), from 5 rows

@@ -3,8 +3,8 @@
 // gguf_layer(x, cos, sin, keys, values, length, layer) runs what models/decoder.py's DecoderLayer computes for one
 // request's static KV cache without an explicit mask (plain decoding, chain verification, prefill), making the same
 // calls in the same order -- rms_norm and qkv_rope (layer_ops), the layer's four gguf_linear calls, the cache
-// write, attention_rows (the row-invariant attention kernel) with the same causal rule, the bf16 / fp32 adds, silu
-// and product -- so the same bits; it only leaves out the ~25 Python round trips per layer (~6 ms of a ~40 ms
+// write, attention_rows (the row-invariant attention kernel) with the same causal rule, the bf16 / fp32 adds,
+// silu_mul (layer_ops) -- so the same bits; it only leaves out the ~25 Python round trips per layer (~6 ms of a ~40 ms
 // one-row step of the 1.5B target on 2 Zen 4 cores). The other ops are reached through the dispatcher: their
 // extensions must be loaded first (kernels/gguf_layer.py checks).
 
@@ -12,8 +12,6 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/le.h>
-#include <ATen/ops/mul.h>
-#include <ATen/ops/silu.h>
 
 #include <cmath>
 
@@ -23,7 +21,7 @@ struct GgufLayer : torch::CustomClassHolder {
   at::Tensor attn_norm, ffn_norm;  // [D], the model dtype
   double eps = 0;
   c10::intrusive_ptr<GgufWeights> wqkv, wo, gate_up, down;
-  int64_t heads = 0, kv_heads = 0, intermediate = 0;
+  int64_t heads = 0, kv_heads = 0;
 
   void set(at::Tensor attn_norm_, at::Tensor ffn_norm_, double eps_, c10::intrusive_ptr<GgufWeights> wqkv_,
            c10::intrusive_ptr<GgufWeights> wo_, c10::intrusive_ptr<GgufWeights> gate_up_,
@@ -32,19 +30,21 @@ struct GgufLayer : torch::CustomClassHolder {
                 "GgufLayer: gate/up must hold 2 x the down projection's inputs");
     attn_norm = attn_norm_, ffn_norm = ffn_norm_, eps = eps_;
     wqkv = wqkv_, wo = wo_, gate_up = gate_up_, down = down_;
-    heads = heads_, kv_heads = kv_heads_, intermediate = down_->in_features;
+    heads = heads_, kv_heads = kv_heads_;
   }
 };
 
 using NormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using RopeFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               int64_t, int64_t);
+using SiluMulFn = at::Tensor(const at::Tensor&, int64_t);
 using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const c10::optional<at::Tensor>&, bool, double);
 
 struct LayerOps {
   c10::TypedOperatorHandle<NormFn> rms_norm;
   c10::TypedOperatorHandle<RopeFn> qkv_rope;
+  c10::TypedOperatorHandle<SiluMulFn> silu_mul;
   c10::TypedOperatorHandle<AttentionFn> attention;
 };
 
@@ -52,6 +52,7 @@ const LayerOps& layer_ops() {  // found once, at the first call (the Python side
   static const LayerOps ops{
       c10::Dispatcher::singleton().findSchemaOrThrow("dflash2_layer_ops::rms_norm", "").typed<NormFn>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("dflash2_layer_ops::qkv_rope", "").typed<RopeFn>(),
+      c10::Dispatcher::singleton().findSchemaOrThrow("dflash2_layer_ops::silu_mul", "").typed<SiluMulFn>(),
       c10::Dispatcher::singleton().findSchemaOrThrow("dflash2_attention::attention_rows", "").typed<AttentionFn>()};
   return ops;
 }
@@ -82,9 +83,7 @@ at::Tensor gguf_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   at::Tensor h = at::add(x, gguf_linear(out.transpose(1, 2).reshape({batch, seq, -1}), layer->wo));
   // feed-forward (decoder.FeedForward): down(silu(gate) * up)
   const at::Tensor gu = gguf_linear(ops.rms_norm.call(h, layer->ffn_norm, layer->eps), layer->gate_up);
-  const int64_t i = layer->intermediate;
-  const at::Tensor act = at::mul(at::silu(gu.slice(-1, 0, i)), gu.slice(-1, i, 2 * i));
-  return at::add(h, gguf_linear(act, layer->down));
+  return at::add(h, gguf_linear(ops.silu_mul.call(gu, 0), layer->down));
 }
 
 }  // namespace

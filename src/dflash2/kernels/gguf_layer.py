@@ -35,8 +35,9 @@ def fused_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
     cache = getattr(context, "cache", None)
     if cache is None or getattr(context, "mask", True) is not None or not _switched_on():
         return None
-    if x.device.type != "cpu" or x.dtype not in layer_ops.DTYPES or model.config.head_dim % 8 \
-            or model.config.hidden_size % 8:  # (the layer ops' and attention kernel's conditions)
+    config = model.config
+    if x.device.type != "cpu" or x.dtype not in layer_ops.DTYPES or config.head_dim % 8 or config.hidden_size % 8 \
+            or config.intermediate_size % 8:  # (the layer ops' and attention kernel's conditions)
         return None
     if torch.is_grad_enabled() or cache.keys.dtype != x.dtype:
         return None

@@ -306,6 +306,16 @@ class GgufLinear(_bf16.CpuLinear):
         op, weights = self._weights
         return op(x, weights)
 
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x).float()`` in one pass on the kernel backends (the model's logits: bf16 outputs widened to fp32
+        by the kernel as it stores them, instead of a second pass over [rows, vocab])."""
+        if self.backend not in _BUILDS:
+            return self(x).float()
+        if self._weights is None:
+            self.cpp_weights()
+        op, weights = self._weights
+        return op(x, weights, True)
+
     def cpp_weights(self):
         """This layer's C++ ``GgufWeights`` (what ``gguf_linear`` and ``gguf_layer`` read), made once; kernel
         backends only."""

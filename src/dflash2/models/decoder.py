@@ -171,8 +171,10 @@ class FeedForward(nn.Module):
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
-        gate, up = self.w_gate_up(x).split(self.intermediate_size, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        gate_up = self.w_gate_up(x)  # [B, T, 2I]
+        if self.intermediate_size % 8 == 0 and layer_ops.use_layer_ops(gate_up):
+            return self.w_down(layer_ops.silu_mul(gate_up))  # one call (kernels/layer_ops.py)
+        return self.w_down(layer_ops.reference_silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -222,6 +224,12 @@ class Transformer(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, Dh]
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
+    def float_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head over normed states h [..., D] -> fp32 logits [..., V]: ``lm_head(h).float()``, in one pass where
+        the head is a GGUF layer (GgufLinear.forward_float: the same values)."""
+        forward_float = getattr(self.lm_head, "forward_float", None)
+        return forward_float(h) if forward_float is not None else self.lm_head(h).float()
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T] int64
@@ -251,8 +259,8 @@ class Transformer(nn.Module):
         context.finish(seq)
         out_logits = None
         if isinstance(logits, torch.Tensor):
-            out_logits = self.lm_head(self.norm(x[:, logits])).float()
+            out_logits = self.float_logits(self.norm(x[:, logits]))
         elif logits != "none":
             x = x[:, -1:] if logits == "last" else x
-            out_logits = self.lm_head(self.norm(x)).float()
+            out_logits = self.float_logits(self.norm(x))
         return ForwardOutput(logits=out_logits, hidden_states=tuple(taps[i] for i in hidden_layers))
