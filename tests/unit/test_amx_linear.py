@@ -76,6 +76,26 @@ def test_bf16_rows_are_exact_products(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", TILE_BACKENDS)
+def test_bf16_outputs_stored_by_the_kernel_equal_the_fp32_outputs_rounded(backend: str) -> None:
+    """bf16 rows give bf16 outputs rounded in the kernel's store: bitwise the fp32 outputs' ``.to(bf16)``, with
+    and without bias, a partial last panel, one row block and several (and int8 on AMX tiles)."""
+    for n, k, bias in ((100, 1536, True), (33, 32, False), (70, 7, True)):
+        layers = [PackedLinear.from_linear(_layer(n, k, bias=bias, seed=n), backend=backend)]
+        if backend == "amx":
+            from tests.unit.test_quant_linear import _weights
+
+            w, b = _weights(n, k, seed=k)
+            layers.append(QuantLinear.from_weight(w, b if bias else None, weights="int8", backend="amx"))
+        for layer in layers:
+            for m in (1, 5, 16, 17, 40):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+                with torch.inference_mode():
+                    got = layer(x)
+                    assert got.dtype == torch.bfloat16
+                    assert torch.equal(got, layer.kernel_rows(x).to(torch.bfloat16)), (type(layer), n, m)
+
+
+@pytest.mark.parametrize("backend", TILE_BACKENDS)
 def test_fp32_rows_keep_fp32_accuracy(backend: str) -> None:
     """An fp32 x is split into two bf16 parts: far closer to the fp32 product than x rounded to bf16 once."""
     lin = _layer(64, 512, bias=False, seed=9)

@@ -32,7 +32,8 @@ PANEL = 16  # outputs per panel (kPanel in gemm_amx.cpp)
 STEP = 32  # k per tile step (kStep)
 TILE_ROWS = 16  # rows of x per tile (kRows)
 _SOURCE = Path(__file__).with_name("gemm_amx.cpp")
-_INCLUDED = {"gemm_amx.cpp": (Path(__file__).with_name("amx_tiles.h"),)}  # the package headers a source includes
+_INCLUDED = {"gemm_amx.cpp": (Path(__file__).with_name("amx_tiles.h"), Path(__file__).with_name("tile_store.h")),
+             "gemm_dpbf16.cpp": (Path(__file__).with_name("tile_store.h"),)}  # the package headers a source includes
 # -ffp-contract=off: int8 applies the scale and the bias as two roundings (no fused FMA), like the AVX2 int8 kernel.
 _CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vbmi", "-fopenmp", "-ffp-contract=off"]
 
@@ -160,8 +161,9 @@ def _pad_rows(x: torch.Tensor, kp: int) -> torch.Tensor:
     return (F.pad(x, (0, kp - k, 0, mp - m)) if (mp, kp) != (m, k) else x).contiguous()
 
 
-def _call(op, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    return op(_pad_rows(x, packed.shape[1] * STEP), packed, bias, x.shape[0], n)
+def _call(op, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+          bf16_out: bool = False) -> torch.Tensor:
+    return op(_pad_rows(x, packed.shape[1] * STEP), packed, bias, x.shape[0], n, bf16_out)
 
 
 def _split_fp32(x: torch.Tensor, matmul) -> torch.Tensor:
@@ -174,26 +176,31 @@ def _split_fp32(x: torch.Tensor, matmul) -> torch.Tensor:
     return both[:m] + both[m:]
 
 
-def amx_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """x [M, K] (bf16 as it is; fp32 as hi + lo bf16 parts) -> fp32 [M, n] on the AMX kernel."""
-    return tile_linear_rows(_state["op"], x, packed, bias, n)
+def amx_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+                    bf16_out: bool = False) -> torch.Tensor:
+    """x [M, K] (bf16 as it is; fp32 as hi + lo bf16 parts) -> fp32 [M, n] on the AMX kernel (see
+    :func:`tile_linear_rows` for ``bf16_out``)."""
+    return tile_linear_rows(_state["op"], x, packed, bias, n, bf16_out)
 
 
-def tile_linear_rows(op, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """x [M, K] (bf16 as it is; fp32 as hi + lo bf16 parts) -> fp32 [M, n] by a kernel on the tile layout."""
+def tile_linear_rows(op, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+                     bf16_out: bool = False) -> torch.Tensor:
+    """x [M, K] (bf16 as it is; fp32 as hi + lo bf16 parts) -> fp32 [M, n] by a kernel on the tile layout; with
+    ``bf16_out`` and bf16 x, bf16 [M, n] rounded by the kernel as it stores them (the fp32 result's ``.to(bf16)``)."""
     if x.dtype == torch.bfloat16:
-        return _call(op, x, packed, bias, n)
+        return _call(op, x, packed, bias, n, bf16_out)
     y = _split_fp32(x, lambda rows: _call(op, rows, packed, None, n))
     return y if bias is None else y + bias
 
 
 def amx_int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                  n: int) -> torch.Tensor:
-    """``(x @ Q^T) * scale + bias`` -> fp32 [M, n] for int8 tiles ``q`` (:func:`pack_int8_amx`)."""
+                  n: int, bf16_out: bool = False) -> torch.Tensor:
+    """``(x @ Q^T) * scale + bias`` -> fp32 [M, n] for int8 tiles ``q`` (:func:`pack_int8_amx`); ``bf16_out`` as in
+    :func:`tile_linear_rows`."""
     op = torch.ops.dflash2_amx.amx_int8_linear.default
     kp = q.shape[1] * STEP
     if x.dtype == torch.bfloat16:
-        return op(_pad_rows(x, kp), q, scale, bias, x.shape[0], n)
+        return op(_pad_rows(x, kp), q, scale, bias, x.shape[0], n, bf16_out)
     y = _split_fp32(x, lambda rows: op(_pad_rows(rows, kp), q, torch.ones_like(scale), None, rows.shape[0], n))
     y.mul_(scale)
     return y if bias is None else y.add_(bias)

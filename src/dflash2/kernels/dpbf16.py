@@ -64,6 +64,8 @@ def dpbf16_status() -> str:
     return str(_state["status"])
 
 
-def dpbf16_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """x [M, K] (bf16 as it is; fp32 as hi + lo bf16 parts) -> fp32 [M, n]; ``packed`` from ``pack_weight_amx``."""
-    return _amx.tile_linear_rows(_state["op"], x, packed, bias, n)
+def dpbf16_linear_rows(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+                       bf16_out: bool = False) -> torch.Tensor:
+    """x [M, K] (bf16 as it is; fp32 as hi + lo bf16 parts) -> fp32 [M, n]; ``packed`` from ``pack_weight_amx``;
+    ``bf16_out`` as in :func:`dflash2.kernels.amx.tile_linear_rows`."""
+    return _amx.tile_linear_rows(_state["op"], x, packed, bias, n, bf16_out)

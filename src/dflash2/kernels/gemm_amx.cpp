@@ -26,11 +26,13 @@
 #include <immintrin.h>
 
 #include "amx_tiles.h"
+#include "tile_store.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 namespace {
 
@@ -204,32 +206,39 @@ Call check_call(const char* name, const at::Tensor& x, const at::Tensor& w, at::
   return c;
 }
 
-// The C tiles of one group and row block (out: [np][16][16]) into y: y = out (* scale) (+ bias), each a rounding.
+// The C tiles of one group and row block (out: [np][16][16]) into y: y = out (* scale) (+ bias), each a rounding,
+// as fp32 or bf16 (tile_store.h).
 inline void store_group(const float* out, int np, int64_t p0, int64_t mb, const Call& c, const float* scale,
-                        float* y) {
+                        const RowsOut& y) {
   const int64_t mv = std::min<int64_t>(c.rows(), c.m_out - mb);
   for (int j = 0; j < np; ++j) {
     const int64_t n0 = (p0 + j) * kPanel;
     const int64_t nv = std::min<int64_t>(kPanel, c.n_out - n0);
-    for (int64_t r = 0; r < mv; ++r) {
-      const float* src = out + (j * kRows + r) * kPanel;
-      float* dst = y + (mb + r) * c.n_out + n0;
-      for (int64_t i = 0; i < nv; ++i) {
-        const float v = scale != nullptr ? src[i] * scale[n0 + i] : src[i];
-        dst[i] = c.bias != nullptr ? v + c.bias[n0 + i] : v;
-      }
-    }
+    for (int64_t r = 0; r < mv; ++r) store_outputs(out + (j * kRows + r) * kPanel, nv, scale, c.bias, y, mb + r, n0);
   }
 }
 
+// The output tensor [m_out, n_out]: fp32, or bf16 (bf16_out) rounded as y.to(bf16) would round the fp32 one.
+std::pair<at::Tensor, RowsOut> new_output(const at::Tensor& x, int64_t m_out, int64_t n_out, bool bf16_out) {
+  at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  RowsOut out;
+  out.ld = n_out;
+  if (bf16_out) {
+    out.yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  } else {
+    out.y = y.data_ptr<float>();
+  }
+  return {y, out};
+}
+
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t m_out, int64_t n_out) {
+                      int64_t m_out, int64_t n_out, bool bf16_out) {
   const Call c = check_call("amx_linear", x, packed, at::kBFloat16, bias, m_out, n_out);
-  at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(at::kFloat));
+  const auto [y, out_rows] = new_output(x, m_out, n_out, bf16_out);
+  const RowsOut yp = out_rows;  // (a lambda cannot capture a structured binding in C++17)
   if (m_out == 0 || n_out == 0) return y;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
   const int64_t stride = c.panel_stride();
   at::parallel_for(0, c.groups(), c.grain(), [&](int64_t g0, int64_t g1) {
     load_config(c.rows());
@@ -249,16 +258,16 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 
 // int8: q int8 [P, S, 16, 32] (pack_int8_amx's chunk order), scale fp32 [N]; otherwise as amx_linear.
 at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                           const c10::optional<at::Tensor>& bias, int64_t m_out, int64_t n_out) {
+                           const c10::optional<at::Tensor>& bias, int64_t m_out, int64_t n_out, bool bf16_out) {
   const Call c = check_call("amx_int8_linear", x, q, at::kChar, bias, m_out, n_out);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_out,
               "amx_int8_linear: scale must be a contiguous fp32 [N] tensor");
-  at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(at::kFloat));
+  const auto [y, out_rows] = new_output(x, m_out, n_out, bf16_out);
+  const RowsOut yp = out_rows;  // (a lambda cannot capture a structured binding in C++17)
   if (m_out == 0 || n_out == 0) return y;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const int64_t stride = c.panel_stride();
   const Bf16ByteTables tables = make_tables();
   at::parallel_for(0, c.groups(), c.grain(), [&](int64_t g0, int64_t g1) {
@@ -294,8 +303,9 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
 }  // namespace
 
 TORCH_LIBRARY(dflash2_amx, m) {
-  m.def("amx_int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias, int m_out, int n_out) -> Tensor",
-        &amx_int8_linear);
+  m.def("amx_int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias, int m_out, int n_out, "
+        "bool bf16_out=False) -> Tensor", &amx_int8_linear);
   m.def("amx_init() -> bool", &amx_init);
-  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int m_out, int n_out) -> Tensor", &amx_linear);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, int m_out, int n_out, bool bf16_out=False) -> Tensor",
+        &amx_linear);
 }

@@ -27,6 +27,8 @@
 
 #include <immintrin.h>
 
+#include "tile_store.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -95,7 +97,7 @@ inline void run_block(int np, int rows, const uint16_t* wg, int64_t panel_stride
 }
 
 at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t m_out, int64_t n_out) {
+                         int64_t m_out, int64_t n_out, bool bf16_out) {
   const char* name = "dpbf16_linear";
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), name,
@@ -114,11 +116,17 @@ at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const c1
                 ": bias must be a contiguous fp32 [N] tensor");
     bp = bias->data_ptr<float>();
   }
-  at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (m_out == 0 || n_out == 0) return y;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
+  RowsOut yp;  // fp32 or bf16 outputs (tile_store.h)
+  yp.ld = n_out;
+  if (bf16_out) {
+    yp.yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  } else {
+    yp.y = y.data_ptr<float>();
+  }
   const int64_t stride = S * kBlock;  // elements between consecutive panels
   const int64_t groups = (P + kGroup - 1) / kGroup;
   const int64_t grain = std::max<int64_t>(1, groups / std::max<int64_t>(1, at::get_num_threads()));
@@ -139,9 +147,7 @@ at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const c1
         for (int j = 0; j < np; ++j) {
           const int64_t n0 = (p0 + j) * kPanel;
           const int64_t nv = std::min<int64_t>(kPanel, n_out - n0);
-          const float* src = acc.data() + (m * kGroup + j) * kPanel;
-          float* dst = yp + m * n_out + n0;
-          for (int64_t i = 0; i < nv; ++i) dst[i] = bp != nullptr ? src[i] + bp[n0 + i] : src[i];
+          store_outputs(acc.data() + (m * kGroup + j) * kPanel, nv, nullptr, bp, yp, m, n0);
         }
       }
     }
@@ -152,5 +158,6 @@ at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 }  // namespace
 
 TORCH_LIBRARY(dflash2_dpbf16, m) {
-  m.def("dpbf16_linear(Tensor x, Tensor packed, Tensor? bias, int m_out, int n_out) -> Tensor", &dpbf16_linear);
+  m.def("dpbf16_linear(Tensor x, Tensor packed, Tensor? bias, int m_out, int n_out, bool bf16_out=False) -> Tensor",
+        &dpbf16_linear);
 }

@@ -160,7 +160,9 @@ class CpuLinear(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.bias_data
 
-    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 or bf16 (kernel_takes_bf16) [M, K] -> fp32 [M, N]
+    def kernel_rows(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
+        """fp32 or bf16 (kernel_takes_bf16) [M, K] -> fp32 [M, N]; on the tile layout with bf16 rows and
+        ``bf16_out``, bf16 [M, N] rounded by the kernel as it stores them."""
         raise NotImplementedError
 
     def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:  # fp32 [M, K] -> fp32 [M, N]
@@ -175,7 +177,11 @@ class CpuLinear(nn.Module):
             raise ValueError(f"{name}: expected last dim {k}, got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
         if self.backend in TILE_LAYOUT:  # bf16 rows as they are (amx.py: fp32 rows as two bf16 parts)
-            y = _row_chunked(self.kernel_rows, x.reshape(-1, k).contiguous(), self.out_features)
+            rows = x.reshape(-1, k).contiguous()
+            if rows.dtype == torch.bfloat16:  # bf16 outputs stored by the kernel: no fp32 [M, N] pass
+                y = _row_chunked(lambda r: self.kernel_rows(r, bf16_out=True), rows, self.out_features, rows.dtype)
+                return y.view(*lead, self.out_features)
+            y = _row_chunked(self.kernel_rows, rows, self.out_features)
         elif self.row_kernel:
             x2 = x.reshape(-1, k)  # [M, K] fp32 (a copy unless already fp32, or bf16 that the kernel reads)
             x2 = x2.contiguous() if self.kernel_takes_bf16 and x2.dtype == torch.bfloat16 else x2.float().contiguous()
@@ -262,11 +268,11 @@ class PackedLinear(CpuLinear):
             return unpack_weight(self.weight_data, self.out_features)
         return self.weight_data.clone()
 
-    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
+    def kernel_rows(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
         if self.backend == AMX:
-            return amx.amx_linear_rows(x, self.weight_data, self.bias_data, self.out_features)
+            return amx.amx_linear_rows(x, self.weight_data, self.bias_data, self.out_features, bf16_out)
         if self.backend == DPBF16:
-            return dpbf16.dpbf16_linear_rows(x, self.weight_data, self.bias_data, self.out_features)
+            return dpbf16.dpbf16_linear_rows(x, self.weight_data, self.bias_data, self.out_features, bf16_out)
         return self._op(x, self.weight_data, self.bias_data, self.out_features)
 
     def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -314,12 +320,12 @@ def _check_backend(backend: str) -> None:
 ROW_BLOCK = 256
 
 
-def _row_chunked(op, x: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``op`` over row blocks of ``x`` [M, K] -> [M, out_features] fp32."""
+def _row_chunked(op, x: torch.Tensor, out_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``op`` over row blocks of ``x`` [M, K] -> [M, out_features] of ``dtype`` (what ``op`` returns)."""
     m = x.shape[0]
     if m <= ROW_BLOCK:
         return op(x)
-    y = torch.empty(m, out_features, dtype=torch.float32)
+    y = torch.empty(m, out_features, dtype=dtype)
     for r0 in range(0, m, ROW_BLOCK):
         y[r0 : r0 + ROW_BLOCK] = op(x[r0 : r0 + ROW_BLOCK])
     return y

@@ -251,9 +251,10 @@ class QuantLinear(_bf16.CpuLinear):
         q, scale = self.quantized()
         return q.float() * (scale[:, None] if self.weights == "int8" else scale.repeat_interleave(GROUP, dim=1))
 
-    def kernel_rows(self, x: torch.Tensor) -> torch.Tensor:
+    def kernel_rows(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
         if self.backend == AMX:
-            return amx.amx_int8_rows(x, self.weight_data, self.scale_data, self.bias_data, self.out_features)
+            return amx.amx_int8_rows(x, self.weight_data, self.scale_data, self.bias_data, self.out_features,
+                                     bf16_out)
         return self._op(x, self.weight_data, self.scale_data, self.bias_data, self.out_features)
 
     def fallback_rows(self, x: torch.Tensor) -> torch.Tensor:
