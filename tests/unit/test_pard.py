@@ -395,6 +395,29 @@ def test_draft_vocab_and_int8_weights_stay_lossless(tiny_model_dirs, tmp_path):
         assert spec == plain
 
 
+def test_a_greedy_draft_over_the_draft_vocabulary_is_the_argmax_over_the_target_vocabulary(tiny_model_dirs, tmp_path):
+    """The greedy chain is drafted from the head's own rows (no [k, V_target] logits): the same ids as the argmax
+    of the target-vocabulary logits, ties included (the vocabulary is held in ascending ids, whatever the file's
+    order), and sampling still gets q_draft over the target vocabulary."""
+    from safetensors.torch import save_file
+
+    from dflash2.drafters.pard import DRAFT_VOCAB_FILE
+
+    base = tiny_model_dirs["qwen2_other"]
+    adapter = write_random_adapter(base, tmp_path / "adapter", MASK, num_draft_tokens=4)
+    vocab = torch.randperm(250, generator=torch.Generator().manual_seed(1))[:120]  # unsorted in the file
+    save_file({"draft_vocab": vocab.to(torch.int32)}, str(adapter / DRAFT_VOCAB_FILE))
+    model, config = load_pard_model(adapter, base, "fp32")
+    drafter = PardDrafter(model, config.mask_token_id, 4, target_vocab_size=model.config.vocab_size)
+    part = torch.randn(4, 120, generator=torch.Generator().manual_seed(2)).round()  # integers: many ties
+    part[1, :] = 0.0  # all tied
+    expected = drafter._to_target(part).argmax(dim=-1)
+    assert torch.equal(drafter._draft_from_part(part, GREEDY, None).tokens, expected)
+    sampled = drafter._draft_from_part(part, SamplingParams(temperature=0.8), torch.Generator().manual_seed(0))
+    assert sampled.q_draft.shape == (4, model.config.vocab_size)
+    assert bool(torch.isin(sampled.tokens, vocab).all())
+
+
 def test_pard_with_prompt_lookup_is_lossless(models):
     """``pard+ngram``: a long prompt-lookup match when there is one, the PARD block otherwise (HybridDrafter)."""
     from dflash2.drafters.hybrid import HybridDrafter
@@ -588,10 +611,10 @@ def test_one_batched_pass_drafts_what_each_drafter_drafts_alone(models, bf16_dra
     # a batched pass that fails after its forward leaves every cache as it was: each drafter then drafts alone as if
     # nothing had happened
     first = batched[0][0]
-    first._head = lambda hidden: (_ for _ in ()).throw(RuntimeError("injected"))
+    first._head_part = lambda hidden: (_ for _ in ()).throw(RuntimeError("injected"))
     with pytest.raises(RuntimeError, match="injected"):
         propose_batch([(d, s, k, params, torch.Generator()) for d, s, k in batched])
-    del first._head
+    del first._head_part
     for i, ((a, s, k), (b, _, _)) in enumerate(zip(alone, batched)):
         want = a.propose(s, k, params, torch.Generator().manual_seed(i))
         assert torch.equal(want.tokens, b.propose(s, k, params, torch.Generator().manual_seed(i)).tokens)
