@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash2.kernels.attention import attention_kernel_available, attention_kernel_status, invariant_attention
+from dflash2.kernels.jit import cpu_flags
 from dflash2.models.attention import attend, torch_attend
 
 pytestmark = pytest.mark.skipif(not attention_kernel_available(),
@@ -148,6 +149,25 @@ def test_close_to_sdpa(dtype, heads, dh) -> None:
     assert got.dtype == dtype
     tol = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]  # the output's rounding dominates
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags(), reason="no AVX-512")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_16_lane_functions_give_the_8_lane_bits(dtype) -> None:
+    """Where the CPU has AVX-512 the kernel runs its chains two per 512-bit vector: bitwise the AVX2 path, for
+    every head group size and dims-per-pass variant, odd key counts (a last key on 8 lanes), masks and causal."""
+    from dflash2.kernels import attention
+
+    op = attention._state["op"]
+    for heads, dh, slots in (((12, 2), 128, 209), ((14, 2), 64, 301), ((8, 1), 32, 7), ((16, 2), 16, 40),
+                             ((4, 4), 48, 1), ((9, 3), 128, 66)):
+        q, k, v = _qkv(2, 5, slots, dtype, seed=dh + slots, heads=heads, dh=dh)
+        mask = torch.rand(2, 5, slots, generator=torch.Generator().manual_seed(slots)) > 0.3
+        for m, causal in ((None, True), (mask, False)):
+            args = (q, k, v, m, causal, dh ** -0.5)
+            wide, narrow = op(*args, 16), op(*args, 8)
+            assert torch.equal(wide, narrow), (heads, dh, slots, causal)
+            assert torch.equal(op(*args), wide)  # the default here
 
 
 def test_a_row_with_no_visible_slot_gives_zeros() -> None:

@@ -16,8 +16,9 @@
 // Two rows with the same query and the same visible key sequence therefore give bitwise the same output: a query
 // attended alone (decoding), in a verification block, in a tree (its ancestors), in a padded ragged batch or in a
 // chunked prefill.  fp32 accumulation throughout; fp32, bf16 or fp16 inputs (q, k and v of one dtype); fp32 output.
-// AVX2 + FMA (+ F16C, which every AVX2 CPU has) only, no AVX-512: every x86-64 machine that runs the packed linear
-// kernel runs this one with the same bits.
+// Built for AVX2 + FMA (+ F16C, which every AVX2 CPU has): every x86-64 machine that runs the packed linear kernel
+// runs this one with the same bits. Where the CPU has AVX-512 the same chains run two per 512-bit vector (the
+// 16-lane functions below, chosen at run time): the same bits at about twice the throughput.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -176,24 +177,200 @@ void head_group(const float* q, int64_t dh, const T* k, int64_t ks, const T* v, 
   }
 }
 
+// ---- the same arithmetic on 16 lanes (AVX-512, where the CPU has it) ------------------------------------------
+// Every value above is a chain of lane-wise operations on 8 lanes; these functions run the same chains with two
+// chains per 512-bit vector, so each output is bitwise what the 8-lane functions give (tested: lanes=8 vs 16):
+//   * scores: keys j and j + 1 in the two halves (chunk c of each key in one vector), q's chunk broadcast to both;
+//     each half folded by fold8's tree (l_i + l_(i+4), then lanes 0 + 2 / 1 + 3, then 0 + 1);
+//   * softmax weights: 2^x on 16 lanes, the sum kept on 8 lanes (j mod 8), the two halves added in j order;
+//   * weighted values: 16 dims per vector, each element the same in-order FMA chain over j.
+#define DFLASH2_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return yes;
+}
+
+// 8 elements of a and 8 of b as fp32 lanes 0-7 and 8-15.
+DFLASH2_AVX512 inline __m512 load_two8(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+DFLASH2_AVX512 inline __m256i two128(const void* a, const void* b) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+}
+DFLASH2_AVX512 inline __m512 load_two8(const c10::BFloat16* a, const c10::BFloat16* b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(two128(a, b)), 16));
+}
+DFLASH2_AVX512 inline __m512 load_two8(const c10::Half* a, const c10::Half* b) {
+  return _mm512_cvtph_ps(two128(a, b));
+}
 template <typename T>
-void run_group(int gb, const float* q, int64_t dh, const T* k, int64_t ks, const T* v, int64_t vs, const int32_t* idx,
-               int64_t n, float alpha, float* s, int64_t ld, float* out, int64_t ohs) {
+DFLASH2_AVX512 inline __m512 load16(const T* p) { return load_two8(p, p + kLanes); }
+
+// fold8 on both halves at once: lane 0 holds the fold of lanes 0-7, lane 8 the fold of lanes 8-15.
+DFLASH2_AVX512 inline __m512 fold8_halves(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));  // l_i + l_(i+4)
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));       // (0 + 2), (1 + 3)
+  return _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));    // 0 + 1
+}
+
+// The scores of two keys from their chains' accumulator (lanes 0-7, 8-15): out[0], out[1] = fold8 * alpha.
+DFLASH2_AVX512 inline void put_pair(__m512 acc, float alpha, float* out) {
+  const __m512 f = fold8_halves(acc);
+  out[0] = _mm512_cvtss_f32(f) * alpha;
+  out[1] = _mm_cvtss_f32(_mm512_extractf32x4_ps(f, 2)) * alpha;
+}
+
+template <int GB, typename T>
+DFLASH2_AVX512 void scores16(const float* q, int64_t dh, const T* k, int64_t k_slot_stride, const int32_t* idx,
+                             int64_t n, float alpha, float* s, int64_t ld) {
+  const int64_t chunks = dh / kLanes;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {  // two pairs of keys per step: each q broadcast serves two multiply-adds
+    const T* k0 = k + idx[j] * k_slot_stride;
+    const T* k1 = k + idx[j + 1] * k_slot_stride;
+    const T* k2 = k + idx[j + 2] * k_slot_stride;
+    const T* k3 = k + idx[j + 3] * k_slot_stride;
+    __m512 a[GB], b[GB];
+    for (int g = 0; g < GB; ++g) a[g] = b[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 x = load_two8(k0 + c * kLanes, k1 + c * kLanes);
+      const __m512 y = load_two8(k2 + c * kLanes, k3 + c * kLanes);
+      for (int g = 0; g < GB; ++g) {
+        const __m512 qc = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + g * dh + c * kLanes));
+        a[g] = _mm512_fmadd_ps(qc, x, a[g]);
+        b[g] = _mm512_fmadd_ps(qc, y, b[g]);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      put_pair(a[g], alpha, s + g * ld + j);
+      put_pair(b[g], alpha, s + g * ld + j + 2);
+    }
+  }
+  for (; j + 2 <= n; j += 2) {
+    const T* k0 = k + idx[j] * k_slot_stride;
+    const T* k1 = k + idx[j + 1] * k_slot_stride;
+    __m512 a[GB];
+    for (int g = 0; g < GB; ++g) a[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 x = load_two8(k0 + c * kLanes, k1 + c * kLanes);
+      for (int g = 0; g < GB; ++g)
+        a[g] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(q + g * dh + c * kLanes)), x, a[g]);
+    }
+    for (int g = 0; g < GB; ++g) put_pair(a[g], alpha, s + g * ld + j);
+  }
+  if (j < n) scores<GB>(q, dh, k, k_slot_stride, idx + j, n - j, alpha, s + j, ld);  // a last key: 8 lanes
+}
+
+// 2^x for x <= 0 on 16 lanes (exp2_nonpositive's operations).
+DFLASH2_AVX512 inline __m512 exp2_nonpositive16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-126.0f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+
+DFLASH2_AVX512 inline float softmax_weights16(float* s, int64_t n, int64_t ld) {
+  float m = s[0];
+  for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+  const __m512 mv = _mm512_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= ld; j += 2 * kLanes) {
+    const __m512 p = exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+    _mm512_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(p));             // lanes j .. j + 7
+    sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(p, 1));          // then j + 8 .. j + 15
+  }
+  if (j < ld) {  // a last 8 (ld is a multiple of 8)
+    const __m256 p = exp2_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm512_castps512_ps256(mv)));
+    _mm256_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  return fold8(sum);
+}
+
+template <int GB, int DB, typename T>
+DFLASH2_AVX512 void weighted_values16(const float* p, int64_t ld, const float* sums, const T* v, int64_t v_slot_stride,
+                                      const int32_t* idx, int64_t n, int64_t dh, float* out, int64_t out_head_stride) {
+  for (int64_t d0 = 0; d0 < dh; d0 += DB * 2 * kLanes) {
+    __m512 acc[GB][DB];
+    for (int g = 0; g < GB; ++g)
+      for (int u = 0; u < DB; ++u) acc[g][u] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vj = v + idx[j] * v_slot_stride + d0;
+      __m512 x[DB];
+      for (int u = 0; u < DB; ++u) x[u] = load16(vj + u * 2 * kLanes);
+      for (int g = 0; g < GB; ++g) {
+        const __m512 pj = _mm512_set1_ps(p[g * ld + j]);
+        for (int u = 0; u < DB; ++u) acc[g][u] = _mm512_fmadd_ps(pj, x[u], acc[g][u]);
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      const __m512 denom = _mm512_set1_ps(sums[g]);
+      for (int u = 0; u < DB; ++u)
+        _mm512_storeu_ps(out + g * out_head_stride + d0 + u * 2 * kLanes, _mm512_div_ps(acc[g][u], denom));
+    }
+  }
+}
+
+template <int GB, typename T>
+DFLASH2_AVX512 void head_group16(const float* q, int64_t dh, const T* k, int64_t ks, const T* v, int64_t vs,
+                                 const int32_t* idx, int64_t n, float alpha, float* s, int64_t ld, float* out,
+                                 int64_t out_head_stride) {
+  scores16<GB>(q, dh, k, ks, idx, n, alpha, s, ld);
+  float sums[GB];
+  for (int g = 0; g < GB; ++g) {
+    for (int64_t j = n; j < ld; ++j) s[g * ld + j] = -INFINITY;
+    sums[g] = softmax_weights16(s + g * ld, n, ld);
+  }
+  if (dh % (8 * kLanes) == 0 && GB <= 6) {  // (the dims per pass change the register use only)
+    weighted_values16<GB, 4>(s, ld, sums, v, vs, idx, n, dh, out, out_head_stride);
+  } else if (dh % (4 * kLanes) == 0) {
+    weighted_values16<GB, 2>(s, ld, sums, v, vs, idx, n, dh, out, out_head_stride);
+  } else {
+    weighted_values16<GB, 1>(s, ld, sums, v, vs, idx, n, dh, out, out_head_stride);
+  }
+}
+
+template <int GB, typename T>
+void head_group_any(bool wide, const float* q, int64_t dh, const T* k, int64_t ks, const T* v, int64_t vs,
+                    const int32_t* idx, int64_t n, float alpha, float* s, int64_t ld, float* out, int64_t ohs) {
+  if (wide) return head_group16<GB>(q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
+  head_group<GB>(q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
+}
+
+// wide: the 16-lane functions (AVX-512, head dim a multiple of 16), else the 8-lane ones; the same bits.
+template <typename T>
+void run_group(bool wide, int gb, const float* q, int64_t dh, const T* k, int64_t ks, const T* v, int64_t vs,
+               const int32_t* idx, int64_t n, float alpha, float* s, int64_t ld, float* out, int64_t ohs) {
   switch (gb) {
-    case 1: return head_group<1>(q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    case 2: return head_group<2>(q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    case 3: return head_group<3>(q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    case 4: return head_group<4>(q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    case 5: return head_group<5>(q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    case 6: return head_group<6>(q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    case 7: return head_group<7>(q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    default: return head_group<8>(q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
+    case 1: return head_group_any<1>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
+    case 2: return head_group_any<2>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
+    case 3: return head_group_any<3>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
+    case 4: return head_group_any<4>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
+    case 5: return head_group_any<5>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
+    case 6: return head_group_any<6>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
+    case 7: return head_group_any<7>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
+    default: return head_group_any<8>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
   }
 }
 
 template <typename T>
 void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask, MaskStrides ms,
-                    bool causal, float scale, at::Tensor& out) {
+                    bool causal, float scale, bool wide, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), dh = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2);
   const int64_t G = H / Hkv;
@@ -238,7 +415,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           const T* qr = qp + b * qs.b + (h0 + g) * qs.h + t * qs.t;
           for (int64_t d = 0; d < dh; ++d) qf[g * dh + d] = load1(qr + d);
         }
-        run_group<T>(gb, qf.data(), dh, kb, ks.t, vb, vs.t, idx.data(), n, alpha, s.data(), ld, o, T_ * dh);
+        run_group<T>(wide, gb, qf.data(), dh, kb, ks.t, vb, vs.t, idx.data(), n, alpha, s.data(), ld, o, T_ * dh);
       }
     }
   });
@@ -247,8 +424,9 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 // q [B, H, T, Dh], k / v [B, H_kv, S, Dh] (bf16 or fp32, one dtype; any strides with a contiguous last dim);
 // mask: bool [B or 1, T or 1, S] with any strides (None: all slots); causal: also hide slots past S - T + t.
 // Returns fp32 [B, H, T, Dh].
+// lanes: 16 (AVX-512), 8 (AVX2 + FMA) or 0 (the widest this CPU runs); the same bits either way.
 at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const c10::optional<at::Tensor>& mask, bool causal, double scale) {
+                          const c10::optional<at::Tensor>& mask, bool causal, double scale, int64_t lanes) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention_rows: q, k, v must be 4-D");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attention_rows: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
@@ -272,14 +450,18 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
     ms = MaskStrides{m.size(0) == 1 ? 0 : m.stride(0), m.size(1) == 1 ? 0 : m.stride(1), m.stride(2)};
     mp = m.data_ptr<bool>();
   }
+  TORCH_CHECK(lanes == 0 || lanes == 8 || (lanes == 16 && has_avx512()), "attention_rows: lanes 0, 8 or 16 "
+              "(AVX-512)");
+  const bool wide = (lanes == 16 || (lanes == 0 && has_avx512())) && dh % (2 * kLanes) == 0;
   at::Tensor out = at::empty({B, H, T_, dh}, q.options().dtype(at::kFloat));
   if (q.numel() == 0) return out;
+  const float sc = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
-    attention_impl<float>(q, k, v, mp, ms, causal, static_cast<float>(scale), out);
+    attention_impl<float>(q, k, v, mp, ms, causal, sc, wide, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    attention_impl<c10::BFloat16>(q, k, v, mp, ms, causal, static_cast<float>(scale), out);
+    attention_impl<c10::BFloat16>(q, k, v, mp, ms, causal, sc, wide, out);
   } else {
-    attention_impl<c10::Half>(q, k, v, mp, ms, causal, static_cast<float>(scale), out);
+    attention_impl<c10::Half>(q, k, v, mp, ms, causal, sc, wide, out);
   }
   return out;
 }
@@ -287,6 +469,6 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
 }  // namespace
 
 TORCH_LIBRARY(dflash2_attention, m) {
-  m.def("attention_rows(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale) -> Tensor",
+  m.def("attention_rows(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float scale, int lanes=0) -> Tensor",
         &attention_rows);
 }

@@ -63,7 +63,8 @@ def _load() -> tuple[bool, str, object]:
     directory = jit.build_dir() / f"attention-{tag}"
     ok, status, op = jit.jit_load(f"dflash2_attention_{tag}", _SOURCE, _CFLAGS, directory,
                                   "dflash2_attention.attention_rows", _self_check, label="attention ")
-    return ok, (f"row-invariant attention kernel (AVX2/FMA) loaded from {directory}" if ok else status), op
+    lanes = "AVX-512 lanes" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= jit.cpu_flags() else "AVX2/FMA"
+    return ok, (f"row-invariant attention kernel ({lanes}) loaded from {directory}" if ok else status), op
 
 
 def _ensure_loaded() -> None:

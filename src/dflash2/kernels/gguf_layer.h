@@ -39,7 +39,7 @@ using RopeFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
                                                               int64_t, int64_t);
 using SiluMulFn = at::Tensor(const at::Tensor&, int64_t);
 using AttentionFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const c10::optional<at::Tensor>&, bool, double);
+                               const c10::optional<at::Tensor>&, bool, double, int64_t);
 
 struct LayerOps {
   c10::TypedOperatorHandle<NormFn> rms_norm;
@@ -78,7 +78,7 @@ at::Tensor gguf_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tens
     mask = at::le(at::arange(end, slots).unsqueeze(0), at::arange(end - seq, end, slots).unsqueeze(1)).unsqueeze(0);
   }
   const bool is_causal = seq > 1 && end == seq;
-  at::Tensor out = ops.attention.call(q, k_all, v_all, mask, is_causal, 1.0 / std::sqrt(double(q.size(-1))));
+  at::Tensor out = ops.attention.call(q, k_all, v_all, mask, is_causal, 1.0 / std::sqrt(double(q.size(-1))), 0);
   if (out.scalar_type() != q.scalar_type()) out = out.to(q.scalar_type());  // fp32 [B, H, T, Dh] -> x's dtype
   at::Tensor h = at::add(x, gguf_linear(out.transpose(1, 2).reshape({batch, seq, -1}), layer->wo));
   // feed-forward (decoder.FeedForward): down(silu(gate) * up)
