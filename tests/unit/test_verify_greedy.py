@@ -93,3 +93,16 @@ def test_out_of_range_draft_ids_raise(bad):
 def test_shape_mismatch_raises():
     with pytest.raises(ValueError):
         verify_greedy(torch.tensor([[3, 1]]), logits_with_argmax([[3, 7]]))
+
+
+def test_greedy_ids_are_argmax_ties_to_the_first():
+    """The greedy token everywhere (plain decoding, verification, drafts) is the first maximum, as argmax: bf16
+    logits widened to fp32 tie often."""
+    from dflash2.verify.sampling import greedy_ids
+
+    logits = torch.randint(0, 4, (3, 5, 1000), generator=torch.Generator().manual_seed(1)).float()  # many ties
+    logits[0, 0] = 0.0  # all tied: index 0
+    assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
+    assert greedy_ids(logits)[0, 0].item() == 0 and greedy_ids(logits).dtype == torch.int64
+    big = torch.randn(2, 151936, generator=torch.Generator().manual_seed(2)).bfloat16().float()
+    assert torch.equal(greedy_ids(big), big.argmax(dim=-1))

@@ -30,7 +30,6 @@ __all__ = ["amx_available", "amx_int8_rows", "amx_linear_rows", "amx_status", "l
 
 PANEL = 16  # outputs per panel (kPanel in gemm_amx.cpp)
 STEP = 32  # k per tile step (kStep)
-TILE_ROWS = 16  # rows of x per tile (kRows)
 _SOURCE = Path(__file__).with_name("gemm_amx.cpp")
 _INCLUDED = {"gemm_amx.cpp": (Path(__file__).with_name("amx_tiles.h"), Path(__file__).with_name("tile_store.h")),
              "gemm_dpbf16.cpp": (Path(__file__).with_name("tile_store.h"),)}  # the package headers a source includes
@@ -154,16 +153,16 @@ def unpack_weight_amx(packed: torch.Tensor, out_features: int, in_features: int)
     return w[:out_features, :in_features].clone()
 
 
-def _pad_rows(x: torch.Tensor, kp: int) -> torch.Tensor:
-    """bf16 x [M, K] padded with zero columns to kp and zero rows to a tile shape (M <= 16 or a multiple of 16)."""
-    m, k = x.shape
-    mp = m if m <= TILE_ROWS else -(-m // TILE_ROWS) * TILE_ROWS
-    return (F.pad(x, (0, kp - k, 0, mp - m)) if (mp, kp) != (m, k) else x).contiguous()
+def _pad_columns(x: torch.Tensor, kp: int) -> torch.Tensor:
+    """bf16 x [M, K] padded with zero columns to kp (the weight's k steps); the kernels take any number of rows (a
+    last block of fewer than 16 rows gets a tile configuration of its own: no padded copy of the activations)."""
+    k = x.shape[1]
+    return (F.pad(x, (0, kp - k)) if kp != k else x).contiguous()
 
 
 def _call(op, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
           bf16_out: bool = False) -> torch.Tensor:
-    return op(_pad_rows(x, packed.shape[1] * STEP), packed, bias, x.shape[0], n, bf16_out)
+    return op(_pad_columns(x, packed.shape[1] * STEP), packed, bias, x.shape[0], n, bf16_out)
 
 
 def _split_fp32(x: torch.Tensor, matmul) -> torch.Tensor:
@@ -200,7 +199,7 @@ def amx_int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: t
     op = torch.ops.dflash2_amx.amx_int8_linear.default
     kp = q.shape[1] * STEP
     if x.dtype == torch.bfloat16:
-        return op(_pad_rows(x, kp), q, scale, bias, x.shape[0], n, bf16_out)
-    y = _split_fp32(x, lambda rows: op(_pad_rows(rows, kp), q, torch.ones_like(scale), None, rows.shape[0], n))
+        return op(_pad_columns(x, kp), q, scale, bias, x.shape[0], n, bf16_out)
+    y = _split_fp32(x, lambda rows: op(_pad_columns(rows, kp), q, torch.ones_like(scale), None, rows.shape[0], n))
     y.mul_(scale)
     return y if bias is None else y.add_(bias)

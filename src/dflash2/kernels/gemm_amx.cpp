@@ -61,6 +61,19 @@ inline void load_config(int rows) {
   _tile_loadconfig(&cfg);
 }
 
+// The tile configuration of this thread, reloaded only when a block of rows has another row count (a last block of
+// fewer than 16 rows: each C row depends on its A row only, so a block's row count changes no output bit).
+struct TileRowsConfig {
+  int current = -1;
+  void ensure(int rows) {
+    if (rows != current) load_config(rows);
+    current = rows;
+  }
+};
+
+// Rows of the block of rows starting at mb.
+inline int block_rows(int64_t m_out, int64_t mb) { return static_cast<int>(std::min<int64_t>(kRows, m_out - mb)); }
+
 // One group of NP panels (NP <= 4) for one block of rows: C_j = sum_s A_s B_{j,s}, stored as fp32 [rows, 16] each.
 template <int NP>
 inline void group_block(const uint16_t* __restrict__ wg,  // first panel of the group, k step 0
@@ -172,12 +185,11 @@ inline void run_group_int8_streamed(int np, const int8_t* qg, int64_t panel_stri
 // Ask Linux for the AMX tile data state (off by default for a process).  True when AMX can be used.
 bool amx_init() { return request_amx_tiles(); }
 
-// One call's shapes, checked: x bf16 [Mp, Kp] (Mp <= 16 or a multiple of 16, zero padded), weight [P, S, 16, 32]
-// (bf16, or int8 for amx_int8_linear), y fp32 [m_out, n_out].
+// One call's shapes, checked: x bf16 [Mp, Kp] (rows m_out <= Mp read; Kp zero padded to the weight's k steps),
+// weight [P, S, 16, 32] (bf16, or int8 for amx_int8_linear), y fp32 [m_out, n_out].
 struct Call {
   int64_t Mp, Kp, P, S, m_out, n_out;
   const float* bias;  // fp32 [n_out] or nullptr
-  int rows() const { return static_cast<int>(std::min(Mp, kRows)); }
   int64_t panel_stride() const { return S * kBlock; }  // elements between consecutive panels
   int64_t groups() const { return (P + kGroup - 1) / kGroup; }
   // Enough groups per thread that a thread's share is a long contiguous stream of the packed weight.
@@ -194,7 +206,6 @@ Call check_call(const char* name, const at::Tensor& x, const at::Tensor& w, at::
               name, ": the weight must be a contiguous ", c10::toString(w_type), " [P, S, 16, 32] tensor");
   Call c{x.size(0), x.size(1), w.size(0), w.size(1), m_out, n_out, nullptr};
   TORCH_CHECK(c.Kp == c.S * kStep, name, ": x has ", c.Kp, " columns, the weight ", c.S * kStep);
-  TORCH_CHECK(c.Mp <= kRows || c.Mp % kRows == 0, name, ": rows must be <= 16 or a multiple of 16, got ", c.Mp);
   TORCH_CHECK(m_out <= c.Mp, name, ": m_out ", m_out, " > rows ", c.Mp);
   TORCH_CHECK(n_out > (c.P - 1) * kPanel && n_out <= c.P * kPanel, name, ": out_features ", n_out,
               " does not match ", c.P, " panels");
@@ -210,7 +221,7 @@ Call check_call(const char* name, const at::Tensor& x, const at::Tensor& w, at::
 // as fp32 or bf16 (tile_store.h).
 inline void store_group(const float* out, int np, int64_t p0, int64_t mb, const Call& c, const float* scale,
                         const RowsOut& y) {
-  const int64_t mv = std::min<int64_t>(c.rows(), c.m_out - mb);
+  const int64_t mv = block_rows(c.m_out, mb);
   for (int j = 0; j < np; ++j) {
     const int64_t n0 = (p0 + j) * kPanel;
     const int64_t nv = std::min<int64_t>(kPanel, c.n_out - n0);
@@ -241,12 +252,13 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const int64_t stride = c.panel_stride();
   at::parallel_for(0, c.groups(), c.grain(), [&](int64_t g0, int64_t g1) {
-    load_config(c.rows());
+    TileRowsConfig config;
     alignas(64) float out[kGroup * kRows * kPanel];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * kGroup;
       const int np = static_cast<int>(std::min(kGroup, c.P - p0));
       for (int64_t mb = 0; mb < m_out; mb += kRows) {
+        config.ensure(block_rows(m_out, mb));
         run_group(np, wp + p0 * stride, stride, xp + mb * c.Kp, c.Kp, c.S, out);
         store_group(out, np, p0, mb, c, nullptr, yp);
       }
@@ -271,7 +283,7 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
   const int64_t stride = c.panel_stride();
   const Bf16ByteTables tables = make_tables();
   at::parallel_for(0, c.groups(), c.grain(), [&](int64_t g0, int64_t g1) {
-    load_config(c.rows());
+    TileRowsConfig config;
     alignas(64) float out[kGroup * kRows * kPanel];
     // Decoding and verification (one row block) widen one k step at a time (4 KiB, in L1); more rows widen the
     // group's weights once: 4 panels x K x 16 x 2 B (1.1 MiB at K = 8960: stays in L2).
@@ -283,6 +295,7 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
       const int np = static_cast<int>(std::min(kGroup, c.P - p0));
       const int8_t* qg = qp + p0 * stride;
       if (m_out <= kRows) {
+        config.ensure(block_rows(m_out, 0));
         run_group_int8_streamed(np, qg, stride, xp, c.Kp, c.S, wide, out, tables);
         store_group(out, np, p0, 0, c, sp, yp);
         continue;
@@ -290,6 +303,7 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
       widen_int8(qg, wide, np * stride, tables);
       memory_barrier();
       for (int64_t mb = 0; mb < m_out; mb += kRows) {
+        config.ensure(block_rows(m_out, mb));
         run_group(np, wide, stride, xp + mb * c.Kp, c.Kp, c.S, out);
         store_group(out, np, p0, mb, c, sp, yp);
       }

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash2.verify.sampling import greedy_ids
+
 PAD_ID = -1  # fills ChainVerdict.tokens after the recovered-or-bonus token
 
 
@@ -41,7 +43,7 @@ def verify_greedy(
     """Accept drafts while each equals the target's argmax; emit the argmax after the last accepted one."""
     check_chain_inputs(draft_ids, target_logits, "target_logits")
     draft_ids = draft_ids.long()
-    target_ids = target_logits.argmax(dim=-1)  # [batch, k + 1]
+    target_ids = greedy_ids(target_logits)  # [batch, k + 1]
     k = draft_ids.shape[1]
     matches = draft_ids == target_ids[:, :k]  # [batch, k]
     num_accepted = matches.long().cumprod(dim=1).sum(dim=1)  # [batch]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash2.verify.sampling import sample
+from dflash2.verify.sampling import greedy_ids, sample
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,7 +130,7 @@ def verify_tree_greedy(
 ) -> TreeVerdict:
     """Follow the child equal to the target's argmax; emit the argmax where no child matches."""
     tokens = _check_tree_inputs(layout, node_tokens, target_logits, "target_logits")  # [n]
-    target_ids = target_logits.argmax(dim=-1).tolist()  # [n + 1]
+    target_ids = greedy_ids(target_logits).tolist()  # [n + 1]
     accepted: list[int] = []
     position = 0
     while True:
