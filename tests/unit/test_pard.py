@@ -574,15 +574,33 @@ def bf16_drafter_model(tiny_model_dirs):
     return load_transformer(tiny_model_dirs["qwen2_other"], "bf16")
 
 
+@pytest.fixture(scope="module")
+def q8_0_drafter_model(tiny_model_dirs):
+    """The tiny drafter over Q8_0 blocks (GgufLinear): its passes run the fused one-call gguf layers."""
+    from dflash2.kernels.gguf_linear import GgufLinear
+    from dflash2.models.state_dict import replace_linear_layers
+
+    model = load_transformer(tiny_model_dirs["qwen2_other"], "bf16", packed=False)
+    replace_linear_layers(model, lambda linear: GgufLinear.from_linear(linear, qtype="Q8_0"))
+    return model
+
+
+@pytest.mark.parametrize("weights", ["bf16", "q8_0"])
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, top_p=0.9)], ids=["greedy", "sampled"])
-def test_one_batched_pass_drafts_what_each_drafter_drafts_alone(models, bf16_drafter_model, params):
+def test_one_batched_pass_drafts_what_each_drafter_drafts_alone(models, request, weights, params, monkeypatch):
     """propose_batch runs several requests' passes as ONE forward (segments of the token axis, each over its own
     cache): every draft, q_draft and cache afterwards equals that drafter's own propose, bit for bit (bf16: the
     row-invariant kernels; fp32 goes through PyTorch's matmul, whose rounding may depend on the row count); twice
-    in a row (the second pass after the first's rollback of the mask slots)."""
+    in a row (the second pass after the first's rollback of the mask slots). Over Q8_0 blocks the batched pass
+    runs the fused layers over every segment's cache (gguf_layer_segments), a lone pass the one-cache fused layer."""
     from dflash2.drafters.pard import propose_batch
+    from dflash2.kernels import gguf_layer
 
-    model = bf16_drafter_model
+    model = request.getfixturevalue(f"{weights}_drafter_model")
+    segmented = []
+    original_segmented = gguf_layer._segmented_layers
+    monkeypatch.setattr(gguf_layer, "_segmented_layers",
+                        lambda *a: segmented.append(original_segmented(*a)) or segmented[-1])
     make = lambda **kw: PardDrafter(model, MASK, 4, **kw)  # noqa: E731
     alone, batched = _drafters_in_different_states(model, make), _drafters_in_different_states(model, make)
     calls = []
@@ -623,3 +641,4 @@ def test_one_batched_pass_drafts_what_each_drafter_drafts_alone(models, bf16_dra
     other.reset(32)
     with pytest.raises(ValueError, match="sharing one network"):
         propose_batch([(alone[0][0], alone[0][1], 2, GREEDY, None), (other, alone[0][1], 2, GREEDY, None)])
+    assert segmented and all((runner is not None) == (weights == "q8_0") for runner in segmented)

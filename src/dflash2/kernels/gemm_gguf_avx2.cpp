@@ -741,6 +741,9 @@ TORCH_LIBRARY(DFLASH2_GGUF_NS, m) {
   m.def("gguf_layer(Tensor x, Tensor cos, Tensor sin, Tensor keys, Tensor values, int length, "
         "__torch__.torch.classes." DFLASH2_GGUF_NS_STR ".GgufLayer layer) -> Tensor",
         &gguf_layer);
+  m.def("gguf_layer_segments(Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int[] lengths, "
+        "int[] seq, __torch__.torch.classes." DFLASH2_GGUF_NS_STR ".GgufLayer layer) -> Tensor",
+        &gguf_layer_segments);
   m.def("gguf_quantize_rows(Tensor x, int block) -> (Tensor, Tensor, Tensor)", &gguf_quantize_rows);
   m.def("gguf_tiles() -> bool", &gguf_tiles);
   m.def("gguf_matmul(Tensor xq, Tensor dx, Tensor bsum, Tensor packed, Tensor scale, Tensor? offset, "

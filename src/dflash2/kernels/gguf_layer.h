@@ -11,6 +11,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/le.h>
 
 #include <cmath>
@@ -57,33 +58,77 @@ const LayerOps& layer_ops() {  // found once, at the first call (the Python side
   return ops;
 }
 
-// x [B, T, D]; cos / sin [B or 1, 1, T, Dh]; keys / values: this layer's cache [B, H_kv, capacity, Dh], slots
-// [0, length) committed -> x after the layer [B, T, D] (the new keys / values written at [length, length + T)).
-at::Tensor gguf_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
-                      const at::Tensor& values, int64_t length, const c10::intrusive_ptr<GgufLayer>& layer) {
-  const LayerOps& ops = layer_ops();
-  TORCH_CHECK(x.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(), "gguf_layer: x [B, T, D], cache "
-              "[B, H_kv, S, Dh]");
-  const int64_t batch = x.size(0), seq = x.size(1), end = length + seq;
+// One cache's attention (CachedAttention.attend + kernels/attention.invariant_attention): the new keys / values k, v
+// [B, H_kv, T, Dh] written at [length, length + T) of keys / values [B, H_kv, capacity, Dh], then q [B, H, T, Dh]
+// attended over slots [0, length + T) with the causal rule -> [B, H, T, Dh] in q's dtype.
+at::Tensor cached_attention(const LayerOps& ops, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& keys, const at::Tensor& values, int64_t length) {
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes(), "gguf_layer: cache [B, H_kv, S, Dh]");
+  const int64_t seq = q.size(2), end = length + seq;
   TORCH_CHECK(end <= keys.size(2), "KV cache overflow: ", end, " slots needed, capacity ", keys.size(2));
-  // attention (decoder.Attention + CachedAttention + kernels/attention.invariant_attention)
-  const at::Tensor qkv = gguf_linear(ops.rms_norm.call(x, layer->attn_norm, layer->eps), layer->wqkv);
-  auto [q, k, v] = ops.qkv_rope.call(qkv, cos, sin, layer->heads, layer->kv_heads);
   keys.slice(2, length, end).copy_(k);
   values.slice(2, length, end).copy_(v);
   const at::Tensor k_all = keys.slice(2, 0, end), v_all = values.slice(2, 0, end);
   c10::optional<at::Tensor> mask;  // [1, T, S]: query t sees slots up to S - T + t (models/decoder.causal_mask)
   if (seq > 1 && end > seq) {
-    const auto slots = at::TensorOptions().dtype(at::kLong).device(x.device());
+    const auto slots = at::TensorOptions().dtype(at::kLong).device(q.device());
     mask = at::le(at::arange(end, slots).unsqueeze(0), at::arange(end - seq, end, slots).unsqueeze(1)).unsqueeze(0);
   }
   const bool is_causal = seq > 1 && end == seq;
   at::Tensor out = ops.attention.call(q, k_all, v_all, mask, is_causal, 1.0 / std::sqrt(double(q.size(-1))), 0);
-  if (out.scalar_type() != q.scalar_type()) out = out.to(q.scalar_type());  // fp32 [B, H, T, Dh] -> x's dtype
-  at::Tensor h = at::add(x, gguf_linear(out.transpose(1, 2).reshape({batch, seq, -1}), layer->wo));
+  return out.scalar_type() != q.scalar_type() ? out.to(q.scalar_type()) : out;  // fp32 -> x's dtype
+}
+
+// The layer around its attention: attend(q, k, v) -> [B, H, T, Dh] gives the attention output of q, k, v
+// [B, H(_kv), T, Dh] (one cache, or one per segment of the token axis).
+template <class Attend>
+at::Tensor layer_around(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const GgufLayer& layer,
+                        const LayerOps& ops, Attend&& attend) {
+  TORCH_CHECK(x.dim() == 3, "gguf_layer: x [B, T, D]");
+  const int64_t batch = x.size(0), seq = x.size(1);
+  const at::Tensor qkv = gguf_linear(ops.rms_norm.call(x, layer.attn_norm, layer.eps), layer.wqkv);
+  auto [q, k, v] = ops.qkv_rope.call(qkv, cos, sin, layer.heads, layer.kv_heads);
+  const at::Tensor out = attend(q, k, v);
+  at::Tensor h = at::add(x, gguf_linear(out.transpose(1, 2).reshape({batch, seq, -1}), layer.wo));
   // feed-forward (decoder.FeedForward): down(silu(gate) * up)
-  const at::Tensor gu = gguf_linear(ops.rms_norm.call(h, layer->ffn_norm, layer->eps), layer->gate_up);
-  return at::add(h, gguf_linear(ops.silu_mul.call(gu, 0), layer->down));
+  const at::Tensor gu = gguf_linear(ops.rms_norm.call(h, layer.ffn_norm, layer.eps), layer.gate_up);
+  return at::add(h, gguf_linear(ops.silu_mul.call(gu, 0), layer.down));
+}
+
+// x [B, T, D]; cos / sin [B or 1, 1, T, Dh]; keys / values: this layer's cache [B, H_kv, capacity, Dh], slots
+// [0, length) committed -> x after the layer [B, T, D] (the new keys / values written at [length, length + T)).
+at::Tensor gguf_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
+                      const at::Tensor& values, int64_t length, const c10::intrusive_ptr<GgufLayer>& layer) {
+  const LayerOps& ops = layer_ops();
+  return layer_around(x, cos, sin, *layer, ops, [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    return cached_attention(ops, q, k, v, keys, values, length);
+  });
+}
+
+// Several sequences in one forward (models/decoder.SegmentedAttention): x [1, N, D] holds segment i's T_i = seq[i]
+// new tokens after segment i - 1's; segment i attends to its own cache (keys[i] / values[i] [1, H_kv, capacity_i,
+// Dh], lengths[i] committed), as gguf_layer would for that segment alone. The linear layers read their weights once.
+at::Tensor gguf_layer_segments(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                               at::TensorList keys, at::TensorList values, at::IntArrayRef lengths,
+                               at::IntArrayRef seq, const c10::intrusive_ptr<GgufLayer>& layer) {
+  const LayerOps& ops = layer_ops();
+  const size_t n = seq.size();
+  TORCH_CHECK(keys.size() == n && values.size() == n && lengths.size() == n, "gguf_layer_segments: one cache, length "
+              "and token count per segment");
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1, "gguf_layer_segments: x [1, N, D]");
+  return layer_around(x, cos, sin, *layer, ops, [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    at::Tensor out = at::empty_like(q);  // [1, H, N, Dh]
+    int64_t start = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t stop = start + seq[i];
+      if (stop == start) continue;
+      out.slice(2, start, stop).copy_(cached_attention(ops, q.slice(2, start, stop), k.slice(2, start, stop),
+                                                       v.slice(2, start, stop), keys[i], values[i], lengths[i]));
+      start = stop;
+    }
+    TORCH_CHECK(start == q.size(2), "gguf_layer_segments: segments of ", start, " tokens for ", q.size(2));
+    return out;
+  });
 }
 
 }  // namespace

@@ -7,9 +7,10 @@ same calls in the same order from C++ (the layer ops, the gguf linears, the cach
 attention), so its output is the Python layer's bit for bit (tested) and speculation stays exactly lossless.
 
 It runs where the Python layer would take exactly those kernels: a request's static KV cache without an explicit
-mask (plain decoding, chain verification, prefill), every projection a ``GgufLinear`` on a kernel backend, fp32 /
-bf16 inference, the layer ops and the attention kernel on. Elsewhere (trees, the batch engine's paged cache,
-autograd, ``DFLASH2_GGUF_LAYER=off``) the decoder runs its Python layer.
+mask (plain decoding, chain verification, prefill) or several requests' caches, one per segment of the token axis
+(``gguf_layer_segments``: the batch engine's shared draft pass), every projection a ``GgufLinear`` on a kernel
+backend, fp32 / bf16 inference, the layer ops and the attention kernel on. Elsewhere (trees, the batch engine's
+paged cache, autograd, ``DFLASH2_GGUF_LAYER=off``) the decoder runs its Python layer.
 """
 
 from __future__ import annotations
@@ -31,21 +32,26 @@ LayerRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Te
 
 def fused_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
     """A function running layer ``i`` of ``model`` in one call for this forward, or None where the Python layers
-    must run (see the module doc). ``context`` is the forward's attention context, ``x`` its embeddings [B, T, D]."""
+    must run (see the module doc). ``context`` is the forward's attention context, ``x`` its embeddings [B, T, D]:
+    one request's cache (``CachedAttention`` without a mask), or several requests' caches, one per segment of the
+    token axis (``SegmentedAttention``: the shared draft pass of the batch engine)."""
+    from dflash2.models.decoder import SegmentedAttention  # (decoder imports this module)
+
+    if not _switched_on():
+        return None
+    if isinstance(context, SegmentedAttention):
+        return _segmented_layers(model, context, x)
     cache = getattr(context, "cache", None)
-    if cache is None or getattr(context, "mask", True) is not None or not _switched_on():
+    if cache is None or getattr(context, "mask", True) is not None:
         return None
     config = model.config
     if x.device.type != "cpu" or x.dtype not in layer_ops.DTYPES or config.head_dim % 8 or config.hidden_size % 8 \
             or config.intermediate_size % 8:  # (the layer ops' and attention kernel's conditions)
         return None
-    if torch.is_grad_enabled() or cache.keys.dtype != x.dtype:
+    layers = _usable_layers(model, [cache], x)
+    if layers is None:
         return None
-    layers = _layer_handles(model)
-    if layers is None or not layer_ops.use_layer_ops(x) or not use_invariant_kernel() \
-            or not attention_kernel_available():
-        return None
-    op, handles = layers
+    op, handles, _ = layers
     length, keys, values = cache.length, cache.keys, cache.values  # [L, B, H_kv, S, Dh]
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int) -> torch.Tensor:
@@ -54,13 +60,44 @@ def fused_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
     return run
 
 
+def _segmented_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
+    """Layer ``i`` over every segment's tokens in one call (``gguf_layer_segments``): each segment writes and
+    attends to its own cache as :class:`CachedAttention` would, the linear layers run once over all rows."""
+    caches = [part.cache for part in context.parts]
+    if x.shape[0] != 1 or any(c is None for c in caches) or any(part.mask is not None for part in context.parts):
+        return None
+    layers = _usable_layers(model, caches, x)
+    if layers is None:
+        return None
+    op = getattr(torch.ops, _gguf.build_namespace(layers[2])).gguf_layer_segments.default
+    handles, lengths, seq = layers[1], [c.length for c in caches], list(context.lengths)
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int) -> torch.Tensor:
+        keys = [c.keys[index] for c in caches]  # each [1, H_kv, S_i, Dh]
+        values = [c.values[index] for c in caches]
+        return op(x, cos, sin, keys, values, lengths, seq, handles[index])
+
+    return run
+
+
+def _usable_layers(model, caches: list, x: torch.Tensor) -> tuple[object, list, str] | None:
+    """(gguf_layer op, per-layer handles, backend) where the fused layers may run over these caches, else None."""
+    if torch.is_grad_enabled() or any(cache.keys.dtype != x.dtype for cache in caches):
+        return None
+    layers = _layer_handles(model)
+    if layers is None or not layer_ops.use_layer_ops(x) or not use_invariant_kernel() \
+            or not attention_kernel_available():
+        return None
+    return layers
+
+
 def _switched_on() -> bool:
     return not jit.switched_off(ENV)
 
 
-def _layer_handles(model) -> tuple[object, list] | None:
-    """(gguf_layer op, one GgufLayer per decoder layer), built once per model; None when a layer is not all
-    GgufLinear on one kernel backend, or a norm's weight is not in the model dtype."""
+def _layer_handles(model) -> tuple[object, list, str] | None:
+    """(gguf_layer op, one GgufLayer per decoder layer, the kernel backend), built once per model; None when a layer
+    is not all GgufLinear on one kernel backend, or a norm's weight is not in the model dtype."""
     cached = getattr(model, "_gguf_layers", False)
     if cached is not False:
         return cached
@@ -85,7 +122,7 @@ def _build_handles(model) -> tuple[object, list] | None:
         handle.set(layer.attn_norm.weight.detach(), layer.ffn_norm.weight.detach(), float(layer.attn_norm.eps),
                    *(linear.cpp_weights() for linear in linears), layer.attn.num_heads, layer.attn.num_kv_heads)
         handles.append(handle)
-    return getattr(torch.ops, namespace).gguf_layer.default, handles
+    return getattr(torch.ops, namespace).gguf_layer.default, handles, backend
 
 
 __all__ = ["ENV", "fused_layers"]
