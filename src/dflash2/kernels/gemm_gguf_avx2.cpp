@@ -84,6 +84,16 @@ enum Kind { kNib4 = 0, kNib5 = 1, kNib6 = 2, kSigned = 3 };
 // Bytes of one packed block (32 inputs of 8 outputs): the nibbles and the high-bit planes, or Q8_0's signed bytes.
 constexpr int64_t block_bytes(int kind) { return kind == kSigned ? 256 : 128 + 32 * kind; }
 
+// Where a product's [M, n_out] outputs go: fp32 (y) or bf16 (yb, rounded to nearest even as c10::BFloat16) rows
+// `ld` elements apart, each output with its bias (fp32 [n_out], or null) added before it is stored.
+struct Output {
+  float* y = nullptr;
+  uint16_t* yb = nullptr;
+  int64_t ld = 0;
+  const float* bias = nullptr;
+  bool round_bf16 = false;  // y's values rounded to bf16 (what yb would hold, widened: bf16 outputs handed on as fp32)
+};
+
 struct Args {
   const uint8_t* w;
   const float* A;       // [P, G, 8]
@@ -96,11 +106,7 @@ struct Args {
   const int32_t* bp;    // [M, B]: each block's two half sums as int16 pairs (bs[2b] low, bs[2b + 1] high)
   int64_t K, B, G, group, N;
   int zshift;           // log2(zero), -1 for zero == 0
-  float* y;             // [M, ldy] fp32 outputs, or null when yb is set
-  uint16_t* yb;         // [M, ldy] the outputs as bf16 (rounded to nearest even, as c10::BFloat16), or null
-  int64_t ldy;          // elements from one output row to the next
-  const float* bias;    // [N] added to every row's outputs before they are stored, or null
-  bool round_bf16;      // y's values rounded to bf16 as yb's would be (bf16 outputs handed on as fp32)
+  Output out;
 };
 
 // fp32 -> bf16 bits as c10::BFloat16 rounds (to nearest, ties to even; NaN -> 0x7FC0), in the low half of each lane.
@@ -115,22 +121,23 @@ inline __m256i bf16_bits(__m256 v) {
 // Row `row`'s outputs 8p .. 8p + nv - 1: the bias added (fp32, as y.add_(bias) after the product), stored as fp32 or
 // bf16 (as y.to(bf16)): the same bits as the product stored, then those two operations.
 inline void store_panel(const Args& a, int64_t row, int64_t p, int64_t nv, __m256 v) {
+  const Output& o = a.out;
   const int64_t col = p * kPanel;
   alignas(32) float part[kPanel] = {};
-  if (a.bias != nullptr) {
-    std::memcpy(part, a.bias + col, nv * sizeof(float));
+  if (o.bias != nullptr) {
+    std::memcpy(part, o.bias + col, nv * sizeof(float));
     v = _mm256_add_ps(v, _mm256_load_ps(part));
   }
-  if (a.round_bf16) v = _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
-  if (a.yb != nullptr) {
+  if (o.round_bf16) v = _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16));
+  if (o.yb != nullptr) {
     const __m256i r = bf16_bits(v);
     alignas(16) uint16_t h[kPanel];
     _mm_store_si128(reinterpret_cast<__m128i*>(h),
                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-    std::memcpy(a.yb + row * a.ldy + col, h, nv * sizeof(uint16_t));
+    std::memcpy(o.yb + row * o.ld + col, h, nv * sizeof(uint16_t));
   } else {
     _mm256_store_ps(part, v);
-    std::memcpy(a.y + row * a.ldy + col, part, nv * sizeof(float));
+    std::memcpy(o.y + row * o.ld + col, part, nv * sizeof(float));
   }
 }
 
@@ -532,16 +539,6 @@ void paired_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P
 }
 #endif
 
-// Where a product's [M, n_out] outputs go: fp32 (y) or bf16 (yb) rows `ld` elements apart, each output with its
-// bias (fp32, or null) added before it is stored.
-struct Output {
-  float* y = nullptr;
-  uint16_t* yb = nullptr;
-  int64_t ld = 0;
-  const float* bias = nullptr;
-  bool round_bf16 = false;  // y's values rounded to bf16 (what yb would hold, widened)
-};
-
 void matmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& bsum, const at::Tensor& packed,
                  const at::Tensor& scale, const c10::optional<at::Tensor>& offset,
                  const c10::optional<at::Tensor>& sub_scales, const c10::optional<at::Tensor>& offset_mult,
@@ -584,7 +581,7 @@ void matmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& b
                                  (static_cast<uint32_t>(bs[2 * i + 1]) << 16));
   Args a{packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), C, s, cm, xq.data_ptr<int8_t>(), dx.data_ptr<float>(),
          bs, bp, K, B, G, group, n_out,
-         zero == 0 ? -1 : (zero == 8 ? 3 : (zero == 16 ? 4 : 5)), out.y, out.yb, out.ld, out.bias, out.round_bf16};
+         zero == 0 ? -1 : (zero == 8 ? 3 : (zero == 16 ? 4 : 5)), out};
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K));
 #if GGUF_AMX
   if (M >= kAmxRows && group <= kMaxGroup && gguf_amx_granted()) {

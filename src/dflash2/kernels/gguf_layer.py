@@ -35,18 +35,15 @@ def fused_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
     must run (see the module doc). ``context`` is the forward's attention context, ``x`` its embeddings [B, T, D]:
     one request's cache (``CachedAttention`` without a mask), or several requests' caches, one per segment of the
     token axis (``SegmentedAttention``: the shared draft pass of the batch engine)."""
-    from dflash2.models.decoder import SegmentedAttention  # (decoder imports this module)
-
-    if not _switched_on():
+    config = model.config
+    if not _switched_on() or x.device.type != "cpu" or x.dtype not in layer_ops.DTYPES or config.head_dim % 8 \
+            or config.hidden_size % 8 or config.intermediate_size % 8:  # (the layer ops' and attention's conditions)
         return None
-    if isinstance(context, SegmentedAttention):
-        return _segmented_layers(model, context, x)
+    parts = getattr(context, "parts", None)  # SegmentedAttention: one CachedAttention per segment
+    if parts is not None:
+        return _segmented_layers(model, parts, context.lengths, x)
     cache = getattr(context, "cache", None)
     if cache is None or getattr(context, "mask", True) is not None:
-        return None
-    config = model.config
-    if x.device.type != "cpu" or x.dtype not in layer_ops.DTYPES or config.head_dim % 8 or config.hidden_size % 8 \
-            or config.intermediate_size % 8:  # (the layer ops' and attention kernel's conditions)
         return None
     layers = _usable_layers(model, [cache], x)
     if layers is None:
@@ -60,22 +57,23 @@ def fused_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
     return run
 
 
-def _segmented_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
-    """Layer ``i`` over every segment's tokens in one call (``gguf_layer_segments``): each segment writes and
-    attends to its own cache as :class:`CachedAttention` would, the linear layers run once over all rows."""
-    caches = [part.cache for part in context.parts]
-    if x.shape[0] != 1 or any(c is None for c in caches) or any(part.mask is not None for part in context.parts):
+def _segmented_layers(model, parts: list, lengths: list[int], x: torch.Tensor) -> LayerRunner | None:
+    """Layer ``i`` over every segment's tokens in one call (``gguf_layer_segments``): each segment (``parts``: its
+    ``CachedAttention``, ``lengths``: its token count) writes and attends to its own cache as ``CachedAttention``
+    would, the linear layers run once over all rows."""
+    caches = [part.cache for part in parts]
+    if x.shape[0] != 1 or any(c is None for c in caches) or any(part.mask is not None for part in parts):
         return None
     layers = _usable_layers(model, caches, x)
     if layers is None:
         return None
     op = getattr(torch.ops, _gguf.build_namespace(layers[2])).gguf_layer_segments.default
-    handles, lengths, seq = layers[1], [c.length for c in caches], list(context.lengths)
+    handles, cached, seq = layers[1], [c.length for c in caches], list(lengths)
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int) -> torch.Tensor:
         keys = [c.keys[index] for c in caches]  # each [1, H_kv, S_i, Dh]
         values = [c.values[index] for c in caches]
-        return op(x, cos, sin, keys, values, lengths, seq, handles[index])
+        return op(x, cos, sin, keys, values, cached, seq, handles[index])
 
     return run
 

@@ -226,7 +226,10 @@ void silu_mul8(const T* gate, const T* up, T* dst, int64_t i0, int64_t i1) {
 
 template <typename T>
 void silu_mul_rows(const T* gu, T* out, int64_t r0, int64_t r1, int64_t inter) {  // gu [rows, 2I] -> out [rows, I]
-  for (int64_t r = r0; r < r1; ++r) silu_mul8(gu + r * 2 * inter, gu + r * 2 * inter + inter, out + r * inter, 0, inter);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* gate = gu + r * 2 * inter;
+    silu_mul8(gate, gate + inter, out + r * inter, 0, inter);
+  }
 }
 
 // The same operations on 16 lanes (AVX-512, where the CPU has it): each lane's arithmetic is exp8 / silu_mul_rows'

@@ -11,8 +11,8 @@ rotate_half(q) * sin`` in the model's dtype; RMSNorm as HF's Qwen2 / Llama RMSNo
 in one fixed order of its own (so not always PyTorch's last bit, but a row's result never depends on the other rows:
 verification stays row-count invariant); SiLU(gate) * up as PyTorch's ``F.silu(gate) * up`` rounds it, with an exp of
 its own (within ~2 ulp of fp32 before the rounding; the same bits on every machine). At 9 rows of the 1.5B target the
-SiLU and product cost ~1.9 ms per step as two PyTorch operations on the Intel Xeon (AMX). Used by :mod:`dflash2.models.decoder` on CPU for fp32 / bf16 inference
-(no autograd); ``DFLASH2_LAYER_OPS=torch`` (or ``DFLASH2_KERNELS=off``, or a CPU without AVX2 / FMA) keeps the
+SiLU and product cost ~1.9 ms per step as two PyTorch operations on the Intel Xeon (AMX). Used by
+:mod:`dflash2.models.decoder` on CPU for fp32 / bf16 inference (no autograd); ``DFLASH2_LAYER_OPS=torch`` (or ``DFLASH2_KERNELS=off``, or a CPU without AVX2 / FMA) keeps the
 PyTorch operations. Built on first use like the other kernels (:mod:`dflash2.kernels.jit`) and self-checked.
 """
 

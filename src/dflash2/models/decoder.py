@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dflash2.kernels import layer_ops
