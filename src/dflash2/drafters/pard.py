@@ -33,7 +33,7 @@ from torch import nn
 from dflash2.drafters.base import Draft
 from dflash2.drafters.dflash2_parts import best_tree
 from dflash2.drafters.model import CachedModelDrafter
-from dflash2.models.decoder import SegmentedAttention, Transformer
+from dflash2.models.decoder import SegmentedAttention, Transformer, float_outputs
 from dflash2.verify.sampling import SamplingParams, greedy_ids, logits_to_probs, sample
 
 PARD_CONFIG = "pard_config.json"
@@ -274,8 +274,7 @@ class VocabSubsetHead(nn.Module):
 
     def part(self, x: torch.Tensor) -> torch.Tensor:
         """[..., D] -> float32 [..., V'] logits of ``ids`` only."""
-        forward_float = getattr(self.head, "forward_float", None)
-        return forward_float(x) if forward_float is not None else self.head(x).float()
+        return float_outputs(self.head, x)
 
     def expand(self, part: torch.Tensor) -> torch.Tensor:
         """[..., V'] logits of ``ids`` -> [..., vocab_size] with -inf at every other id."""
@@ -488,16 +487,14 @@ class PardDrafter(CachedModelDrafter):
         return self._to_target_vocab(head.expand(part) if isinstance(head, VocabSubsetHead) else part)
 
     def _draft_from_part(self, part: torch.Tensor, params: SamplingParams, generator) -> Draft:
-        """The draft from the head's logits [k, V']: a greedy chain is their argmax mapped to ids (no [k, V_target]
-        logits: the same tokens, ties to the lowest id as there); otherwise :meth:`_draft` on the target vocab."""
-        if self.num_paths > 1 or not params.greedy:
-            return self._draft(self._to_target(part), params, generator)
+        """The draft from the head's logits [k, V']: a greedy chain over a draft vocabulary is their argmax mapped to
+        ids (no [k, V_target] logits: the same tokens, ties to the lowest id as there); otherwise :meth:`_draft` on
+        the target vocabulary."""
         head = self.model.lm_head
-        if isinstance(head, VocabSubsetHead) and head.vocab_size <= self.target_vocab_size:
+        if (self.num_paths == 1 and params.greedy and isinstance(head, VocabSubsetHead)
+                and head.vocab_size <= self.target_vocab_size):
             return Draft(tokens=head.ids[greedy_ids(part)].cpu(), q_draft=None)
-        if isinstance(head, VocabSubsetHead):
-            return self._draft(self._to_target(part), params, generator)
-        return Draft(tokens=greedy_ids(self._to_target_vocab(part)).cpu(), q_draft=None)
+        return self._draft(self._to_target(part), params, generator)
 
     @torch.inference_mode()
     def propose(self, sequence, num_draft_tokens, params: SamplingParams, generator) -> Draft:

@@ -32,7 +32,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <utility>
 
 namespace {
 
@@ -229,24 +228,11 @@ inline void store_group(const float* out, int np, int64_t p0, int64_t mb, const 
   }
 }
 
-// The output tensor [m_out, n_out]: fp32, or bf16 (bf16_out) rounded as y.to(bf16) would round the fp32 one.
-std::pair<at::Tensor, RowsOut> new_output(const at::Tensor& x, int64_t m_out, int64_t n_out, bool bf16_out) {
-  at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
-  RowsOut out;
-  out.ld = n_out;
-  if (bf16_out) {
-    out.yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  } else {
-    out.y = y.data_ptr<float>();
-  }
-  return {y, out};
-}
-
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t m_out, int64_t n_out, bool bf16_out) {
   const Call c = check_call("amx_linear", x, packed, at::kBFloat16, bias, m_out, n_out);
-  const auto [y, out_rows] = new_output(x, m_out, n_out, bf16_out);
-  const RowsOut yp = out_rows;  // (a lambda cannot capture a structured binding in C++17)
+  const at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  const RowsOut yp = rows_out(y);  // fp32 or bf16 outputs (tile_store.h)
   if (m_out == 0 || n_out == 0) return y;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
@@ -274,8 +260,8 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
   const Call c = check_call("amx_int8_linear", x, q, at::kChar, bias, m_out, n_out);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n_out,
               "amx_int8_linear: scale must be a contiguous fp32 [N] tensor");
-  const auto [y, out_rows] = new_output(x, m_out, n_out, bf16_out);
-  const RowsOut yp = out_rows;  // (a lambda cannot capture a structured binding in C++17)
+  const at::Tensor y = at::empty({m_out, n_out}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  const RowsOut yp = rows_out(y);  // fp32 or bf16 outputs (tile_store.h)
   if (m_out == 0 || n_out == 0) return y;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const int8_t* qp = q.data_ptr<int8_t>();

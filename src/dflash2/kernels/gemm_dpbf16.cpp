@@ -120,13 +120,7 @@ at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   if (m_out == 0 || n_out == 0) return y;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  RowsOut yp;  // fp32 or bf16 outputs (tile_store.h)
-  yp.ld = n_out;
-  if (bf16_out) {
-    yp.yb = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  } else {
-    yp.y = y.data_ptr<float>();
-  }
+  const RowsOut yp = rows_out(y);  // fp32 or bf16 outputs (tile_store.h)
   const int64_t stride = S * kBlock;  // elements between consecutive panels
   const int64_t groups = (P + kGroup - 1) / kGroup;
   const int64_t grain = std::max<int64_t>(1, groups / std::max<int64_t>(1, at::get_num_threads()));

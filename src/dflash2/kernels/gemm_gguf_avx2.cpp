@@ -65,6 +65,9 @@
 #else
 #define GGUF_AMX 0
 #endif
+#if GGUF_VNNI
+#include "tile_store.h"
+#endif
 #if GGUF_AMX
 #include "amx_tiles.h"
 #endif

@@ -24,16 +24,13 @@ inline __m512 float_pair(const float* p0, const float* p1) {
 }
 
 // Row `row`'s outputs 8p .. 8p + 15 where `keep` holds (lanes 8-15: panel p + 1's), as store_panel: the bias
-// added, stored as fp32 or bf16, or rounded to bf16 and stored as fp32 (the same rounding: bf16_bits in 512 bits).
+// added, stored as fp32 or bf16, or rounded to bf16 and stored as fp32 (the same rounding: bf16_bits16).
 inline void store_pair(const Args& a, int64_t row, int64_t p, __mmask16 keep, __m512 v) {
   const Output& o = a.out;
   const int64_t col = p * kPanel;
   if (o.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, o.bias + col));
   if (o.yb != nullptr || o.round_bf16) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i even = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(even, _mm512_set1_epi32(0x7FFF))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    const __m512i r = bf16_bits16(v);  // (tile_store.h)
     if (o.yb == nullptr) {  // the bf16 value widened back to fp32
       _mm512_mask_storeu_ps(o.y + row * o.ld + col, keep, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
       return;

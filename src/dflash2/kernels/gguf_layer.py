@@ -48,7 +48,7 @@ def fused_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
     layers = _usable_layers(model, [cache], x)
     if layers is None:
         return None
-    op, handles, _ = layers
+    op, _, handles = layers
     length, keys, values = cache.length, cache.keys, cache.values  # [L, B, H_kv, S, Dh]
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int) -> torch.Tensor:
@@ -67,8 +67,8 @@ def _segmented_layers(model, parts: list, lengths: list[int], x: torch.Tensor) -
     layers = _usable_layers(model, caches, x)
     if layers is None:
         return None
-    op = getattr(torch.ops, _gguf.build_namespace(layers[2])).gguf_layer_segments.default
-    handles, cached, seq = layers[1], [c.length for c in caches], list(lengths)
+    _, op, handles = layers
+    cached, seq = [c.length for c in caches], list(lengths)
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int) -> torch.Tensor:
         keys = [c.keys[index] for c in caches]  # each [1, H_kv, S_i, Dh]
@@ -78,8 +78,9 @@ def _segmented_layers(model, parts: list, lengths: list[int], x: torch.Tensor) -
     return run
 
 
-def _usable_layers(model, caches: list, x: torch.Tensor) -> tuple[object, list, str] | None:
-    """(gguf_layer op, per-layer handles, backend) where the fused layers may run over these caches, else None."""
+def _usable_layers(model, caches: list, x: torch.Tensor) -> tuple[object, object, list] | None:
+    """(gguf_layer op, gguf_layer_segments op, per-layer handles) where the fused layers may run over these caches,
+    else None."""
     if torch.is_grad_enabled() or any(cache.keys.dtype != x.dtype for cache in caches):
         return None
     layers = _layer_handles(model)
@@ -93,9 +94,9 @@ def _switched_on() -> bool:
     return not jit.switched_off(ENV)
 
 
-def _layer_handles(model) -> tuple[object, list, str] | None:
-    """(gguf_layer op, one GgufLayer per decoder layer, the kernel backend), built once per model; None when a layer
-    is not all GgufLinear on one kernel backend, or a norm's weight is not in the model dtype."""
+def _layer_handles(model) -> tuple[object, object, list] | None:
+    """(gguf_layer op, gguf_layer_segments op, one GgufLayer per decoder layer), built once per model; None when a
+    layer is not all GgufLinear on one kernel backend, or a norm's weight is not in the model dtype."""
     cached = getattr(model, "_gguf_layers", False)
     if cached is not False:
         return cached
@@ -104,7 +105,7 @@ def _layer_handles(model) -> tuple[object, list, str] | None:
     return result
 
 
-def _build_handles(model) -> tuple[object, list] | None:
+def _build_handles(model) -> tuple[object, object, list] | None:
     projections = [(layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down) for layer in model.layers]
     backends = {p.backend if isinstance(p, _gguf.GgufLinear) else None for ps in projections for p in ps}
     if len(backends) != 1 or not set(backends) <= set(_gguf.kernel_backends()):
@@ -120,7 +121,8 @@ def _build_handles(model) -> tuple[object, list] | None:
         handle.set(layer.attn_norm.weight.detach(), layer.ffn_norm.weight.detach(), float(layer.attn_norm.eps),
                    *(linear.cpp_weights() for linear in linears), layer.attn.num_heads, layer.attn.num_kv_heads)
         handles.append(handle)
-    return getattr(torch.ops, namespace).gguf_layer.default, handles, backend
+    ops = getattr(torch.ops, namespace)
+    return ops.gguf_layer.default, ops.gguf_layer_segments.default, handles
 
 
 __all__ = ["ENV", "fused_layers"]

@@ -189,6 +189,12 @@ class DecoderLayer(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+def float_outputs(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """``head(h).float()``, in one pass where the head is a GGUF layer (GgufLinear.forward_float: the same values)."""
+    forward_float = getattr(head, "forward_float", None)
+    return forward_float(h) if forward_float is not None else head(h).float()
+
+
 class Transformer(nn.Module):
     """The target (or a small independent drafter) model."""
 
@@ -224,10 +230,8 @@ class Transformer(nn.Module):
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
     def float_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The head over normed states h [..., D] -> fp32 logits [..., V]: ``lm_head(h).float()``, in one pass where
-        the head is a GGUF layer (GgufLinear.forward_float: the same values)."""
-        forward_float = getattr(self.lm_head, "forward_float", None)
-        return forward_float(h) if forward_float is not None else self.lm_head(h).float()
+        """The head over normed states h [..., D] -> fp32 logits [..., V] (:func:`float_outputs`)."""
+        return float_outputs(self.lm_head, h)
 
     def forward(
         self,
