@@ -146,6 +146,26 @@ def test_kernel_on_many_rows_equals_the_reference(qtype, backend):
 
 
 @pytest.mark.parametrize("backend", KERNELS)
+def test_kernel_is_exact_at_the_integer_extremes(backend):
+    # Q4_K at its largest integers: sub-scales and minimums 63, codes 15, activation bytes +-127. The AMX build
+    # folds s * u into two bytes (16 s1 + s0: s0 * u <= 225 must not carry into the next byte) and sums the offset
+    # term from int16 block sums of x: a carry or an overflow anywhere shows here.
+    op, quantize = _op(backend)
+    t = random_blocks("Q4_K", 40, 512, seed=3)
+    rng = np.random.default_rng(3)
+    t.codes[:] = np.where(rng.random(t.codes.shape) < 0.8, 15, t.codes)
+    t.sub_scales[:] = np.where(rng.random(t.sub_scales.shape) < 0.8, 63, t.sub_scales)
+    t.offset_mult[:] = 63
+    x = torch.where(torch.rand(17, 512) < 0.5, -1.0, 1.0) * torch.rand(17, 1).add(0.5)  # one magnitude per row
+    x[3] = 1.0  # every byte +127
+    x[4, :256] = -1.0
+    x[4, 256:] = 1.0
+    for rows in (x[:1], x[:4], x[:9], x):
+        got = gl._matmul(op, quantize(rows, gl.activation_block(t)), gl.pack_blocks(t))
+        assert torch.equal(got, gl.reference_rows(rows, t)), rows.shape[0]
+
+
+@pytest.mark.parametrize("backend", KERNELS)
 def test_kernel_is_thread_count_invariant(backend):
     op, quantize = _op(backend)
     pb = gl.pack_blocks(random_blocks("Q4_K", 520, 1024, seed=8))

@@ -15,7 +15,8 @@
 //   P_b = A . B (int32 [rows, 16]: sum_k (u - zero) x per output, exact), stored; per row J += s_b * P_b;
 //   with an offset, T = sum_b A_b . O_b accumulates in a tile over the group, O_b the block's offset multipliers
 //     c_b (1 for Q4_1) repeated down its 8 rows (one 64-byte row loaded with stride 0): T = sum_b c_b sum_k x.
-// Sub-scales per 16 inputs (Q6_K) take two tiles per block, one per half (K = 16 each). J and T are the exact
+// Sub-scales per 16 inputs (Q6_K) take two tiles per block, one per half (K = 16 each); Q4_K folds its sub-scales
+// into B instead (tile_pair_rows). J and T are the exact
 // integers of the pair kernel (the zero point folded into the codes instead of subtracted as zero * sums of x),
 // and the fp32 steps per output are its sequence, so the result is the same bits as the VNNI and AVX2 builds
 // (tested, and self-checked at load).
@@ -27,13 +28,17 @@ constexpr int64_t kPrefetchBlocks = 8;  // how far ahead of the widening the cod
 
 // Tiles 0 / 3: P (rows x 16 int32); 1 / 4: A (rows x 32 bytes, or 16 per half); 2 / 5: B (8 rows x 64, or 4);
 // 6: T (rows x 16 int32); 7: O (as B). Without halves, even blocks use tiles 0-2 and odd ones 3-5, so two blocks'
-// tile work can be in flight; with halves, 0-2 hold the first half and 3-5 the second.
-inline void gguf_tile_config(int rows, bool halves) {
+// tile work can be in flight; with halves, 0-2 hold the first half and 3-5 the second. Folded (k = 64, two blocks
+// per product): 0 / 3 the group's C0 / C1, 1 / 4 A (rows x 64 bytes), 2 / 5 and 6 / 7 the low / high digits' B
+// (16 rows x 64), alternating by pair of blocks.
+// k: the inputs of one tile product (16 for halves, 32 for a block, 64 for two folded blocks).
+inline void gguf_tile_config(int rows, int k) {
   TileConfig cfg;
-  const int k = halves ? 16 : 32;
+  const bool folded = k == 64;
   for (int t : {0, 3, 6}) { cfg.rows[t] = static_cast<uint8_t>(rows); cfg.colsb[t] = 64; }
   for (int t : {1, 4}) { cfg.rows[t] = static_cast<uint8_t>(rows); cfg.colsb[t] = static_cast<uint16_t>(k); }
   for (int t : {2, 5, 7}) { cfg.rows[t] = static_cast<uint8_t>(k / 4); cfg.colsb[t] = 64; }
+  if (folded) cfg.rows[6] = 16;
   _tile_loadconfig(&cfg);
 }
 
@@ -61,6 +66,24 @@ inline void widen_pair_block(const Args& a, int64_t p, int64_t q, int64_t b, boo
       put(c + 4, hi);
     });
   }
+}
+
+// Q4_K's block b of panels p, q widened with each output's sub-scale folded in (the B operands of a folded scale
+// group): s = 16 s1 + s0 (s <= 63), low[t] = s0 * u and high[t] = s1 * u, each <= 225 and so a byte. One VPMULLW
+// scales two codes at once: in a 16-bit word u0 + 256 u1, s0 * u0 < 256 never carries into the high byte.
+inline void widen_folded_block(const Args& a, int64_t p, int64_t q, int64_t b, uint8_t (*low)[64],
+                               uint8_t (*high)[64]) {
+  const __m512i s = int8_pair(a.s + (p * a.B + b) * 8, a.s + (q * a.B + b) * 8);  // per output (lane), 0..63
+  auto in_both_words = [](__m512i v) { return _mm512_or_si512(v, _mm512_slli_epi32(v, 16)); };
+  const __m512i s0 = in_both_words(_mm512_and_si512(s, _mm512_set1_epi32(15)));
+  const __m512i s1 = in_both_words(_mm512_srli_epi32(s, 4));
+  auto put = [](uint8_t* out, __m512i v) { _mm512_store_si512(reinterpret_cast<__m512i*>(out), v); };
+  pair_codes<kNib4>(a, p, q, b, [&](int c, __m512i lo, __m512i hi) {
+    put(low[c], _mm512_mullo_epi16(lo, s0));
+    put(low[c + 4], _mm512_mullo_epi16(hi, s0));
+    put(high[c], _mm512_mullo_epi16(lo, s1));
+    put(high[c + 4], _mm512_mullo_epi16(hi, s1));
+  });
 }
 
 // Block b's offset multipliers of panels p, q, each repeated in the 4 bytes of its output's lane.
@@ -96,6 +119,22 @@ inline __m512i offset_row(const Args& a, int64_t p, int64_t q, int64_t b) {
     _tile_stored(TC, out, 64);                                                \
   } while (0)
 
+// Two folded blocks (Q4_K; K = 64 inputs): A (tile TA) times the low digits' B (tile TL) into C0 (tile 0) and times
+// the high digits' B (tile TH) into C1 (tile 3), both accumulating over the scale group, so nothing is stored per
+// block. The B operands of blocks j, j + 1 lie one after the other (16 rows of 64 bytes). The offset term is
+// vector work in `finish` (tile products cost by their K whatever the rows: a third product would cost half again).
+#define GGUF_TILE_FOLDED(TA, TL, TH, xb, K, low, high) \
+  do {                                                \
+    _tile_loadd(TA, xb, K);                           \
+    _tile_loadd(TL, low, 64);                         \
+    _tile_dpbsud(0, TA, TL);                          \
+    _tile_loadd(TH, high, 64);                        \
+    _tile_dpbsud(3, TA, TH);                          \
+  } while (0)
+
+// Whether a block kind takes the folded path: Q4_K (4-bit codes, a sub-scale per block, offsets).
+constexpr bool folded_kind(int kind, int h, int off) { return kind == kNib4 && h == 1 && off == 2; }
+
 // Block j's tile products for one chunk of rows (xb: the chunk's first row at the block's first input) into
 // prod[0] (and prod[1], the second half's, with halves), int32 [rows, 16]. Without halves even blocks take tiles
 // 0-2 and odd ones 3-5 (two blocks in flight); with halves the first half takes 0-2 and the second 3-5.
@@ -118,21 +157,41 @@ inline void tile_block(const int8_t* xb, int64_t K, int j, bool signed_b, const 
 struct TileRows {
   const int8_t* x;
   int rows, pass;
+  const int16_t* xsum;  // folded only: each row's sum of x over each block, [rows, K / 32]
 };
+
+// Each row's sums of its activation bytes over each block of 32 (|sum| <= 32 * 127: int16), for the folded path's
+// offset term.
+inline std::vector<int16_t> block_sums(const int8_t* x, int64_t M, int64_t K) {
+  std::vector<int16_t> sums(static_cast<size_t>(M * (K / 32)));
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t i = 0; i < M * (K / 32); ++i) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * i));
+    const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), _mm256_set1_epi16(1));  // 8 int32 sums of 4
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    sums[i] = static_cast<int16_t>(_mm_cvtsi128_si32(h));
+  }
+  return sums;
+}
 
 constexpr int kPassRows = 64;  // rows whose sums one pass keeps (4 tile chunks per widened group of blocks)
 
 // A scale group's operands, made before its tiles: the codes widened (B tiles), the offset rows (O), the
 // sub-scale multipliers.
 struct GroupOperands {
-  alignas(64) uint8_t wide[kMaxGroup][8][64];
+  alignas(64) uint8_t wide[kMaxGroup][8][64];  // (folded: the low digits)
+  alignas(64) uint8_t wide_high[kMaxGroup][8][64];  // folded only: the high digits
+  __m512i C16[kMaxGroup / 2];  // folded only: blocks 2i, 2i + 1's offset multipliers as an int16 pair per output
   alignas(64) uint8_t orow[kMaxGroup][64];
   __m512i S0[kMaxGroup], S1[kMaxGroup];
 };
 
 // One unit of tile work: a scale group g for one chunk of rows; its products, stored for the sums.
 struct UnitSums {
-  alignas(64) int32_t prod[kMaxGroup][2][kTileRows * 16];  // [block of the group][half][row * 16 + output]
+  alignas(64) int32_t prod[kMaxGroup][2][kTileRows * 16];  // [block of the group][half][row * 16 + output];
+                                                           // folded: prod[0][0] = C0, prod[0][1] = C1
   alignas(64) int32_t tsum[kTileRows * 16];                // T, with an offset
 };
 
@@ -141,14 +200,27 @@ struct UnitSums {
 // software pipeline over units (group g, chunk c), in order: while unit u's blocks go to the tiles one by one, the
 // next group's blocks are widened and the sums of unit u - 1 are made a slice of rows at a time, so the vector
 // units work while the tile unit does (run one after the other, their times add up).
+//
+// Q4_K (4-bit codes, a sub-scale per block, offsets, no zero point) folds each block's sub-scale into its B operands
+// instead: s = 16 s1 + s0 splits s * u into two bytes (widen_folded_block), and the group's integers J = 16 C1 + C0
+// accumulate in two C tiles (C_d = sum_b A_b . (s_d u)_b, two blocks per product: K = 64) with no per-block tile
+// store and no per-row, per-block multiply. The offset term T = sum_b c_b X_b is vector work (X_b: the row's sum
+// of x over block b, made once per call; one VPDPWSSD per two blocks) instead of a third tile product: a tile
+// product costs by its K, nearly whatever the rows. The same exact J and T, so the same bits, for two VPMULLW per
+// 64 codes in the widening, which every row count shares. (One [17920, 1536] Q4_K layer in cache, 9 rows: 0.87 ->
+// 0.74 ms.)
 template <int KIND, int H, int OFF>
 void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int64_t m0, int mr, __mmask16 keep) {
+  constexpr bool kFold = folded_kind(KIND, H, OFF);
   GroupOperands ops[3];  // by group, modulo 3: group g + 1 is made while the sums of group g - 1 still read theirs
   UnitSums sums[2];      // by unit, modulo 2
   alignas(64) float yacc[kPassRows][16];
   const int zero_point = a.zshift >= 0 ? 1 << a.zshift : 0;
   const __m512i zero = _mm512_set1_epi8(static_cast<char>(zero_point));
   const bool signed_b = KIND == kSigned || zero_point != 0;
+  if constexpr (kFold) {
+    TORCH_CHECK(zero_point == 0 && a.group % 2 == 0, "gguf amx: a folded group has no zero point, blocks in pairs");
+  }
   const int nb = static_cast<int>(a.group);
   const int chunks = (mr + t.rows - 1) / t.rows;
   const int64_t units = a.G * chunks;
@@ -161,7 +233,11 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
   auto make = [&](int64_t g, int j) {  // group g's block j: codes, offset row, sub-scales
     GroupOperands& o = ops[g % 3];
     const int64_t b = g * a.group + j;
-    widen_pair_block<KIND>(a, p, q, b, zero_point != 0, zero, o.wide[j]);
+    if constexpr (kFold) {
+      widen_folded_block(a, p, q, b, o.wide[j], o.wide_high[j]);
+    } else {
+      widen_pair_block<KIND>(a, p, q, b, zero_point != 0, zero, o.wide[j]);
+    }
     {  // the codes kPrefetchBlocks blocks ahead (past the panel's end: the next panels', read next): the hardware
        // prefetcher alone leaves the tiles waiting for memory
       constexpr int64_t per_block = block_bytes(KIND);
@@ -172,8 +248,21 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
         _mm_prefetch(reinterpret_cast<const char*>(w1 + off), _MM_HINT_T0);
       }
     }
-    if constexpr (OFF == 2) _mm512_store_si512(reinterpret_cast<__m512i*>(o.orow[j]), offset_row(a, p, q, b));
-    if constexpr (H == 1) {
+    if constexpr (kFold) {
+      if (j & 1) {
+        auto mults = [&](int64_t blk) {
+          return _mm512_cvtepu8_epi32(
+              _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (p * a.B + blk) * 8)),
+                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (q * a.B + blk) * 8))));
+        };
+        o.C16[j / 2] = pair16_512(mults(b - 1), mults(b));
+      }
+    } else if constexpr (OFF == 2) {
+      _mm512_store_si512(reinterpret_cast<__m512i*>(o.orow[j]), offset_row(a, p, q, b));
+    }
+    if constexpr (kFold) {
+      // (the sub-scales are in the B operands)
+    } else if constexpr (H == 1) {
       o.S0[j] = int8_pair(a.s + (p * a.B + b) * 8, a.s + (q * a.B + b) * 8);
     } else if constexpr (H == 2) {
       const int8_t* s0 = a.s + (p * a.B + b) * 16;
@@ -193,7 +282,12 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
     for (int i = i0; i < i1; ++i) {
       const int64_t m = m0 + c0 + i;
       __m512i J = _mm512_setzero_si512();
-      for (int j = 0; j < nb; ++j) {
+      if constexpr (kFold) {
+        const __m512i C0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[0][0] + 16 * i));
+        const __m512i C1 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[0][1] + 16 * i));
+        J = _mm512_add_epi32(_mm512_slli_epi32(C1, 4), C0);
+      }
+      for (int j = 0; j < (kFold ? 0 : nb); ++j) {
         const __m512i P0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j][0] + 16 * i));
         if constexpr (H == 2) {
           const __m512i P1 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j][1] + 16 * i));
@@ -208,7 +302,17 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
       __m512 y = _mm512_load_ps(yacc[c0 + i]);
       y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_mul_ps(Av, d), _mm512_cvtepi32_ps(J)));
       if constexpr (OFF != 0) {
-        const __m512i T = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.tsum + 16 * i));
+        __m512i T = _mm512_setzero_si512();
+        if constexpr (kFold) {  // T = sum_b c_b X_b over the group, two blocks per VPDPWSSD
+          const int16_t* xs = t.xsum + m * (a.K / 32) + g * nb;
+          for (int j = 0; j < nb / 2; ++j) {
+            int32_t both;
+            std::memcpy(&both, xs + 2 * j, 4);
+            T = _mm512_dpwssd_epi32(T, o.C16[j], _mm512_set1_epi32(both));
+          }
+        } else {
+          T = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.tsum + 16 * i));
+        }
         y = _mm512_add_ps(y, _mm512_mul_ps(_mm512_mul_ps(Cv, d), _mm512_cvtepi32_ps(T)));
       }
       _mm512_store_ps(yacc[c0 + i], y);
@@ -225,15 +329,32 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
     const int8_t* xc = t.x + (m0 + c0) * a.K + 32 * g * a.group;
     const GroupOperands& o = ops[g % 3];
     UnitSums& us = sums[u % 2];
-    if constexpr (OFF != 0) _tile_zero(6);
+    if constexpr (kFold) {
+      _tile_zero(0);
+      _tile_zero(3);
+    }
+    if constexpr (OFF != 0 && !kFold) _tile_zero(6);
     for (int j = 0; j < nb; ++j) {
       tile_barrier();
-      tile_block<H, OFF != 0>(xc + 32 * j, a.K, j, signed_b, o.wide[j], o.orow[j], us.prod[j]);
+      if constexpr (kFold) {  // blocks j - 1, j at odd j
+        const int i = j - 1;
+        if ((j & 3) == 1) {
+          GGUF_TILE_FOLDED(1, 2, 5, xc + 32 * i, a.K, o.wide[i][0], o.wide_high[i][0]);
+        } else if ((j & 3) == 3) {
+          GGUF_TILE_FOLDED(4, 6, 7, xc + 32 * i, a.K, o.wide[i][0], o.wide_high[i][0]);
+        }
+      } else {
+        tile_block<H, OFF != 0>(xc + 32 * j, a.K, j, signed_b, o.wide[j], o.orow[j], us.prod[j]);
+      }
       tile_barrier();
       if (make_next) make(g + 1, j);
       if (u > 0) finish(u - 1, prev_rows * j / nb, prev_rows * (j + 1) / nb);
     }
-    if constexpr (OFF != 0) _tile_stored(6, us.tsum, 64);
+    if constexpr (kFold) {
+      _tile_stored(0, us.prod[0][0], 64);
+      _tile_stored(3, us.prod[0][1], 64);
+    }
+    if constexpr (OFF != 0 && !kFold) _tile_stored(6, us.tsum, 64);
   }
   tile_barrier();
   finish(units - 1, 0, rows_of(units - 1));
@@ -259,7 +380,13 @@ void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, 
   const Tiles::Fn fn = pick<Tiles>(kind, h, off, 1);
   const int64_t chunks = (M + kTileRows - 1) / kTileRows;
   const int rows = static_cast<int>((M + chunks - 1) / chunks);
-  TileRows t{a.xq, rows, kPassRows / rows * rows};
+  const bool fold = folded_kind(kind, h, off);
+  TileRows t{a.xq, rows, kPassRows / rows * rows, nullptr};
+  std::vector<int16_t> xsum;
+  if (fold) {
+    xsum = block_sums(a.xq, M, a.K);
+    t.xsum = xsum.data();
+  }
   std::vector<int8_t> padded;
   if (M % rows != 0) {  // (only with more than 16 rows)
     padded.assign(static_cast<size_t>(chunks * rows * a.K), 0);
@@ -267,7 +394,7 @@ void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, 
     t.x = padded.data();
   }
   at::parallel_for(0, (P + 1) / 2, grain, [&](int64_t i0, int64_t i1) {
-    gguf_tile_config(t.rows, h == 2);
+    gguf_tile_config(t.rows, h == 2 ? 16 : (fold ? 64 : 32));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
       const __mmask16 keep = pair_keep(a, p, q);
