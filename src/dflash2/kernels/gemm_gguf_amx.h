@@ -157,22 +157,14 @@ inline void tile_block(const int8_t* xb, int64_t K, int j, bool signed_b, const 
 struct TileRows {
   const int8_t* x;
   int rows, pass;
-  const int16_t* xsum;  // folded only: each row's sum of x over each block, [rows, K / 32]
+  const int16_t* xsum;  // folded only: each row's sum of x over each block, [rows, B]
 };
 
-// Each row's sums of its activation bytes over each block of 32 (|sum| <= 32 * 127: int16), for the folded path's
-// offset term.
-inline std::vector<int16_t> block_sums(const int8_t* x, int64_t M, int64_t K) {
-  std::vector<int16_t> sums(static_cast<size_t>(M * (K / 32)));
-  const __m256i ones = _mm256_set1_epi8(1);
-  for (int64_t i = 0; i < M * (K / 32); ++i) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * i));
-    const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(ones, v), _mm256_set1_epi16(1));  // 8 int32 sums of 4
-    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
-    sums[i] = static_cast<int16_t>(_mm_cvtsi128_si32(h));
-  }
+// Each row's sums of its activation bytes over each block of 32 (|sum| <= 32 * 127: int16), from the half sums
+// (Args::bs), for the folded path's offset term.
+inline std::vector<int16_t> block_sums(const int32_t* half_sums, int64_t M, int64_t B) {
+  std::vector<int16_t> sums(static_cast<size_t>(M * B));
+  for (int64_t i = 0; i < M * B; ++i) sums[i] = static_cast<int16_t>(half_sums[2 * i] + half_sums[2 * i + 1]);
   return sums;
 }
 
@@ -238,11 +230,12 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
     } else {
       widen_pair_block<KIND>(a, p, q, b, zero_point != 0, zero, o.wide[j]);
     }
-    {  // the codes kPrefetchBlocks blocks ahead (past the panel's end: the next panels', read next): the hardware
-       // prefetcher alone leaves the tiles waiting for memory
+    {  // the codes kPrefetchBlocks blocks ahead (past the panels' end: the next pair's, read next by this thread):
+       // the hardware prefetcher alone leaves the tiles waiting for memory
       constexpr int64_t per_block = block_bytes(KIND);
-      const uint8_t* w0 = a.w + (p * a.B + b + kPrefetchBlocks) * per_block;
-      const uint8_t* w1 = a.w + (q * a.B + b + kPrefetchBlocks) * per_block;
+      const int64_t ahead = b + kPrefetchBlocks, next = ahead < a.B ? 0 : 2;
+      const uint8_t* w0 = a.w + ((p + next) * a.B + ahead % a.B) * per_block;
+      const uint8_t* w1 = a.w + ((q + next) * a.B + ahead % a.B) * per_block;
       for (int64_t off = 0; off < per_block; off += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(w0 + off), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w1 + off), _MM_HINT_T0);
@@ -304,7 +297,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
       if constexpr (OFF != 0) {
         __m512i T = _mm512_setzero_si512();
         if constexpr (kFold) {  // T = sum_b c_b X_b over the group, two blocks per VPDPWSSD
-          const int16_t* xs = t.xsum + m * (a.K / 32) + g * nb;
+          const int16_t* xs = t.xsum + m * a.B + g * nb;
           for (int j = 0; j < nb / 2; ++j) {
             int32_t both;
             std::memcpy(&both, xs + 2 * j, 4);
@@ -384,7 +377,7 @@ void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, 
   TileRows t{a.xq, rows, kPassRows / rows * rows, nullptr};
   std::vector<int16_t> xsum;
   if (fold) {
-    xsum = block_sums(a.xq, M, a.K);
+    xsum = block_sums(a.bs, M, a.B);
     t.xsum = xsum.data();
   }
   std::vector<int8_t> padded;
