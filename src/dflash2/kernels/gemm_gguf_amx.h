@@ -16,10 +16,9 @@
 //   with an offset, T = sum_b A_b . O_b accumulates in a tile over the group, O_b the block's offset multipliers
 //     c_b (1 for Q4_1) repeated down its 8 rows (one 64-byte row loaded with stride 0): T = sum_b c_b sum_k x.
 // Sub-scales per 16 inputs (Q6_K) take two tiles per block, one per half (K = 16 each); Q4_K folds its sub-scales
-// into B instead (tile_pair_rows). J and T are the exact
-// integers of the pair kernel (the zero point folded into the codes instead of subtracted as zero * sums of x),
-// and the fp32 steps per output are its sequence, so the result is the same bits as the VNNI and AVX2 builds
-// (tested, and self-checked at load).
+// into B instead (tile_pair_rows). J and T are the exact integers of the pair kernel (the zero point folded into
+// the codes instead of subtracted as zero * sums of x), and the fp32 steps per output are its sequence, so the
+// result is the same bits as the VNNI and AVX2 builds (tested, and self-checked at load).
 
 constexpr int kAmxRows = 4;  // rows from which gguf_matmul takes the tiles (fewer: the 256-bit VNNI micro-kernel)
 constexpr int kTileRows = 16;
@@ -86,11 +85,16 @@ inline void widen_folded_block(const Args& a, int64_t p, int64_t q, int64_t b, u
   });
 }
 
-// Block b's offset multipliers of panels p, q, each repeated in the 4 bytes of its output's lane.
-inline __m512i offset_row(const Args& a, int64_t p, int64_t q, int64_t b) {
+// Block b's offset multipliers of panels p, q, one per output's lane.
+inline __m512i offset_mults(const Args& a, int64_t p, int64_t q, int64_t b) {
   const __m128i c = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (p * a.B + b) * 8)),
                                        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (q * a.B + b) * 8)));
-  return _mm512_mullo_epi32(_mm512_cvtepu8_epi32(c), _mm512_set1_epi32(0x01010101));
+  return _mm512_cvtepu8_epi32(c);
+}
+
+// The same, each repeated in the 4 bytes of its output's lane.
+inline __m512i offset_row(const Args& a, int64_t p, int64_t q, int64_t b) {
+  return _mm512_mullo_epi32(offset_mults(a, p, q, b), _mm512_set1_epi32(0x01010101));
 }
 
 // TDPBSSD where the B bytes are signed (Q8_0, codes minus a zero point), else TDPBSUD (unsigned codes).
@@ -241,21 +245,12 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
         _mm_prefetch(reinterpret_cast<const char*>(w1 + off), _MM_HINT_T0);
       }
     }
-    if constexpr (kFold) {
-      if (j & 1) {
-        auto mults = [&](int64_t blk) {
-          return _mm512_cvtepu8_epi32(
-              _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (p * a.B + blk) * 8)),
-                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (q * a.B + blk) * 8))));
-        };
-        o.C16[j / 2] = pair16_512(mults(b - 1), mults(b));
-      }
+    if constexpr (kFold) {  // (the sub-scales are in the B operands)
+      if (j & 1) o.C16[j / 2] = pair16_512(offset_mults(a, p, q, b - 1), offset_mults(a, p, q, b));
     } else if constexpr (OFF == 2) {
       _mm512_store_si512(reinterpret_cast<__m512i*>(o.orow[j]), offset_row(a, p, q, b));
     }
-    if constexpr (kFold) {
-      // (the sub-scales are in the B operands)
-    } else if constexpr (H == 1) {
+    if constexpr (H == 1 && !kFold) {
       o.S0[j] = int8_pair(a.s + (p * a.B + b) * 8, a.s + (q * a.B + b) * 8);
     } else if constexpr (H == 2) {
       const int8_t* s0 = a.s + (p * a.B + b) * 16;
