@@ -109,3 +109,20 @@ def test_a_model_decodes_the_same_tokens_with_and_without_the_kernels(tiny_model
     without, expected = greedy("torch")
     assert with_kernels == without
     torch.testing.assert_close(logits, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_rope_tables_are_the_correctly_rounded_values_whatever_the_call():
+    # cos / sin from fp64 rounded to fp32: the same bits for a position in any call (PyTorch's fp32 cosine gave
+    # different last bits from one process to the next), within an ulp of the fp32 functions (Hugging Face's path)
+    from dflash2.models.decoder import rope_tables
+
+    inv_freq = 1.0 / (1000000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128)).float()
+    positions = torch.arange(0, 4096)[None]
+    cos, sin = rope_tables(positions, inv_freq, torch.float32)
+    angles = (positions.float()[..., None] * inv_freq).repeat(1, 1, 2)[:, None]
+    assert torch.equal(cos, angles.double().cos().float()) and torch.equal(sin, angles.double().sin().float())
+    assert (cos - angles.cos()).abs().max() <= 2 ** -23 and (sin - angles.sin()).abs().max() <= 2 ** -23
+    for start, stop in ((0, 41), (40, 41), (7, 300), (4000, 4096)):  # a slice of positions: the same rows
+        part_cos, part_sin = rope_tables(positions[:, start:stop], inv_freq, torch.bfloat16)
+        assert torch.equal(part_cos, cos[:, :, start:stop].bfloat16())
+        assert torch.equal(part_sin, sin[:, :, start:stop].bfloat16())

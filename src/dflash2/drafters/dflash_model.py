@@ -22,7 +22,7 @@ from dflash2.drafters.dflash_config import CONFIG_FILE, WEIGHTS_FILE, DFlashConf
 from dflash2.models.attention import attend
 from dflash2.models.config import ModelConfig
 from dflash2.kernels.layer_ops import apply_rope
-from dflash2.models.decoder import FeedForward, RMSNorm, Transformer, rope_inverse_frequencies
+from dflash2.models.decoder import FeedForward, RMSNorm, Transformer, rope_inverse_frequencies, rope_tables
 
 class DFlashAttention(nn.Module):
     """Block queries over [context K/V ; block K/V]. Parameter names match the decoder's attention."""
@@ -148,10 +148,8 @@ class DFlashDraftModel(nn.Module):
         return self.norm.weight.dtype
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> (cos, sin), each [B, 1, T, Dh] in the model dtype (angles in fp32)."""
-        angles = positions.to(self.inv_freq.device).float()[..., None] * self.inv_freq  # [B, T, Dh / 2]
-        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, Dh]
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        """positions [B, T] -> (cos, sin), each [B, 1, T, Dh] in the model dtype (as the target's: rope_tables)."""
+        return rope_tables(positions, self.inv_freq, self.dtype)
 
     def project_context(self, taps: Sequence[torch.Tensor]) -> torch.Tensor:
         """Tapped target hidden states, one [B, S, D] per target_layer_ids entry -> the context [B, S, D]."""

@@ -60,6 +60,19 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope scaling {rope_type!r} (supported: linear, llama3)")
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] -> (cos, sin), each [B, 1, T, Dh] in ``dtype``: the angles in fp32 (as Hugging Face computes
+    them), their cosine and sine in fp64 rounded to fp32, then to ``dtype``.
+
+    fp64 because PyTorch's fp32 cosine on CPU was seen to give different last bits for the same angles from one
+    process to the next (the first forward of about one process in four on the Intel Xeon (AMX)), which changed
+    greedy outputs between runs; rounded from fp64, each value is the correctly rounded fp32 (but for ties far rarer
+    than any such difference) whatever the kernel."""
+    angles = positions.to(inv_freq.device).float()[..., None] * inv_freq  # [B, T, Dh / 2]
+    angles = torch.cat((angles, angles), dim=-1)[:, None].double()  # [B, 1, T, Dh]
+    return angles.cos().float().to(dtype), angles.sin().float().to(dtype)
+
+
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     original = scaling["original_max_position_embeddings"]
@@ -224,10 +237,8 @@ class Transformer(nn.Module):
         )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> (cos, sin), each [B, 1, T, Dh] in the model dtype (angles computed in fp32)."""
-        angles = positions.float()[..., None] * self.inv_freq  # [B, T, Dh / 2]
-        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, Dh]
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        """positions [B, T] -> (cos, sin), each [B, 1, T, Dh] in the model dtype (:func:`rope_tables`)."""
+        return rope_tables(positions, self.inv_freq, self.dtype)
 
     def float_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head over normed states h [..., D] -> fp32 logits [..., V] (:func:`float_outputs`)."""
