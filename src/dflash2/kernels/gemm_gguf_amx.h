@@ -214,9 +214,6 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
   const int zero_point = a.zshift >= 0 ? 1 << a.zshift : 0;
   const __m512i zero = _mm512_set1_epi8(static_cast<char>(zero_point));
   const bool signed_b = KIND == kSigned || zero_point != 0;
-  if constexpr (kFold) {
-    TORCH_CHECK(zero_point == 0 && a.group % 2 == 0, "gguf amx: a folded group has no zero point, blocks in pairs");
-  }
   const int nb = static_cast<int>(a.group);
   const int chunks = (mr + t.rows - 1) / t.rows;
   const int64_t units = a.G * chunks;
@@ -270,20 +267,22 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
     for (int i = i0; i < i1; ++i) {
       const int64_t m = m0 + c0 + i;
       __m512i J = _mm512_setzero_si512();
-      if constexpr (kFold) {
+      if constexpr (kFold) {  // J = 16 C1 + C0
         const __m512i C0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[0][0] + 16 * i));
         const __m512i C1 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[0][1] + 16 * i));
         J = _mm512_add_epi32(_mm512_slli_epi32(C1, 4), C0);
-      }
-      for (int j = 0; j < (kFold ? 0 : nb); ++j) {
-        const __m512i P0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j][0] + 16 * i));
-        if constexpr (H == 2) {
-          const __m512i P1 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j][1] + 16 * i));
-          J = _mm512_add_epi32(J, _mm512_add_epi32(_mm512_mullo_epi32(P0, o.S0[j]), _mm512_mullo_epi32(P1, o.S1[j])));
-        } else if constexpr (H == 1) {
-          J = _mm512_add_epi32(J, _mm512_mullo_epi32(P0, o.S0[j]));
-        } else {
-          J = _mm512_add_epi32(J, P0);
+      } else {
+        for (int j = 0; j < nb; ++j) {
+          const __m512i P0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j][0] + 16 * i));
+          if constexpr (H == 2) {
+            const __m512i P1 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j][1] + 16 * i));
+            J = _mm512_add_epi32(J,
+                                 _mm512_add_epi32(_mm512_mullo_epi32(P0, o.S0[j]), _mm512_mullo_epi32(P1, o.S1[j])));
+          } else if constexpr (H == 1) {
+            J = _mm512_add_epi32(J, _mm512_mullo_epi32(P0, o.S0[j]));
+          } else {
+            J = _mm512_add_epi32(J, P0);
+          }
         }
       }
       const __m512 d = _mm512_set1_ps(a.dx[m * a.G + g]);
@@ -372,6 +371,7 @@ void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, 
   TileRows t{a.xq, rows, kPassRows / rows * rows, nullptr};
   std::vector<int16_t> xsum;
   if (fold) {
+    TORCH_CHECK(a.zshift < 0 && a.group % 2 == 0, "gguf amx: a folded group has no zero point, blocks in pairs");
     xsum = block_sums(a.bs, M, a.B);
     t.xsum = xsum.data();
   }
