@@ -16,6 +16,9 @@
 //
 // Threads: panels are split into groups of 4 (four accumulator tiles share one tile of x), groups are split
 // across threads; each thread loads its own tile configuration (tile state is per thread) and releases it.
+// More than 16 rows: two row blocks at a time share each weight tile (2 panels x 2 row blocks = four C tiles), so
+// the weights are read once per two row blocks instead of once per block (the second read came from L2, or
+// further for the down projection's 1.1 MiB groups); the same k order per accumulator, so the same bits.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -60,13 +63,30 @@ inline void load_config(int rows) {
   _tile_loadconfig(&cfg);
 }
 
+// Two row blocks of rows0 / rows1 rows: tiles 0, 1: C of block 0 (panels 0, 1); 2, 3: C of block 1; 4, 5: A of
+// blocks 0, 1; 6, 7: B.
+inline void load_config_pair(int rows0, int rows1) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(rows0);
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = static_cast<uint8_t>(rows1);
+  cfg.rows[6] = cfg.rows[7] = 16;
+  _tile_loadconfig(&cfg);
+}
+
 // The tile configuration of this thread, reloaded only when a block of rows has another row count (a last block of
-// fewer than 16 rows: each C row depends on its A row only, so a block's row count changes no output bit).
+// fewer than 16 rows: each C row depends on its A row only, so a block's row count changes no output bit) or when
+// it switches between one and two row blocks.
 struct TileRowsConfig {
   int current = -1;
   void ensure(int rows) {
     if (rows != current) load_config(rows);
     current = rows;
+  }
+  void ensure_pair(int rows0, int rows1) {
+    const int code = 1000 + 32 * rows0 + rows1;
+    if (code != current) load_config_pair(rows0, rows1);
+    current = code;
   }
 };
 
@@ -107,6 +127,41 @@ inline void run_group(int np, const uint16_t* wg, int64_t panel_stride, const ui
     case 2: group_block<2>(wg, panel_stride, xb, ldx, steps, out); break;
     default: group_block<1>(wg, panel_stride, xb, ldx, steps, out); break;
   }
+}
+
+// NP panels (1 or 2) for two row blocks (load_config_pair): C_bj = sum_s A_bs B_js, each B tile loaded once for
+// both blocks; stored as fp32 [rows, 16] at out0 + j * 256 (block 0) and out1 + j * 256 (block 1).
+template <int NP>
+inline void pair_blocks(const uint16_t* __restrict__ wp, int64_t panel_stride, const uint16_t* __restrict__ xb0,
+                        const uint16_t* __restrict__ xb1, int64_t ldx, int64_t steps, float* __restrict__ out0,
+                        float* __restrict__ out1) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if (NP > 1) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  const int64_t xstride = ldx * 2;
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, xb0 + s * kStep, xstride);
+    _tile_loadd(5, xb1 + s * kStep, xstride);
+    const uint16_t* w = wp + s * kBlock;
+    _tile_loadd(6, w, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (NP > 1) {
+      _tile_loadd(7, w + panel_stride, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out0, 64);
+  _tile_stored(2, out1, 64);
+  if (NP > 1) {
+    _tile_stored(1, out0 + kRows * kPanel, 64);
+    _tile_stored(3, out1 + kRows * kPanel, 64);
+  }
+  memory_barrier();
 }
 
 // int8 weights (weight-only, per-output scale): the int8 blocks are widened to bf16 in the kernel (an int8 q in
@@ -228,6 +283,35 @@ inline void store_group(const float* out, int np, int64_t p0, int64_t mb, const 
   }
 }
 
+// Every row block of one group of np panels (weights at wg, consecutive panels `stride` apart) into y: two row blocks
+// at a time while two remain (pair_blocks, two panels per pass), a last lone block as run_group. out: [2][4][16][16].
+inline void group_rows(TileRowsConfig& config, int np, int64_t p0, const uint16_t* wg, const uint16_t* xp,
+                       const Call& c, const float* scale, const RowsOut& y, float* out) {
+  const int64_t stride = c.panel_stride();
+  float* out1 = out + kGroup * kRows * kPanel;
+  int64_t mb = 0;
+  for (; mb + kRows < c.m_out; mb += 2 * kRows) {
+    config.ensure_pair(kRows, block_rows(c.m_out, mb + kRows));
+    const uint16_t* x0 = xp + mb * c.Kp;
+    const uint16_t* x1 = x0 + kRows * c.Kp;
+    for (int j = 0; j < np; j += 2) {
+      const int64_t at = j * kRows * kPanel;
+      if (np - j > 1) {
+        pair_blocks<2>(wg + j * stride, stride, x0, x1, c.Kp, c.S, out + at, out1 + at);
+      } else {
+        pair_blocks<1>(wg + j * stride, stride, x0, x1, c.Kp, c.S, out + at, out1 + at);
+      }
+    }
+    store_group(out, np, p0, mb, c, scale, y);
+    store_group(out1, np, p0, mb + kRows, c, scale, y);
+  }
+  if (mb < c.m_out) {
+    config.ensure(block_rows(c.m_out, mb));
+    run_group(np, wg, stride, xp + mb * c.Kp, c.Kp, c.S, out);
+    store_group(out, np, p0, mb, c, scale, y);
+  }
+}
+
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t m_out, int64_t n_out, bool bf16_out) {
   const Call c = check_call("amx_linear", x, packed, at::kBFloat16, bias, m_out, n_out);
@@ -239,15 +323,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   const int64_t stride = c.panel_stride();
   at::parallel_for(0, c.groups(), c.grain(), [&](int64_t g0, int64_t g1) {
     TileRowsConfig config;
-    alignas(64) float out[kGroup * kRows * kPanel];
+    alignas(64) float out[2 * kGroup * kRows * kPanel];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * kGroup;
       const int np = static_cast<int>(std::min(kGroup, c.P - p0));
-      for (int64_t mb = 0; mb < m_out; mb += kRows) {
-        config.ensure(block_rows(m_out, mb));
-        run_group(np, wp + p0 * stride, stride, xp + mb * c.Kp, c.Kp, c.S, out);
-        store_group(out, np, p0, mb, c, nullptr, yp);
-      }
+      group_rows(config, np, p0, wp + p0 * stride, xp, c, nullptr, yp, out);
     }
     _tile_release();
   });
@@ -270,7 +350,7 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
   const Bf16ByteTables tables = make_tables();
   at::parallel_for(0, c.groups(), c.grain(), [&](int64_t g0, int64_t g1) {
     TileRowsConfig config;
-    alignas(64) float out[kGroup * kRows * kPanel];
+    alignas(64) float out[2 * kGroup * kRows * kPanel];
     // Decoding and verification (one row block) widen one k step at a time (4 KiB, in L1); more rows widen the
     // group's weights once: 4 panels x K x 16 x 2 B (1.1 MiB at K = 8960: stays in L2).
     const int64_t wide_elems = m_out <= kRows ? kGroup * kBlock : kGroup * stride;
@@ -288,11 +368,7 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
       }
       widen_int8(qg, wide, np * stride, tables);
       memory_barrier();
-      for (int64_t mb = 0; mb < m_out; mb += kRows) {
-        config.ensure(block_rows(m_out, mb));
-        run_group(np, wide, stride, xp + mb * c.Kp, c.Kp, c.S, out);
-        store_group(out, np, p0, mb, c, sp, yp);
-      }
+      group_rows(config, np, p0, wide, xp, c, sp, yp, out);
     }
     std::free(wide);
     _tile_release();
