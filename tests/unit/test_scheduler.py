@@ -1,7 +1,7 @@
 import pytest
 
 from dflash2.decode.cost_model import Acceptance, DraftCost, ForwardCost
-from dflash2.decode.scheduler import RowDrafts, plan_draft_lengths
+from dflash2.decode.scheduler import RowDrafts, plan_draft_lengths, rate_of_plan
 
 
 def geometric(alpha: float, k: int, pass_s: float = 0.0, token_s: float = 0.0) -> RowDrafts:
@@ -101,6 +101,51 @@ def test_the_plan_prices_each_forward_size_by_the_measured_curve():
     assert plan_draft_lengths(flat, base_tokens=1, base_expected=1.0, forward_s=lambda n: 1.0 if n <= 3 else n) == [2]
 
 
+def test_rows_of_one_shared_network_pay_its_pass_together():
+    """Eight requests whose drafts are one shared pass (the weights read once, then ~1 ms per id fed): no single
+    row's drafts would pay for the whole pass, all eight together do. Greedy row by row would leave it off; the
+    plan runs it, and it is the best of the plans that run it or not."""
+    c0, c1 = 0.150, 0.001
+    network = {"pard": lambda ids: 0.030 + 0.001 * ids}
+    rows = [RowDrafts(3, [0.8, 0.5, 0.3], network="pard", reads=2.0)] * 8
+    alone = [RowDrafts(3, [0.8, 0.5, 0.3], pass_s=0.030 + 0.001 * 5)]
+    assert plan_draft_lengths(alone, base_tokens=8, base_expected=8.0, forward_s=line(c0, c1)) == [0]
+    plan = plan_draft_lengths(rows, base_tokens=8, base_expected=8.0, forward_s=line(c0, c1), network_s=network)
+    assert all(k > 0 for k in plan)
+    off = rate_of_plan(rows, [0] * 8, 8, 8.0, line(c0, c1), network)
+    assert rate_of_plan(rows, plan, 8, 8.0, line(c0, c1), network) > off
+    assert off == pytest.approx(8.0 / 0.158)  # no row drafts: no pass is run
+
+
+def test_a_shared_pass_that_does_not_pay_is_left_out():
+    network = {"pard": lambda ids: 0.5 + 0.001 * ids}  # a pass that costs three forwards
+    rows = [RowDrafts(3, [0.6, 0.3, 0.1], network="pard", reads=1.0)] * 4 + [RowDrafts(2, [0.9, 0.8])]  # + lookup
+    plan = plan_draft_lengths(rows, base_tokens=5, base_expected=5.0, forward_s=line(0.15, 0.001), network_s=network)
+    assert plan[:4] == [0] * 4 and plan[4] == 2
+
+
+def test_a_rows_reads_are_priced_by_the_ids_it_adds_to_the_shared_pass():
+    """Two rows that differ only in what they must read first (a prompt's share): the cheaper one drafts first."""
+    network = {"pard": lambda ids: 0.01 + 0.004 * ids}
+    rows = [RowDrafts(2, [0.7, 0.4], network="pard", reads=40.0), RowDrafts(2, [0.7, 0.4], network="pard", reads=1.0)]
+    plan = plan_draft_lengths(rows, base_tokens=2, base_expected=2.0, forward_s=line(0.1, 0.005), network_s=network)
+    assert plan[1] == 2 and plan[0] == 0
+
+
+def test_a_new_request_leans_on_its_drafters_pooled_acceptance():
+    pool = Acceptance(decay=0.98)
+    first = Acceptance(pool=pool)
+    for _ in range(30):
+        first.update(3, 2)  # positions 0, 1 accepted, position 2 rejected
+    fresh = Acceptance(pool=pool)  # no evidence of its own yet: the pool's rates, not the 0.5 prior
+    assert fresh.rates(3) == pytest.approx(pool.rates(3))
+    assert fresh.rates(3)[0] > 0.9 and fresh.rates(3)[2] < 0.1
+    for _ in range(10):
+        fresh.update(1, 0)  # its own first drafts rejected: its evidence outweighs the pool
+    assert fresh.first < 0.2 and pool.first > 0.6
+    assert Acceptance().rates(2) == pytest.approx([0.5, 0.5])  # no pool: the prior, as before
+
+
 def test_acceptance_counts_each_position_up_to_the_first_rejection():
     acceptance = Acceptance(prior=0.5, prior_weight=1e-9, decay=1.0)
     acceptance.update(4, 4)  # positions 0-3 tested and accepted
@@ -193,3 +238,36 @@ def test_a_larger_size_measured_faster_is_pooled_with_the_one_before_it():
     assert model.seconds(3) == model.seconds(4) == pytest.approx(0.065)  # never falls with size
     assert model.seconds(2) == pytest.approx(0.05)
     assert 0.025 <= model.seconds(1) < 0.05  # below the sizes seen: at least the share of the smallest one
+
+
+def test_a_prompt_read_before_the_first_draft_is_spread_over_the_requests_remaining_steps():
+    """A request whose drafter has not read its 300-id prompt yet: one step's price of that read (~0.3 s) would never
+    pay back, so the row would never draft; it is charged its share per remaining step. A request about to finish
+    bears nearly all of it."""
+    from types import SimpleNamespace
+
+    from dflash2.decode.batch_drafting import BatchDrafting
+
+    class Network:  # stands in for a pard drafter: its pass shares one network (pure pricing logic under test)
+        model = object()
+
+        def runs_a_pass(self, sequence, k):
+            return True
+
+        def unread(self, sequence):
+            return 300
+
+        def shared_pass(self, sequence, k):
+            return self, k
+
+    def request(generated: int) -> SimpleNamespace:
+        acceptance = Acceptance(prior=0.5, prior_weight=1e-9, decay=1.0)
+        acceptance.update(3, 0)  # expected tokens per step: 1.0
+        return SimpleNamespace(drafter=Network(), sequence=[0] * 301, acceptance=acceptance, max_slots=10_000,
+                               request=SimpleNamespace(max_new_tokens=101, drafter="pard"),
+                               output=SimpleNamespace(generated=[0] * generated))
+
+    drafting = BatchDrafting(adaptive=True, forward_cost=ForwardCost(), guard=None)
+    early, late = drafting._row_drafts(request(1), 3), drafting._row_drafts(request(99), 3)
+    assert early.network is not None and early.reads == pytest.approx(1 + 299 / 100)
+    assert late.reads == pytest.approx(1 + 299 / 2)

@@ -181,9 +181,12 @@ class BatchEngine:
         if request.num_draft_tokens:
             drafter = self.drafters[request.drafter]()
         generator = None if request.params.greedy else request.params.make_generator(self.engine.target.device)
-        return _Sequence(request, handle, sink, time.perf_counter(), drafter, generator,
-                         OutputTracker(self.engine.tokenizer, request.max_new_tokens, request.stop),
-                         DecodeStats(prompt_tokens=len(request.prompt_ids)))
+        seq = _Sequence(request, handle, sink, time.perf_counter(), drafter, generator,
+                        OutputTracker(self.engine.tokenizer, request.max_new_tokens, request.stop),
+                        DecodeStats(prompt_tokens=len(request.prompt_ids)))
+        seq.acceptance = Acceptance(pool=self.drafting.pooled(request.drafter, "network"))
+        seq.lookup_acceptance = Acceptance(pool=self.drafting.pooled(request.drafter, "lookup"))
+        return seq
 
     def snapshot(self) -> BatchSnapshot:
         with self._lock:
@@ -405,7 +408,8 @@ class BatchEngine:
             if seq.drafter is not None and not self.config.adaptive_drafts:
                 # a draft model reads the prompt's chunks with it (prefill, not a step); with adaptive drafts it reads
                 # them at its first draft, if the planner ever grants one (a 0.5B drafter's prompt pass is ~1/4 of the
-                # target's prefill, lost on a loaded server where drafting does not pay)
+                # target's prefill, lost on a loaded server where drafting does not pay; the planner charges each
+                # remaining step its share of that read)
                 seq.drafter.prefill(seq.sequence[: seq.table.length], len(seq.sequence))
             return emitted
         draft = draft or empty_draft()

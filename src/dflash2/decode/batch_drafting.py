@@ -8,9 +8,10 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import AbstractContextManager
+from collections.abc import Hashable
 from typing import Any, Callable
 
-from dflash2.decode.cost_model import DraftCost, ForwardCost
+from dflash2.decode.cost_model import Acceptance, DraftCost, ForwardCost
 from dflash2.decode.scheduler import RowDrafts, plan_draft_lengths
 from dflash2.decode.speculative import fit_draft
 from dflash2.drafters.base import Draft, Drafter
@@ -23,8 +24,9 @@ log = logging.getLogger("dflash2.batch")
 
 class BatchDrafting:
     """Draft lengths and drafts of the running rows, with what drafting has cost so far (``costs``: per drafter
-    name, shared by its requests). ``guard(seq, stage)`` runs one request's part: its failure retires that
-    request only."""
+    name, shared by its requests, for drafters that draft alone; ``network_costs``: per shared network, the seconds
+    of one pass by the ids fed). ``guard(seq, stage)`` runs one request's part: its failure retires that request
+    only."""
 
     def __init__(self, adaptive: bool, forward_cost: ForwardCost,
                  guard: Callable[[_Sequence, str], AbstractContextManager[None]]) -> None:
@@ -32,6 +34,13 @@ class BatchDrafting:
         self.cost = forward_cost
         self.guard = guard
         self.costs: dict[str, DraftCost] = {}
+        self.network_costs: dict[Hashable, ForwardCost] = {}
+        self.pools: dict[tuple[str, str], Acceptance] = {}
+
+    def pooled(self, drafter: str, kind: str) -> Acceptance:
+        """The acceptance by position of every request of ``drafter`` (kind: its network's drafts or its lookups):
+        the prior of each new request's own (decaying slowly: it describes the drafter, not one request)."""
+        return self.pools.setdefault((drafter, kind), Acceptance(decay=0.98))
 
     def lengths(self, running: list[_Sequence], chunks: list[int | None]) -> list[int]:
         """Drafts per row this step: the request's draft length within its KV room, lowered by the scheduler."""
@@ -41,7 +50,8 @@ class BatchDrafting:
             return wanted
         base_tokens = sum(1 if chunk is None else chunk for chunk in chunks)
         rows = [self._row_drafts(seq, k) for seq, k in zip(running, wanted)]
-        plan = plan_draft_lengths(rows, base_tokens, float(len(running)), self.cost.seconds)
+        networks = {row.network: self._network_seconds(row.network) for row in rows if row.network is not None}
+        plan = plan_draft_lengths(rows, base_tokens, float(len(running)), self.cost.seconds, networks)
         # A seeded sampled request keeps its draft length: its random draws, hence its output, stay reproducible
         # whatever else is in the batch.
         return [k if _seeded(seq.request.params) else p for seq, k, p in zip(running, wanted, plan)]
@@ -51,9 +61,24 @@ class BatchDrafting:
             return RowDrafts(0, [])
         if not seq.drafter.runs_a_pass(seq.sequence, k):  # a lookup draft: only its verification rows cost
             return RowDrafts(k, seq.lookup_acceptance.reach(k))
-        cost, unread = self._cost_of(seq), seq.drafter.unread(seq.sequence)
+        unread = seq.drafter.unread(seq.sequence)
+        steady = _steady_unread(seq, unread, k)  # the rest is a backlog, read once: each step bears its share
+        reads = steady + (unread - steady) / _remaining_steps(seq, k)
+        network = _network(seq, k)
+        if network is not None:
+            return RowDrafts(k, seq.acceptance.reach(k), network=network, reads=reads)
+        cost = self._cost_of(seq)
         per_token = cost.seconds(2, 0) - cost.seconds(1, 0)  # what one more draft adds
-        return RowDrafts(k, seq.acceptance.reach(k), cost.seconds(1, unread) - per_token, per_token)
+        _, read_s = cost.coefficients()
+        return RowDrafts(k, seq.acceptance.reach(k), cost.seconds(1, 0) - per_token + read_s * reads, per_token)
+
+    def _network_seconds(self, key: Hashable) -> Callable[[float], float]:
+        """Seconds of one shared pass fed N ids; 0 until the network's first pass is measured (try it, then know)."""
+        cost = self.network_costs.get(key)
+        return (lambda ids: 0.0) if cost is None or not cost.samples else cost.seconds
+
+    def _record_network(self, key: Hashable, ids: int, seconds: float) -> None:
+        self.network_costs.setdefault(key, ForwardCost()).record(ids, seconds)
 
     def _cost_of(self, seq: _Sequence) -> DraftCost:
         name = seq.request.drafter
@@ -66,7 +91,7 @@ class BatchDrafting:
         request is retired). Drafts that are passes of one network shared by several requests (their pard
         drafters) run as ONE forward: the network's weights are read once per step, not once per request."""
         drafts: dict[int, Draft | None] = {}
-        shared: dict[tuple[type, int], list[tuple[int, Drafter, int, int]]] = {}
+        shared: dict[Hashable, list[tuple[int, Drafter, int, int]]] = {}
         for index, (seq, k) in enumerate(zip(running, lengths)):
             with self.guard(seq, "drafting"):
                 network = seq.drafter.shared_pass(seq.sequence, k) if seq.prefilled and seq.drafter and k > 0 else None
@@ -74,17 +99,16 @@ class BatchDrafting:
                     drafts[index] = self._propose(seq, k) if seq.prefilled else None
                 else:
                     drafter, drafter_k = network
-                    key = (type(drafter), id(getattr(drafter, "model", drafter)))
-                    shared.setdefault(key, []).append((index, drafter, drafter_k, k))
-        for members in shared.values():
-            self._propose_shared(running, members, drafts)
+                    shared.setdefault(_network_key(drafter), []).append((index, drafter, drafter_k, k))
+        for key, members in shared.items():
+            self._propose_shared(running, key, members, drafts)
         return drafts
 
-    def _propose_shared(self, running: list[_Sequence], members: list[tuple[int, Drafter, int, int]],
+    def _propose_shared(self, running: list[_Sequence], key: Hashable, members: list[tuple[int, Drafter, int, int]],
                         drafts: dict[int, Draft | None]) -> None:
-        """One batched pass for ``members`` (index in ``running``, network drafter, its k, the row's k); each
-        request is charged an equal share of its time. If the batched pass fails, each request drafts alone (only
-        its own failure fails it)."""
+        """One batched pass of network ``key`` for ``members`` (index in ``running``, network drafter, its k, the
+        row's k), its time recorded by the ids it was fed. If the batched pass fails, each request drafts alone
+        (only its own failure fails it)."""
         seqs = [running[index] for index, *_ in members]
         if len(members) > 1:
             unread = [drafter.unread(seq.sequence) for seq, (_, drafter, *_) in zip(seqs, members)]
@@ -97,11 +121,11 @@ class BatchDrafting:
                 log.warning("a batched draft pass of %d requests failed; drafting one by one", len(members),
                             exc_info=True)
             else:
-                share = (time.perf_counter() - started) / len(members)
-                for seq, (index, *_), draft, behind in zip(seqs, members, batch, unread):
+                seconds = time.perf_counter() - started
+                self._record_network(key, sum(unread) + sum(len(draft.tokens) for draft in batch), seconds)
+                for seq, (index, *_), draft in zip(seqs, members, batch):
                     seq.drafted_by_lookup = False
                     seq.drafter.drafted_by_shared_pass()
-                    self._cost_of(seq).record(len(draft.tokens), behind, share)
                     drafts[index] = self._fit(seq, draft)
                 return
         for seq, (index, _, _, k) in zip(seqs, members):
@@ -115,8 +139,13 @@ class BatchDrafting:
         seq.drafted_by_lookup = not timed
         unread, started = seq.drafter.unread(seq.sequence), time.perf_counter()
         draft = seq.drafter.propose(seq.sequence, k, seq.request.params, seq.generator)
-        if timed:
-            self._cost_of(seq).record(len(draft.tokens), unread, time.perf_counter() - started)
+        if not timed:
+            return self._fit(seq, draft)
+        seconds, network = time.perf_counter() - started, _network(seq, k)
+        if network is None:
+            self._cost_of(seq).record(len(draft.tokens), unread, seconds)
+        else:  # a network's pass run alone: the same cost curve as its shared passes
+            self._record_network(network, unread + len(draft.tokens), seconds)
         return self._fit(seq, draft)
 
     @staticmethod
@@ -124,6 +153,32 @@ class BatchDrafting:
         room = seq.max_slots - len(seq.sequence)  # a tree of k * W nodes may not fit where k drafts do
         draft = fit_draft(draft, room)
         return draft if len(draft.tokens) else None
+
+
+def _network_key(drafter: Drafter) -> Hashable:
+    """Drafters of one network (the same model object) share its passes."""
+    return type(drafter), id(getattr(drafter, "model", drafter))
+
+
+def _network(seq: _Sequence, k: int) -> Hashable | None:
+    """The network whose shared pass drafts this row's k drafts, or None (a lookup, a tree, a lone drafter)."""
+    shared = seq.drafter.shared_pass(seq.sequence, k)
+    return None if shared is None else _network_key(shared[0])
+
+
+def _steady_unread(seq: _Sequence, unread: int, k: int) -> int:
+    """The ids a row that drafts every step reads per pass: those its last verification committed (about the
+    expected tokens per step); any more are a backlog (its prompt, before its first draft; the ids it missed while
+    it did not draft)."""
+    return min(unread, max(1, round(seq.acceptance.expected_tokens(k))))
+
+
+def _remaining_steps(seq: _Sequence, k: int) -> float:
+    """Steps the request has left if it drafts k per step: a backlog read once serves every one of them, so the
+    planner charges each step its share (one step's price would never pay back a prompt read, and a request whose
+    drafter never read its prompt could never draft)."""
+    left = min(seq.request.max_new_tokens - len(seq.output.generated), seq.max_slots - len(seq.sequence))
+    return max(1.0, left / seq.acceptance.expected_tokens(k))
 
 
 def _seeded(params: SamplingParams) -> bool:

@@ -36,13 +36,17 @@ class Acceptance:
     and of those accepted; the counts decay only when the position is tested, so a rarely reached position keeps
     its evidence. A position leans on the one before it (position 0 on ``prior``) with ``prior_weight``
     pseudo-counts that decay with its own observations: an untested position is rated like the last tested one,
-    and evidence soon outweighs the assumption."""
+    and evidence soon outweighs the assumption. Given a ``pool`` (the acceptance of every request of the same
+    drafter, updated with this one's), each position leans on the pool's rate there instead: a new request starts
+    from what its drafter has been accepting, not from ``prior``."""
 
-    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9) -> None:
+    def __init__(self, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.9,
+                 pool: Acceptance | None = None) -> None:
         if not 0.0 < prior < 1.0 or prior_weight <= 0 or not 0.0 < decay <= 1.0:
             raise ValueError(f"need 0 < prior < 1, prior_weight > 0, 0 < decay <= 1; got {prior}, {prior_weight}, "
                              f"{decay}")
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.pool = pool
         self.accepted: list[float] = []  # per position: decayed count of accepted drafts
         self.tested: list[float] = []  # per position: decayed count of drafts tested
         self.weight: list[float] = []  # per position: decayed pseudo-counts of the previous position's rate
@@ -58,14 +62,19 @@ class Acceptance:
             self.accepted[i] = self.decay * self.accepted[i] + (i < num_accepted)
             self.tested[i] = self.decay * self.tested[i] + 1.0
             self.weight[i] *= self.decay
+        if self.pool is not None:
+            self.pool.update(num_drafted, num_accepted)
 
     def rates(self, n: int) -> list[float]:
         """rate(i) for positions 0..n-1."""
+        pooled = self.pool.rates(n) if self.pool is not None else None
         out, previous = [], self.prior
         for i in range(n):
+            lean = previous if pooled is None else pooled[i]
+            previous = lean
             if i < len(self.tested):
                 accepted, tested, weight = self.accepted[i], self.tested[i], self.weight[i]
-                previous = (accepted + weight * previous) / (tested + weight)
+                previous = (accepted + weight * lean) / (tested + weight)
             out.append(previous)
         return out
 

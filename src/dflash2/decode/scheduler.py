@@ -11,12 +11,17 @@ best gain per second first, while they raise the expected tokens per second of t
 seconds T). A row's first drafts carry its drafting pass, so they are weighed as a bundle (the best prefix). At
 batch 1 a token is nearly free (forward_s(2) ~ forward_s(1)) and drafts pay; with many rows the forward turns compute-bound and
 every drafting pass costs as much as the rows it serves gain, so weak drafts are dropped, down to speculation off.
+Rows whose drafts are passes of one shared network (``RowDrafts.network``: the requests' pard drafters over
+the same 0.5B) draft in ONE forward of it per step, whose seconds ``network_s[key](N)`` grow with the ids N it
+is fed (each drafting row's reads + its drafts): its weights are read once, so one row's drafts cost only their
+ids once another row drafts. Greedy cannot see that bundle (the first row would carry the whole pass), so the
+pass is planned as paid and the plan compared with the best plan without it.
 Drafts never change what is generated, only how fast.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 
@@ -28,46 +33,92 @@ class RowDrafts:
     reach: list[float]  # [>= max_drafts] probability that its i-th draft is accepted (non-increasing)
     pass_s: float = 0.0  # seconds charged once if the row drafts at all (a block drafter's pass)
     token_s: float = 0.0  # seconds per draft token (a draft model's pass per token)
+    network: Hashable | None = None  # drafts in the shared pass of this network (pass_s, token_s unused)
+    reads: float = 0.0  # with a network: the ids it feeds the shared pass before its drafts (if it drafts)
+
+
+NetworkSeconds = dict[Hashable, Callable[[float], float]]  # key -> seconds of one shared pass fed N ids (N > 0)
 
 
 def plan_draft_lengths(rows: list[RowDrafts], base_tokens: int, base_expected: float,
-                       forward_s: Callable[[int], float]) -> list[int]:
+                       forward_s: Callable[[int], float], network_s: NetworkSeconds | None = None) -> list[int]:
     """Drafts per row that maximise expected committed tokens per second of the step (greedy on gain per second).
 
     base_tokens: tokens the step processes without drafts (pending tokens + prompts being prefilled);
     base_expected: tokens it commits without drafts (one per decode row); forward_s(N): seconds of a forward over N
-    tokens (non-decreasing)."""
+    tokens (non-decreasing); network_s: the shared passes' seconds, for rows that name a network."""
+    network_s = network_s or {}
+    networks = sorted({row.network for row in rows if row.network is not None and row.max_drafts > 0}, key=repr)
+    if not networks:
+        return _greedy(rows, base_tokens, base_expected, forward_s, network_s)
+    # Each network's pass planned as run (its rows' drafts priced by the ids they add), or left out.
+    candidates = [_greedy(rows, base_tokens, base_expected, forward_s, network_s)]
+    for closed in [networks] + ([[key] for key in networks] if len(networks) > 1 else []):
+        kept = [RowDrafts(0, []) if row.network in closed else row for row in rows]
+        candidates.append(_greedy(kept, base_tokens, base_expected, forward_s, network_s))
+    return max(candidates, key=lambda plan: rate_of_plan(rows, plan, base_tokens, base_expected, forward_s,
+                                                         network_s))
+
+
+def rate_of_plan(rows: list[RowDrafts], plan: list[int], base_tokens: int, base_expected: float,
+                 forward_s: Callable[[int], float], network_s: NetworkSeconds) -> float:
+    """Expected committed tokens per second of a step that drafts ``plan``."""
+    expected = base_expected + sum(sum(row.reach[:k]) for row, k in zip(rows, plan))
+    seconds = forward_s(base_tokens + sum(plan))
+    fed: dict[Hashable, float] = {}
+    for row, k in zip(rows, plan):
+        if k and row.network is not None:
+            fed[row.network] = fed.get(row.network, 0.0) + row.reads + k
+        elif k:
+            seconds += row.pass_s + row.token_s * k
+    seconds += sum(network_s[key](ids) for key, ids in fed.items())
+    return expected / seconds
+
+
+def _greedy(rows: list[RowDrafts], base_tokens: int, base_expected: float, forward_s: Callable[[int], float],
+            network_s: NetworkSeconds) -> list[int]:
+    """The greedy plan, every named network's pass counted as run (its time at no ids fed: the weights' read)."""
     plan = [0] * len(rows)
     tokens, expected = base_tokens, base_expected
-    seconds = forward_s(tokens)
+    fed = {row.network: 0.0 for row in rows if row.network is not None and row.max_drafts > 0}
+    seconds = forward_s(tokens) + sum(network_s[key](0.0) for key in fed)
     while True:
-        best = _best_extension(rows, plan, tokens, forward_s)
+        best = _best_extension(rows, plan, tokens, fed, forward_s, network_s)
         if best is None:
             return plan
         row, extra, gain, cost = best
         if gain * seconds <= expected * cost:
             return plan  # the best remaining extension would lower tokens per second; the rest are worse
+        if rows[row].network is not None:
+            fed[rows[row].network] += (rows[row].reads if plan[row] == 0 else 0.0) + extra
         plan[row] += extra
         tokens += extra
         expected += gain
         seconds += cost
 
 
-def _best_extension(rows: list[RowDrafts], plan: list[int], tokens: int, forward_s: Callable[[int], float]
+def _best_extension(rows: list[RowDrafts], plan: list[int], tokens: int, fed: dict[Hashable, float],
+                    forward_s: Callable[[int], float], network_s: NetworkSeconds
                     ) -> tuple[int, int, float, float] | None:
     """(row, extra drafts, gain, cost) of the extension with the most expected tokens per second, or None; a
-    forward of ``tokens`` tokens is planned so far."""
+    forward of ``tokens`` tokens and the shared passes fed ``fed`` ids are planned so far."""
     best: tuple[int, int, float, float] | None = None
     now = forward_s(tokens)
     for index, row in enumerate(rows):
         done = plan[index]
-        gain, drafting = 0.0, row.pass_s if done == 0 else 0.0
+        gain, drafting = 0.0, row.pass_s if done == 0 and row.network is None else 0.0
+        if row.network is not None:
+            network, ids = network_s[row.network], fed[row.network]
+            reads, passed = (row.reads if done == 0 else 0.0), network(ids)
         # once a row drafts, one more draft is its best extension (reach never grows with the position)
         last = row.max_drafts if done == 0 else min(done + 1, row.max_drafts)
         for position in range(done, last):
             extra = position + 1 - done
             gain += row.reach[position]
-            drafting += row.token_s
+            if row.network is None:
+                drafting += row.token_s
+            else:
+                drafting = network(ids + reads + extra) - passed
             cost = drafting + forward_s(tokens + extra) - now
             if (cost > 0 or gain > 0) and (best is None or gain * best[3] > best[2] * cost):  # cost 0: free
                 best = (index, extra, gain, cost)
