@@ -80,3 +80,40 @@ def test_auto_means_the_drafter_measured_fastest_for_the_target():
     assert default_drafter("qwen2.5-coder-1.5b-instruct", serving=True) == "dflash2+ngram"
     assert default_drafter("smollm2", serving=True) == "ngram"
     assert default_drafter("smollm2") == "ngram" and default_drafter("/some/local/dir") == "ngram"
+    # where the target verifies on AMX bf16 tiles (16 rows cost about 4), one request drafts a tree
+    assert default_drafter("qwen-1.5b", tile_verification=True) == "pard+ngram:4x3"
+    assert default_drafter("qwen-1.5b", serving=True, tile_verification=True) == "dflash2+ngram"
+    assert default_drafter("smollm2", tile_verification=True) == "ngram"
+
+
+def test_auto_resolves_to_the_tree_only_without_a_shape_of_its_own():
+    from dflash2.drafters.spec import DrafterSpec
+
+    auto = DrafterSpec.parse("auto")
+    assert str(auto.resolved("qwen-1.5b", tile_verification=True)) == "pard+ngram:4x3"
+    assert str(auto.resolved("qwen-1.5b")) == "pard+ngram"
+    assert str(DrafterSpec.parse("auto:3").resolved("qwen-1.5b", tile_verification=True)) == "pard+ngram:3"
+    assert str(DrafterSpec.parse("auto:2x2").resolved("qwen-1.5b", tile_verification=True)) == "pard+ngram:2x2"
+    assert DrafterSpec.parse("ngram").resolved("qwen-1.5b", tile_verification=True) == DrafterSpec.parse("ngram")
+
+
+def test_tile_verification_is_true_only_for_linear_layers_on_amx_bf16_tiles():
+    import pytest
+    import torch
+
+    from dflash2.kernels import packed_linear
+    from dflash2.models.config import ModelConfig
+    from dflash2.models.decoder import Transformer
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+    model = Transformer(config)
+    assert not packed_linear.tile_verification(model)  # nn.Linear
+    if not packed_linear.amx_usable():
+        pytest.skip("no AMX tiles on this CPU")
+    ffn = model.layers[0].ffn
+    ffn.w_gate_up = packed_linear.PackedLinear.from_linear(ffn.w_gate_up, backend=packed_linear.AMX)
+    assert packed_linear.tile_verification(model)
+    ffn.w_gate_up = packed_linear.PackedLinear.from_linear(torch.nn.Linear(32, 128, bias=False),
+                                                           backend=packed_linear.TORCH)
+    assert not packed_linear.tile_verification(model)

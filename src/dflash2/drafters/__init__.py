@@ -49,7 +49,10 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
     ``num_draft_tokens`` / ``num_candidates`` set k / W when the spec does not (ValueError when both set them
     differently). Refuses a draft model whose tokenizer differs.
     """
-    spec = DrafterSpec.parse(spec).merge(num_draft_tokens, num_candidates).resolved(target.name)
+    from dflash2.kernels.packed_linear import tile_verification
+
+    spec = DrafterSpec.parse(spec).merge(num_draft_tokens, num_candidates).resolved(
+        target.name, tile_verification=tile_verification(target.target))
     if not spec.drafts:
         raise ValueError("drafter 'none' is plain decoding: there is no drafter to build")
     name, width = spec.name, spec.width

@@ -31,6 +31,7 @@ __all__ = [
     "kernel_status",
     "kernels_available",
     "pack_weight",
+    "tile_verification",
     "unpack_weight",
 ]
 
@@ -283,6 +284,16 @@ class PackedLinear(CpuLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias_data is not None}, backend={self.backend}"
         )
+
+
+def tile_verification(model: nn.Module) -> bool:
+    """Whether ``model``'s (a Transformer's) linear layers run on AMX bf16 tiles, where a forward of 1-16 rows costs
+    about the same (kernels/gemm_amx.cpp): verifying a tree of drafts costs about what a chain does."""
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return False
+    gate_up = layers[0].ffn.w_gate_up
+    return isinstance(gate_up, PackedLinear) and gate_up.backend == AMX
 
 
 def dpbf16_usable() -> bool:
