@@ -8,7 +8,8 @@ interleaved round by round so that machine noise hits them alike. Raw runs go to
     .venv/bin/python scripts/bench_serve.py --model qwen2.5-coder-1.5b-instruct --dtype bf16 --drafter auto \
         --streams 8 --modes plain,spec --requests 8 --max-tokens 128 --rounds 1
 
-``--drafter`` is what ``dflash2 serve --drafter`` takes (a spec: ``auto``, ``pard+ngram:3``, ``ngram:8``...);
+``--drafter`` is what ``dflash2 serve --drafter`` takes (a spec: ``auto``, ``pard+ngram:3``, ``ngram:8``...; ``auto``
+means what it means in the server);
 mode ``spec`` drafts its default length k, ``adaptive`` lets the scheduler pick up to k per step.
 """
 
@@ -27,6 +28,7 @@ import dflash2
 from dflash2.bench.datasets import load_suite
 from dflash2.decode.batch import BatchConfig, BatchEngine, BatchRequest, request_drafters
 from dflash2.decode.engine import GenerationResult
+from dflash2.drafters.spec import DrafterSpec
 
 MODES = {  # name -> (drafts per step, adaptive scheduler); None = the drafter's own k
     "plain": (0, False),
@@ -97,7 +99,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = dflash2.load(args.model, drafter=args.drafter, dtype=args.dtype, weights=args.weights, device="cpu")
+    spec = DrafterSpec.parse(args.drafter).resolved(args.model, serving=True)  # auto: what `dflash2 serve` drafts
+    engine = dflash2.load(args.model, drafter=spec, dtype=args.dtype, weights=args.weights, device="cpu")
     drafter, k = engine.drafter.name, engine.drafter.num_draft_tokens
     print(f"drafter {args.drafter} = {drafter}, k = {k}", flush=True)
     per_suite = [load_suite(name, limit=args.requests) for name in args.suite.split(",")]
