@@ -37,7 +37,7 @@ class RowDrafts:
     reads: float = 0.0  # with a network: the ids it feeds the shared pass before its drafts (if it drafts)
 
 
-NetworkSeconds = dict[Hashable, Callable[[float], float]]  # key -> seconds of one shared pass fed N ids (N > 0)
+NetworkSeconds = dict[Hashable, Callable[[float], float]]  # key -> one shared pass fed N ids: seconds
 
 
 def plan_draft_lengths(rows: list[RowDrafts], base_tokens: int, base_expected: float,
