@@ -97,7 +97,7 @@ def test_auto_resolves_to_the_tree_only_without_a_shape_of_its_own():
     assert DrafterSpec.parse("ngram").resolved("qwen-1.5b", tile_verification=True) == DrafterSpec.parse("ngram")
 
 
-def test_tile_verification_is_true_only_for_linear_layers_on_amx_bf16_tiles():
+def test_tile_verification_is_true_only_for_linear_layers_on_whole_k_amx_tiles():
     import pytest
     import torch
 
@@ -117,3 +117,10 @@ def test_tile_verification_is_true_only_for_linear_layers_on_amx_bf16_tiles():
     ffn.w_gate_up = packed_linear.PackedLinear.from_linear(torch.nn.Linear(32, 128, bias=False),
                                                            backend=packed_linear.TORCH)
     assert not packed_linear.tile_verification(model)
+    from dflash2.kernels.quant_linear import QuantLinear
+
+    ffn.w_gate_up = QuantLinear.from_linear(torch.nn.Linear(32, 128, bias=False), "int8", backend="amx")
+    assert packed_linear.tile_verification(model)  # int8 widened to bf16 tiles: as flat as bf16
+    from dflash2.kernels.gguf_linear import GgufLinear
+
+    assert not GgufLinear.flat_on_tiles  # its AMX build's per-block steps grow with the rows

@@ -37,19 +37,19 @@ DEFAULT_NUM_DRAFT_TOKENS: dict[str, int | None] = {
 # with its own model pass per request (pard) costs more than a batched plain step saves.
 MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram"}
 MEASURED_SERVING_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash2+ngram"}
-# Where the target's linear layers run on AMX bf16 tiles, a forward of up to 16 rows costs about one of 4 (a tile
-# product costs the same for 1-16 rows), so one request verifies a best-first tree of k * W drafts from the same
-# single pard pass for nearly the price of a chain: pard+ngram:4x3 (13 rows) measured fastest there (docs/pard.md,
-# "Session 34"; 4x4 = 17 rows crosses into a second block of rows and loses). Elsewhere more rows cost more (AVX-512
-# BF16: 7 rows 1.45x 4 rows), and the chain stays.
+# Where the target's linear layers run on AMX tiles over the whole K (bf16, int8), a forward of up to 16 rows costs
+# about one of 4 (a tile product costs the same for 1-16 rows), so one request verifies a best-first tree of k * W
+# drafts from the same single pard pass for nearly the price of a chain: pard+ngram:4x3 (13 rows) measured fastest
+# there (docs/pard.md, "Session 34"; 4x4 = 17 rows crosses into a second block of rows and loses). Elsewhere more rows
+# cost more (AVX-512 BF16: 7 rows 1.45x 4 rows; the gguf AMX build: no gain), and the chain stays.
 MEASURED_TILE_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram:4x3"}
 
 
 def default_drafter(target_name: str, serving: bool = False, tile_verification: bool = False) -> str:
     """What ``drafter="auto"`` means for a target (store name, alias or path), for one request at a time or for
     the batch server (``serving``): a spec, ``name[:k[xW]]``. ``tile_verification``: the target's linear layers
-    run on AMX bf16 tiles (:func:`dflash2.kernels.packed_linear.tile_verification`; one request at a time only:
-    the server's pard passes are chains shared by its requests)."""
+    run on AMX tiles over the whole K (:func:`dflash2.kernels.packed_linear.tile_verification`; one request at a
+    time only: the server's pard passes are chains shared by its requests)."""
     from dflash2.models.store import canonical_name
 
     name = canonical_name(target_name) or target_name

@@ -151,6 +151,9 @@ class CpuLinear(nn.Module):
     backend: str
     bias_data: torch.Tensor | None
     kernel_takes_bf16 = False  # kernel_rows reads bf16 rows as they are (no fp32 copy first)
+    # On backend "amx": the whole K sum in tiles, so 1-16 rows cost about one (bf16, int8); the gguf build's
+    # per-block fp32 steps grow with the rows, so it leaves this False.
+    flat_on_tiles = False
 
     @property
     def row_kernel(self) -> bool:
@@ -210,6 +213,8 @@ class PackedLinear(CpuLinear):
     ``"torch"`` (fallback: the bf16 [N, K] weight and ``F.linear`` on fp32 chunks).
     ``from_linear(..., backend=None)`` picks the first available (:func:`default_backend`).
     """
+
+    flat_on_tiles = True
 
     def __init__(
         self,
@@ -287,13 +292,14 @@ class PackedLinear(CpuLinear):
 
 
 def tile_verification(model: nn.Module) -> bool:
-    """Whether ``model``'s (a Transformer's) linear layers run on AMX bf16 tiles, where a forward of 1-16 rows costs
-    about the same (kernels/gemm_amx.cpp): verifying a tree of drafts costs about what a chain does."""
+    """Whether ``model``'s (a Transformer's) linear layers run on AMX tiles over the whole K (bf16, or int8 widened
+    to bf16: ``CpuLinear.flat_on_tiles``), where a forward of 1-16 rows costs about the same (kernels/gemm_amx.cpp):
+    verifying a tree of drafts costs about what a chain does."""
     layers = getattr(model, "layers", None)
     if not layers:
         return False
     gate_up = layers[0].ffn.w_gate_up
-    return isinstance(gate_up, PackedLinear) and gate_up.backend == AMX
+    return isinstance(gate_up, CpuLinear) and gate_up.flat_on_tiles and gate_up.backend == AMX
 
 
 def dpbf16_usable() -> bool:

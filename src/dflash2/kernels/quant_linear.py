@@ -197,6 +197,8 @@ class QuantLinear(_bf16.CpuLinear):
     ``backend=None`` picks ``"avx2"`` when the kernels are available.
     """
 
+    flat_on_tiles = True  # int8 on AMX: widened to bf16 tiles (int4 has no AMX backend)
+
     def __init__(self, weights: str, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  in_features: int, out_features: int, backend: str) -> None:
         super().__init__()
