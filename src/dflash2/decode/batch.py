@@ -181,12 +181,11 @@ class BatchEngine:
         if request.num_draft_tokens:
             drafter = self.drafters[request.drafter]()
         generator = None if request.params.greedy else request.params.make_generator(self.engine.target.device)
-        seq = _Sequence(request, handle, sink, time.perf_counter(), drafter, generator,
-                        OutputTracker(self.engine.tokenizer, request.max_new_tokens, request.stop),
-                        DecodeStats(prompt_tokens=len(request.prompt_ids)))
-        seq.acceptance = Acceptance(pool=self.drafting.pooled(request.drafter, "network"))
-        seq.lookup_acceptance = Acceptance(pool=self.drafting.pooled(request.drafter, "lookup"))
-        return seq
+        return _Sequence(request, handle, sink, time.perf_counter(), drafter, generator,
+                         OutputTracker(self.engine.tokenizer, request.max_new_tokens, request.stop),
+                         DecodeStats(prompt_tokens=len(request.prompt_ids)),
+                         acceptance=Acceptance(pool=self.drafting.pooled(request.drafter, "network")),
+                         lookup_acceptance=Acceptance(pool=self.drafting.pooled(request.drafter, "lookup")))
 
     def snapshot(self) -> BatchSnapshot:
         with self._lock:

@@ -130,9 +130,11 @@ class BatchDrafting:
                 return
         for seq, (index, _, _, k) in zip(seqs, members):
             with self.guard(seq, "drafting"):
-                drafts[index] = self._propose(seq, k)
+                drafts[index] = self._propose(seq, k, network=key)
 
-    def _propose(self, seq: _Sequence, k: int) -> Draft | None:
+    def _propose(self, seq: _Sequence, k: int, network: Hashable | None = None) -> Draft | None:
+        """One request's draft alone; ``network``: the shared network whose pass this is (its time joins that
+        network's cost curve), None for a drafter that drafts alone."""
         if seq.drafter is None or k <= 0:
             return None
         timed = seq.drafter.runs_a_pass(seq.sequence, k)  # a lookup's ~0 s would blur the network's cost
@@ -141,10 +143,10 @@ class BatchDrafting:
         draft = seq.drafter.propose(seq.sequence, k, seq.request.params, seq.generator)
         if not timed:
             return self._fit(seq, draft)
-        seconds, network = time.perf_counter() - started, _network(seq, k)
+        seconds = time.perf_counter() - started
         if network is None:
             self._cost_of(seq).record(len(draft.tokens), unread, seconds)
-        else:  # a network's pass run alone: the same cost curve as its shared passes
+        else:
             self._record_network(network, unread + len(draft.tokens), seconds)
         return self._fit(seq, draft)
 
