@@ -32,9 +32,10 @@ def load(
 ) -> Engine:
     """Load a target (model-store name, HF directory or .gguf path) and optionally a drafter.
 
-    drafter: a spec ``name[:k[xW]]`` (:class:`~dflash2.drafters.spec.DrafterSpec`; e.g. ``"dflash2:2x3"``: draft length
-    k = 2, a tree of width W = 3). Names: "auto" (the default: the drafter measured fastest for the target,
-    ``pard+ngram`` for the default target, else ``ngram``; the server's is ``dflash2+ngram``), "ngram" (prompt
+    drafter: a spec ``name[:[L+]k[xW]]`` (:class:`~dflash2.drafters.spec.DrafterSpec`; e.g. ``"dflash2:2x3"``: draft
+    length k = 2, a tree of width W = 3; ``"pard:1+4x3"``: one lead draft, then that tree). Names: "auto" (the
+    default: the drafter measured fastest for the target, ``pard+ngram`` for the default target, else ``ngram``;
+    the server's is ``dflash2+ngram``), "ngram" (prompt
     lookup), None / "none" (plain decoding), "model" (an independent small model of the same tokenizer,
     ``draft_model``; default: the store's pairing for the target), "dflash" (a trained block drafter: the one
     shipped for the target, or a directory in ``draft_model``), "dflash+ngram", "dflash2", "dflash2+ngram" (the

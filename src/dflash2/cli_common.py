@@ -14,7 +14,7 @@ class CliError(Exception):
 
 
 def drafter_option(text: str) -> str:
-    """argparse ``type`` of ``--drafter``: a valid spec ``name[:k[xW]]``, kept as written."""
+    """argparse ``type`` of ``--drafter``: a valid spec ``name[:[L+]k[xW]]``, kept as written."""
     from dflash2.drafters.spec import DrafterSpec
 
     try:
@@ -42,11 +42,11 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
     parser.add_argument("--model", "--target", dest="model", default=DEFAULT_MODEL,
                         help="model-store name or alias, HF directory, or .gguf path (default: %(default)s)")
     if drafter_choice:
-        parser.add_argument("--drafter", type=drafter_option, default="auto", metavar="NAME[:K[xW]]",
+        parser.add_argument("--drafter", type=drafter_option, default="auto", metavar="NAME[:[L+]K[xW]]",
                             help=f"draft method, one of {', '.join(DRAFTER_NAMES)}, optionally with its draft length "
-                                 "K and tree width W (e.g. dflash2:2x3); every one is lossless (default: auto, the one "
-                                 "measured fastest for the target: pard+ngram for the default target, dflash2+ngram "
-                                 "when serving it, else ngram)")
+                                 "K and tree width W (e.g. dflash2:2x3), for pard a lead L (pard:1+4x3); every one "
+                                 "is lossless (default: auto, the one measured fastest for the target: pard+ngram "
+                                 "for the default target, dflash2+ngram when serving it, else ngram)")
     parser.add_argument("--draft-model", default=None, help="small model for --drafter model (default: the pairing)")
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=None,
                         help="drafts per step (the K of --drafter NAME:K; give it once; default: the drafter's)")

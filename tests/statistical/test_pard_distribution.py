@@ -1,7 +1,8 @@
 """End to end at T > 0 through ``Engine.generate`` with the PARD drafter (drafts of one forward over mask positions,
 each position sampled from its own q_draft): the first four generated tokens must have exactly the target's
-distribution (checks: tests/statistical/decode_paths.py), with top-k / top-p, the overlapped pipeline, and a draft
-vocabulary (the head scores 4 of the 6 ids). A companion breaks the chain rule and must be caught."""
+distribution (checks: tests/statistical/decode_paths.py), with top-k / top-p, the overlapped pipeline, a draft
+vocabulary (the head scores 4 of the 6 ids) and lead tokens (a sampled chain; a tree below a trunk). A companion
+breaks the chain rule and must be caught."""
 
 from __future__ import annotations
 
@@ -27,12 +28,16 @@ class Case:
     params: SamplingParams
     pipeline: str = "sync"
     draft_vocab: bool = False
+    lead: int = 0  # lead tokens (pard:L+k): drafted one per pass, sampled with their own q_draft
+    width: int = 1  # a tree of width W (below the lead's trunk)
 
 
 CASES = {
     "pard-chain-top-p": Case(SamplingParams(temperature=0.9, top_p=0.8)),
     "pard-chain-overlap-top-k": Case(SamplingParams(temperature=1.0, top_k=4), "overlap"),
     "pard-chain-draft-vocab": Case(SamplingParams(temperature=1.1), draft_vocab=True),
+    "pard-lead-chain-top-p": Case(SamplingParams(temperature=0.9, top_p=0.8), lead=1),
+    "pard-lead-tree": Case(SamplingParams(temperature=1.0), lead=1, width=2),
 }
 
 
@@ -50,8 +55,8 @@ def samples_of(models, case: Case, runs: int) -> torch.Tensor:
         head = torch.nn.Linear(draft.config.hidden_size, len(DRAFT_VOCAB), bias=False)
         head.weight.data = draft.lm_head.weight.data[DRAFT_VOCAB].clone()
         draft.lm_head = VocabSubsetHead(head, DRAFT_VOCAB, VOCAB)
-    return closing_engine_samples(tiny_engine(target, PardDrafter(draft, MASK, 3), case.pipeline), PROMPT, case.params,
-                                  runs)
+    drafter = PardDrafter(draft, MASK, 3, num_paths=case.width, lead_tokens=case.lead)
+    return closing_engine_samples(tiny_engine(target, drafter, case.pipeline), PROMPT, case.params, runs)
 
 
 @pytest.mark.parametrize("runs", [RUNS, pytest.param(SLOW_RUNS, marks=pytest.mark.slow)])

@@ -19,6 +19,8 @@ class EosTokenizer:
     ("dflash2:2x3", DrafterSpec("dflash2", 2, 3)),
     ("auto:5x1", DrafterSpec("auto", 5, 1)),
     (" model:4 ", DrafterSpec("model", 4)),
+    ("pard:1+4x3", DrafterSpec("pard", 4, 3, 1)),
+    ("pard+ngram:2+4", DrafterSpec("pard+ngram", 4, None, 2)),
     (None, DrafterSpec("none")),
 ])
 def test_specs_parse(text, expected):
@@ -32,7 +34,8 @@ def test_specs_parse(text, expected):
     ("ngarm", "unknown drafter 'ngarm'"), ("", "unknown drafter ''"), ("dflash:", "k or kxW"),
     ("dflash:0", "k or kxW"), ("dflash:-1", "k or kxW"), ("dflash:x2", "k or kxW"), ("dflash:3x", "k or kxW"),
     ("dflash:3x0", "k or kxW"), ("dflash:3x2x1", "k or kxW"), ("dflash:+3", "k or kxW"), ("dflash:3 x2", "k or kxW"),
-    ("none:3", "takes no k or W"),
+    ("none:3", "takes no k or W"), ("pard:0+4", "L+k"), ("pard:+4", "L+k"), ("pard:1+", "L+k"),
+    ("pard:1+2+3", "L+k"), ("dflash2:1+3", "lead tokens"), ("model:2+2", "lead tokens"),
 ])
 def test_bad_specs_say_what_is_wrong(text, fragment):
     with pytest.raises(ValueError, match=fragment.replace("+", r"\+")):

@@ -11,7 +11,9 @@ import torch
 from dflash2.decode.plain import plain_decode
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.model import ModelDrafter
-from dflash2.drafters.pard import (LoRALinear, PardDrafter, adapter_state, add_lora, load_pard_model, merge_lora)
+from dflash2.drafters.lora import LoRALinear, adapter_state, add_lora, merge_lora
+from dflash2.drafters.pard import PardDrafter, load_pard_model
+from dflash2.drafters.pard_tree import Candidates, lead_tree
 from dflash2.models.loading import load_transformer
 from dflash2.train.data import TrainingSequence, write_token_shards
 from dflash2.train.labels import HardLabels, LabelConfig, LabelShards, generate_labels
@@ -142,6 +144,86 @@ def test_tree_drafts_keep_the_chain_and_stay_lossless(models, params):
     assert runs[0] == runs[1]
 
 
+def test_lead_tokens_are_drafted_one_per_pass_then_the_rest_in_one(models):
+    """pard:1+3: the lead token is the next-token argmax after the sequence (a pass without masks), the other
+    three are what a k = 3 pass drafts after the sequence extended by it; the cache keeps the lead token read."""
+    model = models["qwen2_other"]
+    lead, alone = PardDrafter(model, MASK, 4, lead_tokens=1), PardDrafter(model, MASK, 3)
+    lead.reset(64), alone.reset(64)
+    sequence = prompt().tolist()
+    fed: list[int] = []
+    hook = model.embed.register_forward_hook(lambda module, args, out: fed.append(args[0].shape[1]))
+    try:
+        drafted = lead.propose(sequence, 4, GREEDY, None)
+    finally:
+        hook.remove()
+    assert fed == [len(sequence), 1 + 2]  # the sequence, then the lead token + two masks
+    expected = full_logits(model, sequence)[-1]
+    expected[MASK] = float("-inf")
+    first = int(expected.argmax())
+    assert drafted.tokens[0] == first and drafted.q_draft is None and drafted.parents is None
+    assert drafted.tokens[1:].tolist() == alone.propose(sequence + [first], 3, GREEDY, None).tokens.tolist()
+    assert lead.cached_tokens == sequence + [first]
+    assert len(lead.propose(sequence, 1, GREEDY, None).tokens) == 1  # k = 1 leaves no room for a lead: one pass
+
+
+def test_a_lead_tree_hangs_each_nodes_children_from_the_pass_that_knew_its_parent():
+    """lead_tree: the top chain first (lead token, then the last pass's top drafts); the lead token's children come
+    from the next pass, every other node's from its own pass's next position; the rest best-first by probability."""
+    first = Candidates(rows=[[10, 11, 12], [20, 21, 22]], log_p=[[-0.1, -2.5, -3.0], [-0.5, -1.0, -4.0]])
+    after_10 = Candidates(rows=[[30, 31, 32], [40, 41, 42]], log_p=[[-0.2, -2.0, -3.0], [-0.3, -1.5, -5.0]])
+    assert lead_tree([first, after_10], 2) == ([10, 30], [-1, 0])
+    # chain 10 -> 30 -> 40 (log P -0.1, -0.3, -0.6); then 41 under 30 (-1.8), 31 under 10 (-2.1), 40 under 31
+    # (-2.4: pass 1's next position), 11 for draft 1 (-2.5), 12 (-3.0, tied with 20 under 11 and pushed earlier),
+    # 20 under 11 (-3.0: pass 0's second position, which did not know the lead token)
+    rows, parents = lead_tree([first, after_10], 9)
+    assert rows == [10, 30, 40, 41, 31, 40, 11, 12, 20]
+    assert parents == [-1, 0, 1, 1, 0, 4, -1, -1, 6]
+    assert lead_tree([first], 4) == ([10, 20, 21, 11], [-1, 0, 0, -1])  # one pass: best_tree without a selector
+    with pytest.raises(ValueError, match="num_nodes"):
+        lead_tree([first], 0)
+
+
+def test_a_lead_tree_drafts_the_chain_of_its_passes(models):
+    """pard:1+3x2: two passes of 3 drafts; the tree's first nodes are the lead token and the second pass's chain
+    (what pard:3 drafts after the lead token), 1 + 3 * 2 nodes in all, deterministic at T > 0 too."""
+    model = models["qwen2_other"]
+    lead, chain = PardDrafter(model, MASK, 4, num_paths=2, lead_tokens=1), PardDrafter(model, MASK, 3)
+    assert lead.max_draft_tokens == 1 + 3 * 2 and lead.for_request().lead_tokens == 1
+    assert lead.shared_pass([1, 2], 4) is None  # a lead's passes are not shared (nor a tree's)
+    assert PardDrafter(model, MASK, 4, lead_tokens=1).shared_pass([1, 2], 4) is None
+    lead.reset(64), chain.reset(64)
+    sequence = prompt().tolist()
+    drafted = lead.propose(sequence, 4, SamplingParams(temperature=0.7), torch.Generator().manual_seed(0))
+    first = full_logits(model, sequence)[-1]
+    first[MASK] = float("-inf")
+    assert int(drafted.tokens[0]) == int(first.argmax()) and drafted.q_draft is None
+    after = chain.propose(sequence + [int(drafted.tokens[0])], 3, GREEDY, None).tokens.tolist()
+    assert drafted.tokens[1:4].tolist() == after and drafted.parents[:4] == [-1, 0, 1, 2]
+    assert len(drafted.tokens) == 7 and lead.cached_tokens == sequence + [int(drafted.tokens[0])]
+    with pytest.raises(ValueError, match="lead_tokens"):
+        PardDrafter(model, MASK, 2, lead_tokens=2)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+@pytest.mark.parametrize("shape", [(1, 3, 1), (2, 4, 1), (1, 3, 2)], ids=["1+2", "2+2", "1+2x2"])
+def test_lead_drafts_are_lossless(models, shape, pipeline):
+    """Greedy output equal to plain decoding's with lead tokens (a chain and a tree below a trunk); at T > 0 the
+    same seed gives the same tokens (distribution: tests/statistical/test_pard_distribution.py)."""
+    lead, k, width = shape
+    target, ids = models["qwen2"], prompt()
+    drafter = PardDrafter(models["qwen2_other"], MASK, k, num_paths=width, lead_tokens=lead)
+    capacity = len(ids) + NEW_TOKENS + drafter.max_draft_tokens + 1
+    plain = run(plain_decode(target, ids, GREEDY, None, capacity, DecodeStats()))
+    stats = DecodeStats()
+    assert run(speculative_steps(pipeline, target, drafter, ids, GREEDY, None, capacity, stats)) == plain
+    assert stats.drafted_by_position[k - 1] > 0  # drafts reached the last position
+    params = SamplingParams(temperature=0.8, seed=3)
+    runs = [run(speculative_steps(pipeline, target, drafter.for_request(), ids, params, params.make_generator("cpu"),
+                                  capacity, DecodeStats())) for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == NEW_TOKENS
+
+
 def test_sampling_is_reproducible_with_a_seed(models):
     target, ids = models["qwen2"], prompt()
     params = SamplingParams(temperature=0.9, seed=123)
@@ -267,7 +349,6 @@ def test_training_learns_and_resumes(tiny_model_dirs, tmp_path):
     with pytest.raises(ValueError, match="1..4"):
         adapter_from_checkpoint(tmp_path / "run", tmp_path / "ship3", 30, default_num_draft_tokens=5)
     # a fresh run can start from a shipped adapter: its LoRA weights and mask embedding, as saved
-    from dflash2.drafters.pard import adapter_state
     from dflash2.train.pard_trainer import _warm_start, build_model
 
     warm = PardTrainConfig(**{**common, "out_dir": str(tmp_path / "warm"), "init_adapter": str(shipped)})

@@ -22,9 +22,10 @@ def add_bench_parser(commands) -> None:
     add_model_options(p, drafter_choice=False)
     p.add_argument("--suite", default="humaneval", help=f"comma-separated: {', '.join(SUITES)}")
     p.add_argument("--drafters", default="ngram,model",
-                   help="comma-separated drafter specs NAME[:K[xW]]: name:k sets that drafter's draft length (over -k), "
-                        "name:kxW also a tree of width W (W n-gram continuations, k*W block-drafter nodes; over "
-                        "--num-candidates); plain decoding always runs")
+                   help="comma-separated drafter specs NAME[:[L+]K[xW]]: name:k sets that drafter's draft length "
+                        "(over -k), name:kxW also a tree of width W (W n-gram continuations, k*W block-drafter "
+                        "nodes; over --num-candidates), pard:L+k first L drafts one per pass; plain decoding always "
+                        "runs")
     p.add_argument("--limit", type=int, default=None, help="first N prompts (per category for spec_bench)")
     p.add_argument("--category", default=None, help="only these categories, comma-separated (e.g. summarization)")
     p.add_argument("--data", default=None, help="folder holding eval/ (default: $DFLASH2_DATA, else the checkout's data/)")
@@ -137,7 +138,7 @@ def _report_command(args: argparse.Namespace) -> int:
 
 
 def _bench_spec(method: str, default_k: int | None, default_candidates: int | None):
-    """The DrafterSpec of a ``--drafters`` entry ``name[:k[xW]]``: its own k and W, else ``-k`` and
+    """The DrafterSpec of a ``--drafters`` entry ``name[:[L+]k[xW]]``: its own k and W, else ``-k`` and
     ``--num-candidates`` (defaults for every entry, so an entry's own shape wins over them)."""
     from dflash2.drafters.spec import DrafterSpec
 
@@ -145,7 +146,8 @@ def _bench_spec(method: str, default_k: int | None, default_candidates: int | No
         spec = DrafterSpec.parse(method)
         if not spec.drafts:
             return spec
-        return DrafterSpec(spec.name, spec.num_draft_tokens or default_k, spec.num_candidates or default_candidates)
+        return DrafterSpec(spec.name, spec.num_draft_tokens or default_k, spec.num_candidates or default_candidates,
+                           spec.lead_tokens)
     except ValueError as error:
         raise CliError(f"--drafters: {error}") from None
 

@@ -4,7 +4,7 @@ needs a trained drafter directory), ``dflash+ngram`` (a long prompt-lookup match
 block otherwise), ``dflash2`` and ``dflash2+ngram`` (the same with a DFlash2 drafter: path selector and dynamic
 convolution).
 
-A drafter is named by a spec, ``name[:k[xW]]`` (:class:`~dflash2.drafters.spec.DrafterSpec`); default draft lengths
+A drafter is named by a spec, ``name[:[L+]k[xW]]`` (:class:`~dflash2.drafters.spec.DrafterSpec`); default draft lengths
 are in one table there."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class DraftTarget:
 def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: str | None = None,
                   num_draft_tokens: int | None = None, num_candidates: int | None = None, dtype: str = "bf16",
                   weights: str = "bf16", pull: bool = True) -> Drafter:
-    """Build the drafter ``spec`` (``name[:k[xW]]``, see :mod:`dflash2.drafters.spec`) for ``target``'s model.
+    """Build the drafter ``spec`` (``name[:[L+]k[xW]]``, see :mod:`dflash2.drafters.spec`) for ``target``'s model.
 
     ``num_draft_tokens`` / ``num_candidates`` set k / W when the spec does not (ValueError when both set them
     differently). Refuses a draft model whose tokenizer differs.
@@ -84,7 +84,8 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
     if name in ("pard", "pard+ngram"):  # a trained adapter directory or a store model (untrained); docs/pard.md
         from dflash2.drafters.pard import build_pard_drafter
 
-        pard = build_pard_drafter(target, draft_model, k, dtype=dtype, weights=weights, pull=pull, num_paths=width)
+        pard = build_pard_drafter(target, draft_model, k, dtype=dtype, weights=weights, pull=pull, num_paths=width,
+                                  lead_tokens=spec.lead)
         if name == "pard":
             return pard
         lookup = max(pard.num_draft_tokens, default_num_draft_tokens("ngram"))

@@ -17,8 +17,11 @@ distribution does not depend on the drafts before it (they are not an input), so
 distribution and the chain verification stays exact (lossless). At T = 0 the drafts are the argmaxes.
 
 What training changes (``dflash2 train pard``) is small and shipped alone: LoRA adapters on the projections of
-every layer and the mask embedding (``adapter.safetensors`` + ``pard_config.json``); the base network comes from
-the model store. Loading merges the adapters into the weights (no extra cost per draft pass).
+every layer (drafters/lora.py) and the mask embedding (``adapter.safetensors`` + ``pard_config.json``); the base
+network comes from the model store. Loading merges the adapters into the weights (no extra cost per draft pass).
+
+``pard:L+k`` drafts L lead tokens first, one pass each (:class:`PardDrafter`); ``pard:L+kxW`` a tree over L + 1
+passes (drafters/pard_tree.py).
 """
 
 from __future__ import annotations
@@ -32,14 +35,15 @@ from torch import nn
 
 from dflash2.drafters.base import Draft
 from dflash2.drafters.dflash2_parts import best_tree
+from dflash2.drafters.lora import LORA_TARGETS, add_lora, load_adapter_state, merge_lora
 from dflash2.drafters.model import CachedModelDrafter
+from dflash2.drafters.pard_tree import Candidates, lead_tree, top_candidates
 from dflash2.models.decoder import SegmentedAttention, Transformer, float_outputs
 from dflash2.verify.sampling import SamplingParams, greedy_ids, logits_to_probs, sample
 
 PARD_CONFIG = "pard_config.json"
 ADAPTER_FILE = "adapter.safetensors"
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # optional: "draft_vocab" int64 [V'], the ids the head drafts
-LORA_TARGETS = ("wqkv", "wo", "w_gate_up", "w_down")  # the decoder's (fused) projections
 SHIPPED_DIR = Path(__file__).parent / "trained"  # dflash2.drafters.TRAINED_DIR (not imported: no import cycle)
 
 
@@ -72,106 +76,6 @@ class PardConfig:
 def default_mask_token_id(vocab_size: int) -> int:
     """The last embedding row (unused by the Qwen2.5 tokenizer, whose 151665 ids end before it)."""
     return vocab_size - 1
-
-
-# ---- LoRA ------------------------------------------------------------------------------------------------
-
-
-class LoRALinear(nn.Module):
-    """``base(x) + (alpha / rank) * x @ A^T @ B^T`` with the base frozen; B starts at zero (no change at first)."""
-
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.base = base
-        self.scale = alpha / rank
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, dtype=dtype, device=base.weight.device))
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype, device=base.weight.device))
-        nn.init.kaiming_uniform_(self.lora_a, a=5 ** 0.5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        update = (x.to(self.lora_a.dtype) @ self.lora_a.T) @ self.lora_b.T
-        return self.base(x) + (self.scale * update).to(x.dtype)
-
-    def delta(self) -> torch.Tensor:
-        """[out, in] float32: the weight update the adapter stands for."""
-        return self.scale * (self.lora_b.float() @ self.lora_a.float())
-
-    def merged(self) -> nn.Linear:
-        """A plain linear layer with the update added to the base weight (in the base's dtype)."""
-        weight = self.base.weight
-        with torch.device("meta"):  # no random initialisation of a weight replaced at once (2 s for the 0.5B)
-            linear = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None,
-                               dtype=weight.dtype)
-        linear.weight = nn.Parameter((weight.float() + self.delta()).to(weight.dtype), requires_grad=False)
-        if self.base.bias is not None:
-            linear.bias = nn.Parameter(self.base.bias.detach().clone(), requires_grad=False)
-        return linear.requires_grad_(False)
-
-
-def add_lora(model: Transformer, rank: int, alpha: float, targets: tuple[str, ...] = LORA_TARGETS) -> list[nn.Parameter]:
-    """Wrap the ``targets`` projections of every layer in :class:`LoRALinear`; returns the new parameters."""
-    if rank <= 0:
-        return []
-    params: list[nn.Parameter] = []
-    for layer in model.layers:
-        for owner, name in _projections(layer, targets):
-            wrapped = LoRALinear(getattr(owner, name), rank, alpha)
-            setattr(owner, name, wrapped)
-            params += [wrapped.lora_a, wrapped.lora_b]
-    return params
-
-
-def merge_lora(model: Transformer) -> None:
-    """Replace every :class:`LoRALinear` by its merged plain linear layer (inference)."""
-    for layer in model.layers:
-        for owner, name in _projections(layer, LORA_TARGETS):
-            module = getattr(owner, name)
-            if isinstance(module, LoRALinear):
-                setattr(owner, name, module.merged())
-
-
-def _projections(layer, targets):
-    for owner, name in ((layer.attn, "wqkv"), (layer.attn, "wo"), (layer.ffn, "w_gate_up"), (layer.ffn, "w_down")):
-        if name in targets:
-            yield owner, name
-
-
-def adapter_state(model: Transformer, mask_embedding: torch.Tensor, dtype: torch.dtype = torch.float32
-                  ) -> dict[str, torch.Tensor]:
-    """What training changed: ``layers.{i}.{proj}.lora_a/lora_b`` and ``mask_embedding`` [D]."""
-    state = {"mask_embedding": mask_embedding.detach().to(dtype).contiguous()}
-    for index, layer in enumerate(model.layers):
-        for owner, name in _projections(layer, LORA_TARGETS):
-            module = getattr(owner, name)
-            if isinstance(module, LoRALinear):
-                state[f"layers.{index}.{name}.lora_a"] = module.lora_a.detach().to(dtype).contiguous()
-                state[f"layers.{index}.{name}.lora_b"] = module.lora_b.detach().to(dtype).contiguous()
-    return state
-
-
-def load_adapter_state(model: Transformer, state: dict[str, torch.Tensor], grow: bool = False) -> None:
-    """Copy ``adapter_state`` tensors into the LoRA modules of ``model`` (added with the same config).
-
-    ``grow``: the modules may have a higher rank than the state's; its A rows and B columns fill the leading ones,
-    the other B columns are zeroed (their A rows keep their initialization), so with the same ``alpha / rank`` the
-    layers compute what the state's adapter computed, and training can use the added rank."""
-    for index, layer in enumerate(model.layers):
-        for owner, name in _projections(layer, LORA_TARGETS):
-            module = getattr(owner, name)
-            if not isinstance(module, LoRALinear):
-                continue
-            a, b = state[f"layers.{index}.{name}.lora_a"], state[f"layers.{index}.{name}.lora_b"]  # [r, in], [out, r]
-            if not grow:
-                module.lora_a.data.copy_(a)
-                module.lora_b.data.copy_(b)
-                continue
-            rank = a.shape[0]
-            if rank > module.lora_a.shape[0]:
-                raise ValueError(f"layer {index} {name}: an adapter of rank {rank} cannot grow into rank "
-                                 f"{module.lora_a.shape[0]}")
-            module.lora_a.data[:rank].copy_(a)
-            module.lora_b.data.zero_()
-            module.lora_b.data[:, :rank].copy_(b)
 
 
 def initial_mask_embedding(model: Transformer, used_ids: int | None = None) -> torch.Tensor:
@@ -283,11 +187,13 @@ class VocabSubsetHead(nn.Module):
 
 
 def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens: int | None, *, dtype: str = "bf16",
-                       weights: str | None = None, pull: bool = True, num_paths: int = 1) -> PardDrafter:
+                       weights: str | None = None, pull: bool = True, num_paths: int = 1,
+                       lead_tokens: int = 0) -> PardDrafter:
     """The PARD drafter for ``target`` (a :class:`~dflash2.drafters.DraftTarget`): ``draft_model`` is a trained
     adapter directory (``pard_config.json``), or a store model / model directory drafting untrained (mask embedding
     = the mean embedding: only draft 1 is useful); None = the adapter shipped for the target
-    (``drafters/trained/<target>-pard``). Refuses a base whose tokenizer differs from the target's."""
+    (``drafters/trained/<target>-pard``). ``lead_tokens`` L: L drafts one per pass before the k-token pass (the
+    drafter then drafts L + k). Refuses a base whose tokenizer differs from the target's."""
     from dflash2.models.store import canonical_name, resolve_model
     from dflash2.models.tokenizer import Tokenizer
 
@@ -304,8 +210,9 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
     device = str(target.target.device)
     model, config = load_pard_model(adapter, base_dir, dtype, device, weights=pard_weights(weights, device, dtype))
     k = num_draft_tokens or config.default_num_draft_tokens or config.num_draft_tokens
-    return PardDrafter(model, config.mask_token_id, k, target_vocab_size=target.target.config.vocab_size,
-                       num_paths=num_paths, context_window=pard_context_window(), catch_up=pard_catch_up())
+    return PardDrafter(model, config.mask_token_id, lead_tokens + k, target_vocab_size=target.target.config.vocab_size,
+                       num_paths=num_paths, context_window=pard_context_window(), catch_up=pard_catch_up(),
+                       lead_tokens=lead_tokens)
 
 
 def pard_catch_up() -> int | None:
@@ -397,19 +304,30 @@ DEFAULT_CATCH_UP: int | None = 8
 
 
 class PardDrafter(CachedModelDrafter):
-    """k drafts per forward of a small model: accepted tokens + k - 1 mask tokens (see the module docstring)."""
+    """k drafts per forward of a small model: accepted tokens + k - 1 mask tokens (see the module docstring).
+
+    With ``lead_tokens`` L > 0 (``pard:L+k``) a step first drafts L tokens one per pass (each an ordinary
+    next-token prediction: the pass reads the ids it has not read and outputs one row), then the last k from one
+    pass that reads the L lead tokens as context. The lead tokens are the positions PARD drafts best (the first
+    one; the masks' acceptance falls with distance), so the k-token pass starts further ahead. Lossless as
+    before: each draft is drawn from a distribution given the drafts before it only (the lead tokens sampled
+    with their q_draft at T > 0; in a tree, a deterministic trunk verified by the tree rule)."""
 
     name = "pard"
     cost_per_pass = True
 
     def __init__(self, model: Transformer, mask_token_id: int, num_draft_tokens: int = 8,
                  target_vocab_size: int | None = None, num_paths: int = 1,
-                 context_window: tuple[int, int] | None = None, catch_up: int | None = None) -> None:
+                 context_window: tuple[int, int] | None = None, catch_up: int | None = None,
+                 lead_tokens: int = 0) -> None:
         super().__init__(model, num_draft_tokens, target_vocab_size, context_window, catch_up)
         if num_paths < 1:
             raise ValueError(f"num_paths must be >= 1, got {num_paths}")
+        if not 0 <= lead_tokens < num_draft_tokens:
+            raise ValueError(f"lead_tokens must be in [0, num_draft_tokens = {num_draft_tokens}), got {lead_tokens}")
         self.mask_token_id = mask_token_id
         self.num_paths = num_paths  # W > 1: a deterministic tree of k * W nodes (pard:kxW)
+        self.lead_tokens = lead_tokens  # L: drafts made one per pass before the parallel pass (pard:L+k)
 
     @property
     def extra_slots(self) -> int:
@@ -418,17 +336,18 @@ class PardDrafter(CachedModelDrafter):
 
     @property
     def max_draft_tokens(self) -> int:
-        """Nodes of the largest draft: one chain, or a tree of ``num_paths`` times its draft length."""
-        return self.num_draft_tokens * self.num_paths
+        """Nodes of the largest draft: one chain, or the lead and a tree of ``num_paths`` times the rest."""
+        return self.lead_tokens + (self.num_draft_tokens - self.lead_tokens) * self.num_paths
 
     def for_request(self) -> PardDrafter:
         """The same network (weights shared), its own KV cache."""
         return PardDrafter(self.model, self.mask_token_id, self.num_draft_tokens, self.target_vocab_size,
-                           self.num_paths, self.context_window, self.catch_up)
+                           self.num_paths, self.context_window, self.catch_up, self.lead_tokens)
 
     def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> tuple[PardDrafter, int] | None:
-        """A chain's pass can share one forward with other requests' (:func:`propose_batch`); a tree's cannot."""
-        return (self, num_draft_tokens) if self.num_paths == 1 else None
+        """A chain's single pass can share one forward with other requests' (:func:`propose_batch`); a tree's or a
+        lead's passes cannot."""
+        return (self, num_draft_tokens) if self.num_paths == 1 and not self.lead_tokens else None
 
     @staticmethod
     def propose_batch(requests):  # see Drafter.propose_batch
@@ -498,8 +417,51 @@ class PardDrafter(CachedModelDrafter):
 
     @torch.inference_mode()
     def propose(self, sequence, num_draft_tokens, params: SamplingParams, generator) -> Draft:
-        return self._draft_from_part(self._head_part(self._pass_hidden(sequence, num_draft_tokens)), params,
+        lead = min(self.lead_tokens, num_draft_tokens - 1)
+        if not lead:
+            return self._draft_from_part(self._head_part(self._pass_hidden(sequence, num_draft_tokens)), params,
+                                         generator)
+        if self.num_paths > 1:
+            return self._lead_tree(sequence, lead, num_draft_tokens - lead)
+        sequence = list(sequence)  # the lead tokens are appended to a copy
+        tokens: list[int] = []
+        dists: list[torch.Tensor] = []
+        for _ in range(lead):  # one pass per lead token: the ids not read yet, no masks
+            token, q = self._lead_token(self._head_part(self._pass_hidden(sequence, 1)), params, generator)
+            tokens.append(token)
+            sequence.append(token)
+            if q is not None:
+                dists.append(q)
+        rest = self._draft_from_part(self._head_part(self._pass_hidden(sequence, num_draft_tokens - lead)), params,
                                      generator)
+        return _after_lead(tokens, dists, rest)
+
+    def _lead_tree(self, sequence: list[int], lead: int, k: int) -> Draft:
+        """A tree of lead + k * W deterministic nodes from lead + 1 passes of k drafts each: pass s + 1 reads pass
+        s's top draft 1 (a lead token), and the children of that node come from pass s + 1 (:func:`lead_tree`)."""
+        sequence = list(sequence)
+        passes: list[Candidates] = []
+        for _ in range(lead):
+            passes.append(top_candidates(self._head_part(self._pass_hidden(sequence, k))))
+            sequence.append(self._head_id(passes[-1].rows[0][0]))  # the lead token: draft 1's top candidate
+        passes.append(top_candidates(self._head_part(self._pass_hidden(sequence, k))))
+        rows, parents = lead_tree(passes, lead + k * self.num_paths)
+        return Draft(tokens=torch.tensor([self._head_id(row) for row in rows], dtype=torch.int64), q_draft=None,
+                     parents=parents)
+
+    def _head_id(self, row: int) -> int:
+        """The token id of the head's row ``row`` (a draft vocabulary's, or the full vocabulary's: the same)."""
+        head = self.model.lm_head
+        return int(head.ids[row]) if isinstance(head, VocabSubsetHead) else row
+
+    def _lead_token(self, part: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
+        """part [1, V'] -> a lead token of a chain and its q_draft [V] (None at T = 0: the argmax)."""
+        if params.greedy:
+            head = self.model.lm_head
+            index = int(greedy_ids(part)[0])
+            return (int(head.ids[index]) if isinstance(head, VocabSubsetHead) else index), None
+        q = logits_to_probs(self._to_target(part)[0], params)  # [V]
+        return int(sample(q, generator)), q
 
     def _draft(self, logits: torch.Tensor, params: SamplingParams, generator) -> Draft:
         """logits [k, V] -> the draft: a tree (``num_paths`` > 1), the argmaxes (T = 0) or samples with q_draft."""
@@ -510,6 +472,14 @@ class PardDrafter(CachedModelDrafter):
             return Draft(tokens=greedy_ids(logits).cpu(), q_draft=None)
         q_draft = logits_to_probs(logits, params)  # [k, V]: each position's own distribution
         return Draft(tokens=sample(q_draft, generator).to(torch.int64).cpu(), q_draft=q_draft)
+
+
+def _after_lead(lead: list[int], dists: list[torch.Tensor], rest: Draft) -> Draft:
+    """A chain's lead tokens followed by the last pass's chain."""
+    tokens = torch.cat([torch.tensor(lead, dtype=torch.int64), rest.tokens.to(torch.int64).cpu()])
+    if rest.q_draft is None:
+        return Draft(tokens=tokens, q_draft=None)
+    return Draft(tokens=tokens, q_draft=torch.cat([torch.stack(dists), rest.q_draft]))  # [L + k, V]
 
 
 @dataclass
@@ -541,7 +511,7 @@ def propose_batch(requests: list[tuple[PardDrafter, list[int], int, SamplingPara
         return [drafter.propose(sequence, k, params, generator)]
     first = requests[0][0]
     model = first.model
-    if any(d.model is not model or d.num_paths > 1 or d.mask_token_id != first.mask_token_id
+    if any(d.model is not model or d.num_paths > 1 or d.lead_tokens or d.mask_token_id != first.mask_token_id
            or d.target_vocab_size != first.target_vocab_size for d, *_ in requests):
         raise ValueError("propose_batch needs chain drafters sharing one network, mask id and target vocabulary")
     feeds = [drafter._prepare_pass(sequence, k) for drafter, sequence, k, _, _ in requests]

@@ -1,9 +1,10 @@
-"""A drafter spec, ``name[:k[xW]]``: which drafter, its draft length k and its tree width W, parsed in one place
-for the command line (``--drafter``, ``bench --drafters``), the Python API (``dflash2.load(drafter=...)``) and the
-server; and the one table of default draft lengths.
+"""A drafter spec, ``name[:[L+]k[xW]]``: which drafter, its draft length k, its tree width W and (pard) its lead L,
+parsed in one place for the command line (``--drafter``, ``bench --drafters``), the Python API
+(``dflash2.load(drafter=...)``) and the server; and the one table of default draft lengths.
 
     DrafterSpec.parse("dflash2:2x3")  # DrafterSpec(name='dflash2', num_draft_tokens=2, num_candidates=3)
     DrafterSpec.parse("ngram")        # k and W unset: the defaults below, a chain
+    DrafterSpec.parse("pard:1+4x3")   # pard: one lead token (its own pass), then a 4 x 3 tree from one pass
 
 Imports nothing from dflash2 at module level, so every layer may use it.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 DRAFTER_NAMES = ("auto", "none", "ngram", "model", "dflash", "dflash+ngram", "dflash2", "dflash2+ngram", "pard",
                  "pard+ngram")
 BLOCK_DRAFTERS = ("dflash", "dflash+ngram", "dflash2", "dflash2+ngram")  # read the target's hidden states
+LEAD_DRAFTERS = ("auto", "pard", "pard+ngram")  # take a lead L (L+k): L drafts one per pass, then k in one pass
 
 # Default draft length k per drafter, the one table. None: the length recorded in the drafter directory's
 # config.json as ``default_num_draft_tokens`` (the one measured best for that drafter), else its block_size - 1
@@ -47,7 +49,7 @@ MEASURED_TILE_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram:4x3"}
 
 def default_drafter(target_name: str, serving: bool = False, tile_verification: bool = False) -> str:
     """What ``drafter="auto"`` means for a target (store name, alias or path), for one request at a time or for
-    the batch server (``serving``): a spec, ``name[:k[xW]]``. ``tile_verification``: the target's linear layers
+    the batch server (``serving``): a spec, ``name[:[L+]k[xW]]``. ``tile_verification``: the target's linear layers
     run on AMX tiles over the whole K (:func:`dflash2.kernels.packed_linear.tile_verification`; one request at a
     time only: the server's pard passes are chains shared by its requests)."""
     from dflash2.models.store import canonical_name
@@ -73,19 +75,28 @@ class DrafterSpec:
     name: str  # one of DRAFTER_NAMES
     num_draft_tokens: int | None = None  # k: drafts per step (a tree's depth); None = the drafter's default
     num_candidates: int | None = None  # W: tree width (ngram: W continuations; block drafters: k * W nodes)
+    lead_tokens: int | None = None  # L (pard only): drafts made one per pass before the k-token pass; None = 0
+
+    @property
+    def lead(self) -> int:
+        """L, 0 when unset."""
+        return self.lead_tokens or 0
 
     def __post_init__(self) -> None:
         if self.name not in DRAFTER_NAMES:
             raise ValueError(f"unknown drafter {self.name!r}; choose one of {', '.join(DRAFTER_NAMES)}")
-        for field, value in (("num_draft_tokens", self.num_draft_tokens), ("num_candidates", self.num_candidates)):
+        for field, value in (("num_draft_tokens", self.num_draft_tokens), ("num_candidates", self.num_candidates),
+                             ("lead_tokens", self.lead_tokens)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
         if self.name == "none" and (self.num_draft_tokens is not None or self.num_candidates is not None):
             raise ValueError("drafter 'none' (plain decoding) drafts nothing: it takes no k or W")
+        if self.lead_tokens is not None and self.name not in LEAD_DRAFTERS:
+            raise ValueError(f"only {', '.join(LEAD_DRAFTERS)} draft lead tokens (L+k); {self.name!r} does not")
 
     @classmethod
     def parse(cls, text: "str | DrafterSpec | None") -> "DrafterSpec":
-        """``name``, ``name:k`` or ``name:kxW`` (k, W positive integers) -> a spec; None -> ``none``.
+        """``name``, ``name:k``, ``name:kxW`` or ``name:L+k[xW]`` (positive integers) -> a spec; None -> ``none``.
 
         A spec passes through unchanged. Raises ValueError naming what is wrong.
         """
@@ -98,11 +109,12 @@ class DrafterSpec:
             raise ValueError(f"unknown drafter {name!r} in {text!r}; choose one of {', '.join(DRAFTER_NAMES)}")
         if not colon:
             return cls(name)
+        lead, plus, shape = shape.rpartition("+")
         k, times, width = shape.partition("x")
-        if not _positive(k) or (times and not _positive(width)):
-            raise ValueError(f"the draft shape in {text!r} must be k or kxW with positive integers "
-                             f"(e.g. {name}:3 or {name}:3x2)")
-        return cls(name, int(k), int(width) if times else None)
+        if not _positive(k) or (times and not _positive(width)) or (plus and not _positive(lead)):
+            raise ValueError(f"the draft shape in {text!r} must be k or kxW (pard: L+k or L+kxW) with positive "
+                             f"integers (e.g. {name}:3, {name}:3x2 or pard:1+4x3)")
+        return cls(name, int(k), int(width) if times else None, int(lead) if plus else None)
 
     def merge(self, num_draft_tokens: int | None = None, num_candidates: int | None = None) -> "DrafterSpec":
         """This spec with k and W also given separately (``-k``, ``--num-candidates``, keyword arguments): a value
@@ -140,10 +152,13 @@ class DrafterSpec:
         return self.num_candidates or 1
 
     def __str__(self) -> str:
-        """``name[:k[xW]]`` as parsed (a W set without k reads ``name (W=3)``)."""
-        text = self.name if self.num_draft_tokens is None else f"{self.name}:{self.num_draft_tokens}"
+        """``name[:[L+]k[xW]]`` as parsed (a W set without k reads ``name (W=3)``)."""
+        lead = f"{self.lead_tokens}+" if self.lead_tokens is not None else ""
+        text = self.name if self.num_draft_tokens is None else f"{self.name}:{lead}{self.num_draft_tokens}"
         if self.num_candidates is not None:
             text += f"x{self.num_candidates}" if self.num_draft_tokens is not None else f" (W={self.num_candidates})"
+        if self.lead_tokens is not None and self.num_draft_tokens is None:
+            text += f" (L={self.lead_tokens})"
         return text
 
 

@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash2.drafters.pard import (ADAPTER_FILE, LORA_TARGETS, PardConfig, adapter_state, add_lora,
-                                   default_mask_token_id, initial_mask_embedding, load_adapter_state)
+from dflash2.drafters.lora import LORA_TARGETS, adapter_state, add_lora, load_adapter_state
+from dflash2.drafters.pard import ADAPTER_FILE, PardConfig, default_mask_token_id, initial_mask_embedding
 from dflash2.models.decoder import Transformer
 from dflash2.train.dflash_trainer import (CHECKPOINTS, STATE_JSON, cosine_with_warmup, latest_checkpoint,
                                           load_optimizer_state, split_optimizer_state)
