@@ -205,36 +205,6 @@ def test_a_lead_tree_drafts_the_chain_of_its_passes(models):
         PardDrafter(model, MASK, 2, lead_tokens=2)
 
 
-def test_a_doubtful_lead_token_gets_no_pass_of_its_own(models, monkeypatch):
-    """Below ``lead_confidence`` the tree comes from the first pass alone (one forward, the same node budget)."""
-    from dflash2.drafters.pard import DEFAULT_LEAD_CONFIDENCE, pard_lead_confidence
-
-    model = models["qwen2_other"]
-    sure, doubtful = (PardDrafter(model, MASK, 4, num_paths=2, lead_tokens=1, lead_confidence=c) for c in (0.0, 1.5))
-    assert doubtful.for_request().lead_confidence == 1.5
-    sure.reset(64), doubtful.reset(64)
-    sequence = prompt().tolist()
-    fed: list[int] = []
-    hook = model.embed.register_forward_hook(lambda module, args, out: fed.append(args[0].shape[1]))
-    try:
-        alone = doubtful.propose(sequence, 4, GREEDY, None)
-        assert fed == [len(sequence) + 2]  # one pass: the sequence and two masks
-        both = sure.propose(sequence, 4, GREEDY, None)
-    finally:
-        hook.remove()
-    assert fed[1:] == [len(sequence) + 2, 1 + 2]
-    assert len(alone.tokens) == len(both.tokens) == 7 and alone.tokens[0] == both.tokens[0]
-    assert doubtful.cached_tokens == sequence  # no lead token was read
-    monkeypatch.setenv("DFLASH2_PARD_LEAD_CONFIDENCE", "0.25")
-    assert pard_lead_confidence() == 0.25
-    for bad in ("1.5", "high"):
-        monkeypatch.setenv("DFLASH2_PARD_LEAD_CONFIDENCE", bad)
-        with pytest.raises(ValueError, match="DFLASH2_PARD_LEAD_CONFIDENCE"):
-            pard_lead_confidence()
-    monkeypatch.delenv("DFLASH2_PARD_LEAD_CONFIDENCE")
-    assert pard_lead_confidence() == DEFAULT_LEAD_CONFIDENCE
-
-
 @pytest.mark.parametrize("pipeline", PIPELINES)
 @pytest.mark.parametrize("shape", [(1, 3, 1), (2, 4, 1), (1, 3, 2)], ids=["1+2", "2+2", "1+2x2"])
 def test_lead_drafts_are_lossless(models, shape, pipeline):

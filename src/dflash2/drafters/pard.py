@@ -27,7 +27,6 @@ passes (drafters/pard_tree.py).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -213,7 +212,7 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
     k = num_draft_tokens or config.default_num_draft_tokens or config.num_draft_tokens
     return PardDrafter(model, config.mask_token_id, lead_tokens + k, target_vocab_size=target.target.config.vocab_size,
                        num_paths=num_paths, context_window=pard_context_window(), catch_up=pard_catch_up(),
-                       lead_tokens=lead_tokens, lead_confidence=pard_lead_confidence())
+                       lead_tokens=lead_tokens)
 
 
 def pard_catch_up() -> int | None:
@@ -229,23 +228,6 @@ def pard_catch_up() -> int | None:
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"DFLASH2_PARD_CATCH_UP must be a number of ids >= 1 or all, got {text!r}")
     return int(text)
-
-
-def pard_lead_confidence() -> float:
-    """The probability a lead token needs for a tree's next pass (``pard:L+kxW``): :data:`DEFAULT_LEAD_CONFIDENCE`,
-    or ``$DFLASH2_PARD_LEAD_CONFIDENCE`` in [0, 1] (0: always). Lossless either way (only the tree changes)."""
-    import os
-
-    text = os.environ.get("DFLASH2_PARD_LEAD_CONFIDENCE", "").strip()
-    if not text:
-        return DEFAULT_LEAD_CONFIDENCE
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"DFLASH2_PARD_LEAD_CONFIDENCE must be a probability in [0, 1], got {text!r}")
-    return value
 
 
 def pard_context_window() -> tuple[int, int] | None:
@@ -316,8 +298,6 @@ DEFAULT_CONTEXT_WINDOW: tuple[int, int] | None = (32, 480)
 # A drafter that fell behind (speculation off for a while, or prompt lookup drafting) reads only the last 8 ids it
 # missed: a probe after 100 plain steps then costs about a usual pass (docs/pard.md, "Catching up").
 DEFAULT_CATCH_UP: int | None = 8
-# A tree's lead pass runs when the lead token's probability is at least this (docs/pard.md, "Session 35").
-DEFAULT_LEAD_CONFIDENCE = 0.0
 
 
 # ---- the drafter -----------------------------------------------------------------------------------------
@@ -329,12 +309,9 @@ class PardDrafter(CachedModelDrafter):
     With ``lead_tokens`` L > 0 (``pard:L+k``) a step first drafts L tokens one per pass (each an ordinary
     next-token prediction: the pass reads the ids it has not read and outputs one row), then the last k from one
     pass that reads the L lead tokens as context. The lead tokens are the positions PARD drafts best (the first
-    one; the masks' acceptance falls with distance), so the k-token pass starts further ahead. In a tree
-    (``pard:L+kxW``) every pass drafts k positions and the next pass runs only while the lead token's
-    probability is at least ``lead_confidence`` (else the passes so far make the tree: a likely rejected lead
-    token's children are not worth a pass). Lossless as before: each draft is drawn from a distribution given
-    the drafts before it only (the lead tokens sampled with their q_draft at T > 0; a tree's nodes are
-    deterministic, verified by the tree rule)."""
+    one; the masks' acceptance falls with distance), so the k-token pass starts further ahead. Lossless as
+    before: each draft is drawn from a distribution given the drafts before it only (the lead tokens sampled
+    with their q_draft at T > 0; in a tree, a deterministic trunk verified by the tree rule)."""
 
     name = "pard"
     cost_per_pass = True
@@ -342,7 +319,7 @@ class PardDrafter(CachedModelDrafter):
     def __init__(self, model: Transformer, mask_token_id: int, num_draft_tokens: int = 8,
                  target_vocab_size: int | None = None, num_paths: int = 1,
                  context_window: tuple[int, int] | None = None, catch_up: int | None = None,
-                 lead_tokens: int = 0, lead_confidence: float = 0.0) -> None:
+                 lead_tokens: int = 0) -> None:
         super().__init__(model, num_draft_tokens, target_vocab_size, context_window, catch_up)
         if num_paths < 1:
             raise ValueError(f"num_paths must be >= 1, got {num_paths}")
@@ -351,7 +328,6 @@ class PardDrafter(CachedModelDrafter):
         self.mask_token_id = mask_token_id
         self.num_paths = num_paths  # W > 1: a deterministic tree of k * W nodes (pard:kxW)
         self.lead_tokens = lead_tokens  # L: drafts made one per pass before the parallel pass (pard:L+k)
-        self.lead_confidence = lead_confidence  # a tree's next pass needs this probability of its lead token
 
     @property
     def extra_slots(self) -> int:
@@ -366,7 +342,7 @@ class PardDrafter(CachedModelDrafter):
     def for_request(self) -> PardDrafter:
         """The same network (weights shared), its own KV cache."""
         return PardDrafter(self.model, self.mask_token_id, self.num_draft_tokens, self.target_vocab_size,
-                           self.num_paths, self.context_window, self.catch_up, self.lead_tokens, self.lead_confidence)
+                           self.num_paths, self.context_window, self.catch_up, self.lead_tokens)
 
     def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> tuple[PardDrafter, int] | None:
         """A chain's single pass can share one forward with other requests' (:func:`propose_batch`); a tree's or a
@@ -461,16 +437,14 @@ class PardDrafter(CachedModelDrafter):
         return _after_lead(tokens, dists, rest)
 
     def _lead_tree(self, sequence: list[int], lead: int, k: int) -> Draft:
-        """A tree of lead + k * W deterministic nodes from up to lead + 1 passes of k drafts each: pass s + 1 reads
-        pass s's top draft 1 (a lead token) when its probability is at least ``lead_confidence``, and the children
-        of that node come from pass s + 1 (:func:`lead_tree`)."""
+        """A tree of lead + k * W deterministic nodes from lead + 1 passes of k drafts each: pass s + 1 reads pass
+        s's top draft 1 (a lead token), and the children of that node come from pass s + 1 (:func:`lead_tree`)."""
         sequence = list(sequence)
-        passes = [top_candidates(self._head_part(self._pass_hidden(sequence, k)))]
+        passes: list[Candidates] = []
         for _ in range(lead):
-            if math.exp(passes[-1].log_p[0][0]) < self.lead_confidence:
-                break
-            sequence.append(self._head_id(passes[-1].rows[0][0]))  # the lead token: draft 1's top candidate
             passes.append(top_candidates(self._head_part(self._pass_hidden(sequence, k))))
+            sequence.append(self._head_id(passes[-1].rows[0][0]))  # the lead token: draft 1's top candidate
+        passes.append(top_candidates(self._head_part(self._pass_hidden(sequence, k))))
         rows, parents = lead_tree(passes, lead + k * self.num_paths)
         return Draft(tokens=torch.tensor([self._head_id(row) for row in rows], dtype=torch.int64), q_draft=None,
                      parents=parents)
