@@ -82,7 +82,7 @@ def _slow(*specs: str) -> list:
 
 
 @pytest.mark.parametrize("spec", ["ngram", "dflash2:2x3", *_slow("itself:3", "ngram:4x3", "model", "dflash",
-                                                                  "dflash2", "auto")])
+                                                                  "dflash2", "auto", "pard:1+4x3")])
 def test_every_drafter_gives_plain_greedy_tokens(spec) -> None:
     assert drafted_ids("bf16", spec) == plain_ids("bf16")
 

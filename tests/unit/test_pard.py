@@ -43,6 +43,16 @@ def full_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0]
 
 
+def propose_counting_ids(drafter, sequence: list[int], k: int):
+    """A greedy ``drafter.propose`` and the number of ids each forward of its network was fed."""
+    fed: list[int] = []
+    hook = drafter.model.embed.register_forward_hook(lambda module, args, out: fed.append(args[0].shape[1]))
+    try:
+        return drafter.propose(sequence, k, GREEDY, None), fed
+    finally:
+        hook.remove()
+
+
 def test_one_forward_drafts_k_and_the_cache_keeps_committed_ids_only(models):
     model = models["qwen2_other"]
     drafter = PardDrafter(model, MASK, num_draft_tokens=4)
@@ -81,12 +91,7 @@ def test_prefill_reads_the_prompt_so_the_first_pass_reads_only_the_pending_id(mo
     lazy.reset(64), eager.reset(64)
     eager.prefill(sequence[:-1])
     assert eager.cached_tokens == sequence[:-1] and eager.cache.length == len(sequence) - 1
-    fed: list[int] = []
-    hook = model.embed.register_forward_hook(lambda module, args, out: fed.append(args[0].shape[1]))
-    try:
-        drafted = eager.propose(sequence, 3, GREEDY, None)
-    finally:
-        hook.remove()
+    drafted, fed = propose_counting_ids(eager, sequence, 3)
     assert fed[0] == (3 if kind == "pard" else 1)  # the pending id (+ 2 masks for pard), not the prompt again
     assert drafted.tokens.tolist() == lazy.propose(sequence, 3, GREEDY, None).tokens.tolist()
     eager.prefill(sequence[:4] + [1, 2])  # another prompt sharing 4 ids: rolled back to them, then extended
@@ -151,12 +156,7 @@ def test_lead_tokens_are_drafted_one_per_pass_then_the_rest_in_one(models):
     lead, alone = PardDrafter(model, MASK, 4, lead_tokens=1), PardDrafter(model, MASK, 3)
     lead.reset(64), alone.reset(64)
     sequence = prompt().tolist()
-    fed: list[int] = []
-    hook = model.embed.register_forward_hook(lambda module, args, out: fed.append(args[0].shape[1]))
-    try:
-        drafted = lead.propose(sequence, 4, GREEDY, None)
-    finally:
-        hook.remove()
+    drafted, fed = propose_counting_ids(lead, sequence, 4)
     assert fed == [len(sequence), 1 + 2]  # the sequence, then the lead token + two masks
     expected = full_logits(model, sequence)[-1]
     expected[MASK] = float("-inf")
