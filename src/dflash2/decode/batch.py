@@ -45,6 +45,7 @@ from dflash2.decode.batch_drafting import BatchDrafting
 from dflash2.decode.cost_model import Acceptance, ForwardCost
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft, Drafter
+from dflash2.kernels.threads import release_openmp_pool
 from dflash2.kv.paged import BlockTable, KVBudgetError, PagedKVPool
 from dflash2.decode.speculative import chain_outcome, commit_kept, empty_draft, record_step, tree_outcome
 from dflash2.verify import choose_token, compile_tree
@@ -203,6 +204,9 @@ class BatchEngine:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("the batch engine is already running")
+        # the loop thread runs every forward from now on; the caller's OpenMP pool would only make libgomp throttle
+        # both pools' spin-wait (kernels/threads.py: 1.2-1.75x slower products on 2 cores)
+        release_openmp_pool()
         self._thread = threading.Thread(target=self._loop, name="dflash2-batch", daemon=True)
         self._thread.start()
 
@@ -218,6 +222,7 @@ class BatchEngine:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     def _loop(self) -> None:
+        idle = True
         try:
             while not self._stop.is_set():
                 try:
@@ -228,8 +233,13 @@ class BatchEngine:
                         self._retire(seq, "error", error)
                     busy = True
                 if not busy:
+                    if not idle:  # an idle loop holds no OpenMP workers: another thread's work is not throttled
+                        release_openmp_pool()
+                    idle = True
                     self._wake.wait(0.05)
                     self._wake.clear()
+                else:
+                    idle = False
         except BaseException as error:  # the loop cannot go on: refuse new requests, fail the ones held
             self._dead = error
             log.critical("the batch engine loop stopped: %r", error)
