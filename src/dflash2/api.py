@@ -35,15 +35,14 @@ def load(
     drafter: a spec ``name[:[L+]k[xW]]`` (:class:`~dflash2.drafters.spec.DrafterSpec`; e.g. ``"dflash2:2x3"``: draft
     length k = 2, a tree of width W = 3; ``"pard:1+4x3"``: one lead draft, then that tree). Names: "auto" (the
     default: the drafter measured fastest for the target, ``pard+ngram`` for the default target, else ``ngram``;
-    the server's is ``dflash2+ngram``), "ngram" (prompt
-    lookup), None / "none" (plain decoding), "model" (an independent small model of the same tokenizer,
-    ``draft_model``; default: the store's pairing for the target), "dflash" (a trained block drafter: the one
-    shipped for the target, or a directory in ``draft_model``), "dflash+ngram", "dflash2", "dflash2+ngram" (the
-    shipped DFlash2 drafter). Every drafter is lossless. ``num_draft_tokens`` / ``num_candidates`` give k / W when
-    the spec does not (a ValueError when both give one and disagree); unset, k is the drafter's default
-    (``dflash2.drafters.spec.DEFAULT_NUM_DRAFT_TOKENS``) and W is 1, a chain. W > 1 makes the n-gram drafter verify
-    a tree of W continuations, and a block drafter a tree of k * W nodes (its chain and the likeliest branches
-    through the block's top candidates).
+    the server's is ``dflash2+ngram``), "ngram" (prompt lookup), None / "none" (plain decoding), "model" (an
+    independent small model of the same tokenizer, ``draft_model``; default: the store's pairing for the target),
+    "dflash" (a trained block drafter: the one shipped for the target, or a directory in ``draft_model``),
+    "dflash+ngram", "dflash2", "dflash2+ngram" (the shipped DFlash2 drafter). Every drafter is lossless.
+    ``num_draft_tokens`` / ``num_candidates`` give k / W when the spec does not (a ValueError when both give one and
+    disagree); unset, k is the drafter's default (``dflash2.drafters.spec.DEFAULT_NUM_DRAFT_TOKENS``) and W is 1, a
+    chain. W > 1 makes the n-gram drafter verify a tree of W continuations, and a block drafter a tree of k * W
+    nodes (its chain and the likeliest branches through the block's top candidates).
     weights: "bf16" (not quantized, the default), "int8" or "int4" (weight-only, quantized at load time, CPU), or
     "gguf" (the model file's own 4/5/6/8-bit blocks as they are, activations quantized per row as llama.cpp does;
     CPU with AVX2), for the target and the ``model`` drafter; speculation is lossless with respect to the quantized

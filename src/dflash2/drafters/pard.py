@@ -309,9 +309,11 @@ class PardDrafter(CachedModelDrafter):
     With ``lead_tokens`` L > 0 (``pard:L+k``) a step first drafts L tokens one per pass (each an ordinary
     next-token prediction: the pass reads the ids it has not read and outputs one row), then the last k from one
     pass that reads the L lead tokens as context. The lead tokens are the positions PARD drafts best (the first
-    one; the masks' acceptance falls with distance), so the k-token pass starts further ahead. Lossless as
-    before: each draft is drawn from a distribution given the drafts before it only (the lead tokens sampled
-    with their q_draft at T > 0; in a tree, a deterministic trunk verified by the tree rule)."""
+    one; the masks' acceptance falls with distance), so the k-token pass starts further ahead. In a tree
+    (``pard:L+kxW``) every pass drafts k positions and the tree hangs each node's children from the pass that
+    knew its parent (drafters/pard_tree.py). Lossless as before: each draft is drawn from a distribution given
+    the drafts before it only (the lead tokens sampled with their q_draft at T > 0; a tree's nodes are
+    deterministic, verified by the tree rule)."""
 
     name = "pard"
     cost_per_pass = True
@@ -457,9 +459,7 @@ class PardDrafter(CachedModelDrafter):
     def _lead_token(self, part: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
         """part [1, V'] -> a lead token of a chain and its q_draft [V] (None at T = 0: the argmax)."""
         if params.greedy:
-            head = self.model.lm_head
-            index = int(greedy_ids(part)[0])
-            return (int(head.ids[index]) if isinstance(head, VocabSubsetHead) else index), None
+            return self._head_id(int(greedy_ids(part)[0])), None
         q = logits_to_probs(self._to_target(part)[0], params)  # [V]
         return int(sample(q, generator)), q
 

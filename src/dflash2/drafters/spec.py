@@ -4,7 +4,7 @@ parsed in one place for the command line (``--drafter``, ``bench --drafters``), 
 
     DrafterSpec.parse("dflash2:2x3")  # DrafterSpec(name='dflash2', num_draft_tokens=2, num_candidates=3)
     DrafterSpec.parse("ngram")        # k and W unset: the defaults below, a chain
-    DrafterSpec.parse("pard:1+4x3")   # pard: one lead token (its own pass), then a 4 x 3 tree from one pass
+    DrafterSpec.parse("pard:1+4x3")   # pard: one lead token, then a pass knowing it (a tree of 1 + 4 x 3 nodes)
 
 Imports nothing from dflash2 at module level, so every layer may use it.
 """
