@@ -99,8 +99,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec = DrafterSpec.parse(args.drafter).resolved(args.model, serving=True)  # auto: what `dflash2 serve` drafts
-    engine = dflash2.load(args.model, drafter=spec, dtype=args.dtype, weights=args.weights, device="cpu")
+    engine = dflash2.load(args.model, drafter=DrafterSpec.parse(args.drafter), dtype=args.dtype, weights=args.weights,
+                          device="cpu", serving=True)  # auto: what `dflash2 serve` drafts
     drafter, k = engine.drafter.name, engine.drafter.num_draft_tokens
     print(f"drafter {args.drafter} = {drafter}, k = {k}", flush=True)
     per_suite = [load_suite(name, limit=args.requests) for name in args.suite.split(",")]

@@ -29,13 +29,14 @@ def load(
     adaptive_draft: bool | None = None,
     draft_threads: int | None = None,
     prefix_cache: bool = True,
+    serving: bool = False,
 ) -> Engine:
     """Load a target (model-store name, HF directory or .gguf path) and optionally a drafter.
 
     drafter: a spec ``name[:[L+]k[xW]]`` (:class:`~dflash2.drafters.spec.DrafterSpec`; e.g. ``"dflash2:2x3"``: draft
     length k = 2, a tree of width W = 3; ``"pard:1+4x3"``: one lead draft, then that tree). Names: "auto" (the
     default: the drafter measured fastest for the target, ``pard+ngram`` for the default target, else ``ngram``;
-    the server's is ``dflash2+ngram``), "ngram" (prompt lookup), None / "none" (plain decoding), "model" (an
+    ``serving`` picks the server's, see below), "ngram" (prompt lookup), None / "none" (plain decoding), "model" (an
     independent small model of the same tokenizer, ``draft_model``; default: the store's pairing for the target),
     "dflash" (a trained block drafter: the one shipped for the target, or a directory in ``draft_model``),
     "dflash+ngram", "dflash2", "dflash2+ngram" (the shipped DFlash2 drafter). Every drafter is lossless.
@@ -54,6 +55,8 @@ def load(
     prefix_cache: keep the last generation's KV cache (one sequence) and start the next call from the longest
     prefix its prompt shares with it, so a chat called turn after turn prefills only the new turn (not with the
     overlapped pipeline); ``engine.clear_cache()`` frees it. The output is the same either way.
+    serving: ``auto`` means the drafter measured fastest in the batch server (``dflash2 serve``, 8 concurrent
+    clients): ``pard+ngram`` where the target verifies on AMX tiles, else ``dflash2+ngram``, for the default target.
     """
     from dflash2.decode.draft_length import default_adaptive_draft
     from dflash2.decode.overlap import default_draft_threads, default_pipeline
@@ -67,7 +70,7 @@ def load(
     built = None
     if spec.drafts:
         built = build_drafter(spec, DraftTarget(model, tokenizer, target), draft_model=draft_model, dtype=dtype,
-                              weights=weights, pull=pull)
+                              weights=weights, pull=pull, serving=serving)
     return Engine(model, tokenizer, drafter=built, name=target, pipeline=pipeline or default_pipeline(model.device),
                   adaptive_draft=default_adaptive_draft(weights) if adaptive_draft is None else adaptive_draft,
                   draft_threads=draft_threads or default_draft_threads(model.device),

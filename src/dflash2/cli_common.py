@@ -46,7 +46,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
                             help=f"draft method, one of {', '.join(DRAFTER_NAMES)}, optionally with its draft length "
                                  "K and tree width W (e.g. dflash2:2x3), for pard a lead L (pard:1+4x3); every one "
                                  "is lossless (default: auto, the one measured fastest for the target: pard+ngram "
-                                 "for the default target, dflash2+ngram when serving it, else ngram)")
+                                 "for the default target (a 4x3 tree on AMX); serving it, pard+ngram on AMX, else "
+                                 "dflash2+ngram; ngram for other targets)")
     parser.add_argument("--draft-model", default=None, help="small model for --drafter model (default: the pairing)")
     parser.add_argument("-k", "--num-draft-tokens", type=int, default=None,
                         help="drafts per step (the K of --drafter NAME:K; give it once; default: the drafter's)")
@@ -74,9 +75,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, drafter_choice: bool =
                              "most on a CPU; off otherwise)")
 
 
-def load_engine(args: argparse.Namespace, spec=None):
+def load_engine(args: argparse.Namespace, spec=None, serving: bool = False):
     """The engine of the parsed model options (``--drafter`` merged with ``-k`` / ``--num-candidates``, unless the
-    caller passes the spec, e.g. with ``auto`` already resolved)."""
+    caller passes the spec); ``serving``: ``auto`` means the server's drafter (:func:`dflash2.load`)."""
     import torch
 
     import dflash2
@@ -94,4 +95,5 @@ def load_engine(args: argparse.Namespace, spec=None):
         pipeline=args.pipeline,
         adaptive_draft=args.adaptive_draft,
         draft_threads=args.draft_threads,
+        serving=serving,
     )

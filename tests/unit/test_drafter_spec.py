@@ -70,6 +70,20 @@ def test_one_table_holds_every_drafters_default_length():
         build_drafter("model:4x2", target)
 
 
+def test_serving_builds_the_drafter_the_server_measured_fastest(monkeypatch):
+    from dflash2.drafters import spec as spec_module
+
+    name = "/some/local/dir"  # ngram needs only the tokenizer; the tables name the drafter by its draft length
+    monkeypatch.setitem(spec_module.MEASURED_DEFAULT_DRAFTERS, name, "ngram:3")
+    monkeypatch.setitem(spec_module.MEASURED_SERVING_DRAFTERS, name, "ngram:5")
+    monkeypatch.setitem(spec_module.MEASURED_TILE_SERVING_DRAFTERS, name, "ngram:7")
+    target = DraftTarget(None, EosTokenizer(), name)  # no model: its layers are not on AMX tiles
+    assert build_drafter("auto", target).num_draft_tokens == 3
+    assert build_drafter("auto", target, serving=True).num_draft_tokens == 5
+    assert build_drafter("ngram:4", target, serving=True).num_draft_tokens == 4  # a named drafter stays itself
+    assert spec_module.default_drafter(name, serving=True, tile_verification=True) == "ngram:7"
+
+
 def test_stateless_drafters_are_shared_and_stateful_ones_copied(tiny_model_dirs):
     from dflash2.drafters.model import ModelDrafter
     from dflash2.models.loading import load_transformer

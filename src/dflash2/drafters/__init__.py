@@ -43,16 +43,17 @@ class DraftTarget:
 
 def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: str | None = None,
                   num_draft_tokens: int | None = None, num_candidates: int | None = None, dtype: str = "bf16",
-                  weights: str = "bf16", pull: bool = True) -> Drafter:
+                  weights: str = "bf16", pull: bool = True, serving: bool = False) -> Drafter:
     """Build the drafter ``spec`` (``name[:[L+]k[xW]]``, see :mod:`dflash2.drafters.spec`) for ``target``'s model.
 
     ``num_draft_tokens`` / ``num_candidates`` set k / W when the spec does not (ValueError when both set them
-    differently). Refuses a draft model whose tokenizer differs.
+    differently). ``serving``: ``auto`` means what it means in the batch server. Refuses a draft model whose
+    tokenizer differs.
     """
     from dflash2.kernels.packed_linear import tile_verification
 
     spec = DrafterSpec.parse(spec).merge(num_draft_tokens, num_candidates).resolved(
-        target.name, tile_verification=tile_verification(target.target))
+        target.name, serving=serving, tile_verification=tile_verification(target.target))
     if not spec.drafts:
         raise ValueError("drafter 'none' is plain decoding: there is no drafter to build")
     name, width = spec.name, spec.width

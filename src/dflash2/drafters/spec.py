@@ -39,6 +39,10 @@ DEFAULT_NUM_DRAFT_TOKENS: dict[str, int | None] = {
 # with its own model pass per request (pard) costs more than a batched plain step saves.
 MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram"}
 MEASURED_SERVING_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash2+ngram"}
+# The server where the target verifies on AMX tiles (a step of 16 rows costs about one of 8): pard's shared pass pays
+# there, pard+ngram 1.13-1.24x over plain against dflash2+ngram's 1.07-1.09x (docs/serving.md, "Session 35" and
+# "Session 36"); elsewhere (AVX2, AVX-512 BF16) pard stayed below plain at 8 clients ("Session 29-30").
+MEASURED_TILE_SERVING_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram"}
 # Where the target's linear layers run on AMX tiles over the whole K (bf16, int8), a forward of up to 16 rows costs
 # about one of 4 (a tile product costs the same for 1-16 rows), so one request verifies a best-first tree of k * W
 # drafts from the same single pard pass for nearly the price of a chain: pard+ngram:4x3 (13 rows) measured fastest
@@ -50,14 +54,15 @@ MEASURED_TILE_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram:4x3"}
 def default_drafter(target_name: str, serving: bool = False, tile_verification: bool = False) -> str:
     """What ``drafter="auto"`` means for a target (store name, alias or path), for one request at a time or for
     the batch server (``serving``): a spec, ``name[:[L+]k[xW]]``. ``tile_verification``: the target's linear layers
-    run on AMX tiles over the whole K (:func:`dflash2.kernels.packed_linear.tile_verification`; one request at a
-    time only: the server's pard passes are chains shared by its requests)."""
+    run on AMX tiles over the whole K (:func:`dflash2.kernels.packed_linear.tile_verification`): one request then
+    verifies a tree, and the server drafts with pard (chains: its pard passes are shared by its requests)."""
     from dflash2.models.store import canonical_name
 
     name = canonical_name(target_name) or target_name
-    if tile_verification and not serving and name in MEASURED_TILE_DRAFTERS:
-        return MEASURED_TILE_DRAFTERS[name]
-    table = MEASURED_SERVING_DRAFTERS if serving else MEASURED_DEFAULT_DRAFTERS
+    if serving:
+        table = MEASURED_TILE_SERVING_DRAFTERS if tile_verification else MEASURED_SERVING_DRAFTERS
+    else:
+        table = MEASURED_TILE_DRAFTERS if tile_verification else MEASURED_DEFAULT_DRAFTERS
     return table.get(name, "ngram")
 
 

@@ -61,8 +61,8 @@ def build_server(args: argparse.Namespace):
         raise CliError(f"--num-draft-tokens must be > 0, got {args.num_draft_tokens}")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise CliError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
-    spec = drafter_spec(args).resolved(args.model, serving=True)  # auto: the drafter measured fastest when serving
-    engine = load_engine(args, spec)
+    spec = drafter_spec(args)
+    engine = load_engine(args, spec, serving=True)  # auto: the drafter measured fastest when serving
     c = engine.target.config
     taps = () if args.no_prefix_cache else prefix_tap_layers(engine)  # hidden states the pool keeps per slot
     per_block = PagedKVPool.bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim, args.block_size,
