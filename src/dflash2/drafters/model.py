@@ -29,6 +29,7 @@ class CachedModelDrafter(Drafter):
     """
 
     extra_slots = 0  # cache slots a draft pass writes past the committed sequence (and forgets)
+    READER_MIN_IDS = 32  # a read of at least this many ids goes through ``reader`` when there is one
 
     def __init__(self, model: Transformer, num_draft_tokens: int, target_vocab_size: int | None = None,
                  context_window: tuple[int, int] | None = None, catch_up: int | None = None) -> None:
@@ -38,6 +39,7 @@ class CachedModelDrafter(Drafter):
         if catch_up is not None and catch_up < 1:
             raise ValueError(f"catch_up must be >= 1 ids (or None: all), got {catch_up}")
         self.model = model
+        self.reader: Transformer | None = None  # the same network laid out for many rows (pard.reading_twin)
         self.target_vocab_size = target_vocab_size or model.config.vocab_size
         self.context_window = context_window
         self.catch_up = catch_up
@@ -134,8 +136,10 @@ class CachedModelDrafter(Drafter):
             return
         device = self.model.device
         feed = [ids[p] for p in positions]
-        self.model(torch.tensor([feed], device=device), torch.tensor([positions], device=device), cache=self.cache,
-                   logits="none")
+        many = self.reader is not None and len(feed) >= self.READER_MIN_IDS
+        (self.reader if many else self.model)(torch.tensor([feed], device=device),
+                                              torch.tensor([positions], device=device), cache=self.cache,
+                                              logits="none")
         self._mark_read(ids, positions)
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,16 @@ def initial_mask_embedding(model: Transformer, used_ids: int | None = None) -> t
 def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype: str = "bf16",
                     device: str = "cpu", *, packed: bool | None = None, mask_token_id: int | None = None,
                     weights: str = "bf16", draft_vocab: bool = True) -> tuple[Transformer, PardConfig]:
+    """The drafter's network and its config: :func:`load_pard_networks` without a prompt reader."""
+    model, config, _ = load_pard_networks(adapter_dir, base_dir, dtype, device, packed=packed,
+                                          mask_token_id=mask_token_id, weights=weights, draft_vocab=draft_vocab)
+    return model, config
+
+
+def load_pard_networks(adapter_dir: str | Path | None, base_dir: str | Path, dtype: str = "bf16",
+                       device: str = "cpu", *, packed: bool | None = None, mask_token_id: int | None = None,
+                       weights: str = "bf16", draft_vocab: bool = True, reader: bool = False
+                       ) -> tuple[Transformer, PardConfig, Transformer | None]:
     """The base network with a trained adapter merged in (or untrained: ``adapter_dir`` None, the mask embedding
     is then the mean embedding). Packed for the CPU kernel when ``packed`` (None: as ``load_transformer``).
     ``weights`` "int8" / "int4": the MERGED projections and the head quantized (weight-only, CPU kernels; quantized
@@ -95,7 +105,9 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
     inputs as well).
     ``draft_vocab``: when the adapter directory has ``draft_vocab.safetensors``, the head keeps only those rows
     (:class:`VocabSubsetHead`: logits of the other ids are -inf, so they are never drafted; the head is 28% of the
-    0.5B's weights at the full 151936 ids)."""
+    0.5B's weights at the full 151936 ids).
+    ``reader`` (with Q8_0 / Q4_0 blocks only, else None): also a twin of the network for reading long prompts
+    (:func:`reading_twin`), the third item."""
     from safetensors.torch import load_file
 
     from dflash2.kernels.gguf_linear import GgufLinear
@@ -138,6 +150,7 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
         model.lm_head = nn.Linear(full.in_features, len(vocab), bias=False, device=full.weight.device,
                                   dtype=full.weight.dtype).requires_grad_(False)
         model.lm_head.weight.data = full.weight.data[vocab].clone()
+    twin = reading_twin(model) if reader and weights in BLOCK_FORMATS else None
     if weights in BLOCK_FORMATS:  # the gguf kernels over Q8_0 / Q4_0 blocks quantized from the merged weights
         qtype = BLOCK_FORMATS[weights]
         replace_linear_layers(model, lambda linear: GgufLinear.from_linear(linear, qtype=qtype))
@@ -151,7 +164,26 @@ def load_pard_model(adapter_dir: str | Path | None, base_dir: str | Path, dtype:
     move_linear_weights(model)  # packed / quantized weights onto huge pages (models/huge_pages.py)
     if vocab is not None:
         model.lm_head = VocabSubsetHead(model.lm_head, vocab, model.config.vocab_size)
-    return model.eval().requires_grad_(False), config
+    if twin is not None:
+        twin.lm_head = model.lm_head  # (a read computes no logits; the twin is a whole network all the same)
+    return model.eval().requires_grad_(False), config, twin
+
+
+def reading_twin(model: Transformer) -> Transformer:
+    """A twin of ``model`` (merged, not yet quantized) whose projections run the packed bf16 kernel: the same
+    embedding, norms and buffers (shared), its own projections (the head: the caller's to share). On AMX tiles a
+    prompt of 170 ids costs the 0.5B 115 ms in bf16 against 237 ms in Q8_0 blocks, whose tile products store and
+    scale every block of 32 inputs per row (docs/pard.md, "Session 36"); a few rows cost less in Q8_0 (half the
+    bytes), so the drafter keeps its blocks for its draft passes (:attr:`CachedModelDrafter.reader`)."""
+    import copy
+
+    from dflash2.models.loading import own_memory, pack_linear_layers
+
+    projections = {id(m.weight) for layer in model.layers for m in layer.modules() if isinstance(m, nn.Linear)}
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in projections}
+    twin = copy.deepcopy(model, memo=dict(shared))
+    pack_linear_layers(twin, include_head=False)  # (not moved onto huge pages: 1.7 s at load, no faster reads)
+    return own_memory(twin).eval().requires_grad_(False)
 
 
 def read_draft_vocab(adapter_dir: str | Path) -> torch.Tensor | None:
@@ -208,11 +240,27 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
     if Tokenizer(base_dir).fingerprint() != target.tokenizer.fingerprint():
         raise ValueError(f"pard base {base!r} has a different tokenizer from the target; it cannot draft for it")
     device = str(target.target.device)
-    model, config = load_pard_model(adapter, base_dir, dtype, device, weights=pard_weights(weights, device, dtype))
+    model, config, reader = load_pard_networks(adapter, base_dir, dtype, device,
+                                               weights=pard_weights(weights, device, dtype), reader=pard_reader())
     k = num_draft_tokens or config.default_num_draft_tokens or config.num_draft_tokens
     return PardDrafter(model, config.mask_token_id, lead_tokens + k, target_vocab_size=target.target.config.vocab_size,
                        num_paths=num_paths, context_window=pard_context_window(), catch_up=pard_catch_up(),
-                       lead_tokens=lead_tokens)
+                       lead_tokens=lead_tokens, reader=reader)
+
+
+def pard_reader() -> bool:
+    """Whether a drafter in Q8_0 / Q4_0 blocks also keeps a bf16 twin for reading prompts (:func:`reading_twin`):
+    where the packed bf16 kernel runs on AMX tiles (measured there), unless ``$DFLASH2_PARD_READER`` = ``none``
+    (it costs 2 bytes per projection weight: ~0.7 GB for the 0.5B). Lossless either way (only the drafts' context
+    is computed differently)."""
+    import os
+
+    from dflash2.kernels.packed_linear import amx_usable
+
+    text = os.environ.get("DFLASH2_PARD_READER", "").strip().lower()
+    if text not in ("", "none", "bf16"):
+        raise ValueError(f"DFLASH2_PARD_READER must be bf16 or none, got {text!r}")
+    return text == "bf16" or (text == "" and amx_usable())
 
 
 def pard_catch_up() -> int | None:
@@ -321,8 +369,9 @@ class PardDrafter(CachedModelDrafter):
     def __init__(self, model: Transformer, mask_token_id: int, num_draft_tokens: int = 8,
                  target_vocab_size: int | None = None, num_paths: int = 1,
                  context_window: tuple[int, int] | None = None, catch_up: int | None = None,
-                 lead_tokens: int = 0) -> None:
+                 lead_tokens: int = 0, reader: Transformer | None = None) -> None:
         super().__init__(model, num_draft_tokens, target_vocab_size, context_window, catch_up)
+        self.reader = reader  # reads long prompts (load_pard_networks); None: the network itself
         if num_paths < 1:
             raise ValueError(f"num_paths must be >= 1, got {num_paths}")
         if not 0 <= lead_tokens < num_draft_tokens:
@@ -344,7 +393,7 @@ class PardDrafter(CachedModelDrafter):
     def for_request(self) -> PardDrafter:
         """The same network (weights shared), its own KV cache."""
         return PardDrafter(self.model, self.mask_token_id, self.num_draft_tokens, self.target_vocab_size,
-                           self.num_paths, self.context_window, self.catch_up, self.lead_tokens)
+                           self.num_paths, self.context_window, self.catch_up, self.lead_tokens, self.reader)
 
     def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> tuple[PardDrafter, int] | None:
         """A chain's single pass can share one forward with other requests' (:func:`propose_batch`); a tree's or a
