@@ -1,7 +1,7 @@
 import pytest
 
 from dflash2.decode.cost_model import Acceptance, DraftCost, ForwardCost
-from dflash2.decode.scheduler import RowDrafts, plan_draft_lengths, rate_of_plan
+from dflash2.decode.scheduler import RowDrafts, lower_hull, plan_draft_lengths, rate_of_plan
 
 
 def geometric(alpha: float, k: int, pass_s: float = 0.0, token_s: float = 0.0) -> RowDrafts:
@@ -115,6 +115,37 @@ def test_rows_of_one_shared_network_pay_its_pass_together():
     off = rate_of_plan(rows, [0] * 8, 8, 8.0, line(c0, c1), network)
     assert rate_of_plan(rows, plan, 8, 8.0, line(c0, c1), network) > off
     assert off == pytest.approx(8.0 / 0.158)  # no row drafts: no pass is run
+
+
+def test_the_plan_crosses_a_jump_in_the_forwards_cost_when_the_rows_past_it_pay():
+    """AMX tiles: 1-16 rows cost one block of rows, 17-32 two (the 1.5B target, 8 requests: 132 vs 160 ms). One
+    draft at a time, the 17th row costs the whole jump and is refused; filling the second block pays. The plan is
+    the best of every plan that gives each row the same number of drafts, and below 16 rows nothing changes."""
+    network = {"pard": lambda ids: 0.020 + 0.0006 * ids}
+    rows = [RowDrafts(3, [0.8, 0.5, 0.3], network="pard", reads=1.6)] * 8
+
+    def tiles(tokens: int) -> float:
+        return 0.132 if tokens <= 16 else 0.160 if tokens <= 32 else 0.200
+
+    plan = plan_draft_lengths(rows, base_tokens=8, base_expected=8.0, forward_s=tiles, network_s=network)
+    assert sum(plan) == 24  # 32 rows: the second block filled
+    uniform = {k: rate_of_plan(rows, [k] * 8, 8, 8.0, tiles, network) for k in range(4)}
+    assert max(uniform, key=uniform.get) == 3 and uniform[3] > uniform[1]
+    assert rate_of_plan(rows, plan, 8, 8.0, tiles, network) == pytest.approx(uniform[3])
+    smooth = plan_draft_lengths(rows, base_tokens=8, base_expected=8.0, forward_s=line(0.100, 0.004), network_s=network)
+    assert smooth == plan_draft_lengths(rows, base_tokens=8, base_expected=8.0, forward_s=lower_hull(
+        line(0.100, 0.004), 8, 32), network_s=network)  # a convex cost is its own hull
+
+
+def test_the_lower_hull_spreads_a_jump_over_the_sizes_past_it():
+    def tiles(tokens: int) -> float:
+        return 1.0 if tokens <= 16 else 2.0
+
+    hull = lower_hull(tiles, 8, 32)
+    assert hull(8) == tiles(8) and hull(32) == tiles(32) and hull(40) == tiles(40)  # its ends, and outside it
+    assert hull(16) == 1.0 and hull(24) == pytest.approx(1.5) and all(hull(n) <= tiles(n) for n in range(8, 33))
+    steps = [hull(n + 1) - hull(n) for n in range(8, 32)]
+    assert all(b >= a - 1e-12 for a, b in zip(steps, steps[1:]))  # convex: no jump left
 
 
 def test_a_shared_pass_that_does_not_pay_is_left_out():

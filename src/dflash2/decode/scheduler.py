@@ -15,12 +15,17 @@ Rows whose drafts are passes of one shared network (``RowDrafts.network``: the r
 the same 0.5B) draft in ONE forward of it per step, whose seconds ``network_s[key](N)`` grow with the ids N it
 is fed (each drafting row's reads + its drafts): its weights are read once, so one row's drafts cost only their
 ids once another row drafts. Greedy cannot see that bundle (the first row would carry the whole pass), so the
-pass is planned as paid and the plan compared with the best plan without it.
+pass is planned as paid and the plan compared with the best plan without it. Nor can it see past a jump in the
+forward's cost: on AMX tiles 1-16 rows cost about the same, the 17th starts a second block of rows (+25 ms on the
+1.5B) and rows 18-32 are nearly free again, so one draft at a time never crosses it. Each plan is therefore also
+made against the lower convex hull of the forward's cost (the jump spread over the rows it buys), and the plan
+kept is the one with the most expected tokens per second at the true cost.
 Drafts never change what is generated, only how fast.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -49,15 +54,45 @@ def plan_draft_lengths(rows: list[RowDrafts], base_tokens: int, base_expected: f
     tokens (non-decreasing); network_s: the shared passes' seconds, for rows that name a network."""
     network_s = network_s or {}
     networks = sorted({row.network for row in rows if row.network is not None and row.max_drafts > 0}, key=repr)
-    if not networks:
-        return _greedy(rows, base_tokens, base_expected, forward_s, network_s)
+    hull = lower_hull(forward_s, base_tokens, base_tokens + sum(row.max_drafts for row in rows))
     # Each network's pass planned as run (its rows' drafts priced by the ids they add), or left out.
-    candidates = [_greedy(rows, base_tokens, base_expected, forward_s, network_s)]
-    for closed in [networks] + ([[key] for key in networks] if len(networks) > 1 else []):
-        kept = [RowDrafts(0, []) if row.network in closed else row for row in rows]
-        candidates.append(_greedy(kept, base_tokens, base_expected, forward_s, network_s))
+    variants = [rows] + [[RowDrafts(0, []) if row.network in closed else row for row in rows]
+                         for closed in ([networks] if networks else [])
+                         + ([[key] for key in networks] if len(networks) > 1 else [])]
+    candidates = [_greedy(kept, base_tokens, base_expected, cost, network_s) for kept in variants
+                  for cost in (forward_s, hull)]
     return max(candidates, key=lambda plan: rate_of_plan(rows, plan, base_tokens, base_expected, forward_s,
                                                          network_s))
+
+
+def lower_hull(forward_s: Callable[[int], float], lo: int, hi: int) -> Callable[[int], float]:
+    """The lower convex hull of ``forward_s`` over the sizes ``lo .. hi`` (``forward_s`` outside them): a cost
+    whose every extra token costs at least what the one before it did, so a jump is spread over the sizes past it."""
+    if hi - lo < 2:
+        return forward_s
+    hull: list[tuple[int, float]] = []
+    for size in range(lo, hi + 1):
+        point = (size, forward_s(size))
+        while len(hull) >= 2 and _turn(hull[-2], hull[-1], point) <= 0:  # hull[-1] lies on or above the chord
+            hull.pop()
+        hull.append(point)
+    sizes = [size for size, _ in hull]
+
+    def seconds(num_tokens: int) -> float:
+        if not lo <= num_tokens <= hi:
+            return forward_s(num_tokens)
+        i = bisect.bisect_left(sizes, num_tokens)
+        if sizes[i] == num_tokens:
+            return hull[i][1]
+        (a, t_a), (b, t_b) = hull[i - 1], hull[i]
+        return t_a + (t_b - t_a) * (num_tokens - a) / (b - a)
+
+    return seconds
+
+
+def _turn(o: tuple[int, float], a: tuple[int, float], b: tuple[int, float]) -> float:
+    """> 0 when o -> a -> b turns left (a lies below the chord o -> b)."""
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
 
 
 def rate_of_plan(rows: list[RowDrafts], plan: list[int], base_tokens: int, base_expected: float,
