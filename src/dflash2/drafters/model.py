@@ -26,6 +26,8 @@ class CachedModelDrafter(Drafter):
     - ``catch_up``: a cache that fell behind (a drafter idle while speculation was off, or while prompt lookup
       drafted) reads only the last ``catch_up`` of the ids it missed (None reads them all): resuming then costs
       about a usual pass, not a forward over every id committed meanwhile.
+    ``reader``: when set (pard in Q8_0 / Q4_0 blocks on AMX: ``pard.reading_twin``), reads of at least
+    ``READER_MIN_IDS`` ids (a prompt) go through it instead of ``model``: the same network laid out for many rows.
     """
 
     extra_slots = 0  # cache slots a draft pass writes past the committed sequence (and forgets)

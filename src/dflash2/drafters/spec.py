@@ -40,7 +40,7 @@ DEFAULT_NUM_DRAFT_TOKENS: dict[str, int | None] = {
 MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram"}
 MEASURED_SERVING_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash2+ngram"}
 # The server where the target verifies on AMX tiles (a step of 16 rows costs about one of 8): pard's shared pass pays
-# there, pard+ngram 1.13-1.24x over plain against dflash2+ngram's 1.07-1.09x (docs/serving.md, "Session 35" and
+# there, pard+ngram 1.13-1.26x over plain against dflash2+ngram's 1.07-1.09x (docs/serving.md, "Session 35" and
 # "Session 36"); elsewhere (AVX2, AVX-512 BF16) pard stayed below plain at 8 clients ("Session 29-30").
 MEASURED_TILE_SERVING_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram"}
 # Where the target's linear layers run on AMX tiles over the whole K (bf16, int8), a forward of up to 16 rows costs
