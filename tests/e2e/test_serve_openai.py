@@ -38,6 +38,24 @@ def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [SMOLLM2]
 
 
+def test_the_startup_line_names_the_drafter_auto_chose(server):
+    """`auto` is resolved when the server loads (ngram off the default target) and the startup line says so."""
+    import threading
+
+    lines: list[str] = []
+
+    def read_until_the_startup_line() -> None:  # printed before /health answered: readline does not wait for it
+        for line in server.process.stderr:
+            lines.append(line)
+            if line.startswith("dflash2: serving"):
+                return
+
+    reader = threading.Thread(target=read_until_the_startup_line, daemon=True)
+    reader.start()
+    reader.join(10)
+    assert lines and lines[-1].startswith(f"dflash2: serving {SMOLLM2} on {server.base_url} (drafter ngram, k = 8; ")
+
+
 def test_greedy_chat_equals_plain_decoding_and_counts_usage(client):
     engine = lean_engine(SMOLLM2, "fp32")
     expected = engine.generate(CHAT, max_new_tokens=24)

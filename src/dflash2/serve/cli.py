@@ -105,8 +105,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CliError("serving needs the serve extra: pip install 'dflash2[serve]'") from None
     app, batch = build_server(args)
     batch.start()
+    drafter = batch.engine.drafter
+    drafting = "no drafter" if drafter is None else f"drafter {drafter.name}, k = {drafter.num_draft_tokens}"
     print(f"dflash2: serving {args.served_model_name or args.model} on http://{args.host}:{args.port} "
-          f"({batch.pool.num_blocks} KV blocks of {batch.pool.block_size})", file=sys.stderr, flush=True)
+          f"({drafting}; {batch.pool.num_blocks} KV blocks of {batch.pool.block_size})", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     finally:
