@@ -2,21 +2,22 @@
 
 Any draft length is lossless (verification decides what is kept), so the policy only trades speed. The adaptive
 policy estimates the acceptance at each draft position with the loops' one estimator (``cost_model.Acceptance``:
-``reach(i)``, the probability that draft i is accepted), and the cost of a step from measured draft and verify
-times with their one forward cost model (``cost_model.ForwardCost``: a verification of k drafts costs
-``relative(1 + k)`` plain steps, from the measured time of each size). Drafting costs per draft token (a draft model runs once per token) or per pass
-(a block drafter fills k positions in one forward: ``Drafter.cost_per_pass``). It picks the k in [0, k_max] that
-maximises
+``reach(i)``, the probability that draft i is accepted), and the cost of a step from measured draft and verify times
+with their one forward cost model (``cost_model.ForwardCost``: a verification of k drafts costs ``relative(1 + k)``
+plain steps, from the measured time of each size). Drafting costs per draft token (a draft model runs once per
+token) or per pass (a block drafter fills k positions in one forward: ``Drafter.cost_per_pass``). It picks the k in
+[0, k_max] that maximises
 
     expected tokens per step / expected seconds per step,   E(k) = 1 + reach(0) + ... + reach(k - 1)
 
 k = 0 is plain decoding (speculation off). While off, nothing is drafted so nothing is learnt: every
 ``probe_interval`` steps one short probe draft refreshes the estimate; a probe that leaves speculation off doubles
 the interval (up to ``max_probe_interval``): a probe costs more than a draft pass (the drafter first reads what it
-missed while it was off, up to its catch-up window), so on text where drafts do not pay it should be rare. While on at one length,
-the verification cost's growth with k cannot be fitted (every forward has the same size): every
-``probe_interval`` steps one step drafts one token fewer (one more when k = 1), which costs about nothing. The forward cost model may be shared by
-the requests of one engine (the same target), so later requests start from a fit.
+missed while it was off, up to its catch-up window), so on text where drafts do not pay it should be rare. While on
+at one length, the verification cost's growth with k cannot be fitted (every forward has the same size): every
+``probe_interval`` steps one step drafts one token fewer (one more when k = 1), which costs about nothing. The
+forward cost model may be shared by the requests of one engine (the same target), so later requests start from a
+fit.
 """
 
 from __future__ import annotations

@@ -2,25 +2,25 @@
 
 Model: a forward over N tokens costs ``forward_s(N)`` seconds (``decode/cost_model.ForwardCost.seconds``: the
 measured mean time of each size seen, non-decreasing, linear in between, the fitted line's slope beyond; a CPU's
-small forwards stream the weights and cost far less per token than its large ones), and a row that drafts costs its drafter's time first (``decode/cost_model.DraftCost``: one
-pass of a block drafter whatever k, or one pass per token of a draft model); drafting runs row by row before the
-forward. A row's i-th draft is accepted with probability ``reach[i]`` (that request's acceptance by position,
-``decode/cost_model.Acceptance``), so it is worth ``reach[i]`` expected tokens. Drafts are granted greedily, the
-best gain per second first, while they raise the expected tokens per second of the step: an extension worth
-``gain`` tokens for ``cost`` seconds pays when ``gain / cost > E / T`` (the step's current expected tokens E and
-seconds T). A row's first drafts carry its drafting pass, so they are weighed as a bundle (the best prefix). At
-batch 1 a token is nearly free (forward_s(2) ~ forward_s(1)) and drafts pay; with many rows the forward turns compute-bound and
-every drafting pass costs as much as the rows it serves gain, so weak drafts are dropped, down to speculation off.
-Rows whose drafts are passes of one shared network (``RowDrafts.network``: the requests' pard drafters over
-the same 0.5B) draft in ONE forward of it per step, whose seconds ``network_s[key](N)`` grow with the ids N it
-is fed (each drafting row's reads + its drafts): its weights are read once, so one row's drafts cost only their
-ids once another row drafts. Greedy cannot see that bundle (the first row would carry the whole pass), so the
-pass is planned as paid and the plan compared with the best plan without it. Nor can it see past a jump in the
-forward's cost: on AMX tiles 1-16 rows cost about the same, the 17th starts a second block of rows (+25 ms on the
-1.5B) and rows 18-32 are nearly free again, so one draft at a time never crosses it. Each plan is therefore also
-made against the lower convex hull of the forward's cost (the jump spread over the rows it buys), and the plan
-kept is the one with the most expected tokens per second at the true cost.
-Drafts never change what is generated, only how fast.
+small forwards stream the weights and cost far less per token than its large ones), and a row that drafts costs its
+drafter's time first (``decode/cost_model.DraftCost``: one pass of a block drafter whatever k, or one pass per token
+of a draft model); drafting runs row by row before the forward. A row's i-th draft is accepted with probability
+``reach[i]`` (that request's acceptance by position, ``decode/cost_model.Acceptance``), so it is worth ``reach[i]``
+expected tokens. Drafts are granted greedily, the best gain per second first, while they raise the expected tokens
+per second of the step: an extension worth ``gain`` tokens for ``cost`` seconds pays when ``gain / cost > E / T``
+(the step's current expected tokens E and seconds T). A row's first drafts carry its drafting pass, so they are
+weighed as a bundle (the best prefix). At batch 1 a token is nearly free (forward_s(2) ~ forward_s(1)) and drafts
+pay; with many rows the forward turns compute-bound and every drafting pass costs as much as the rows it serves
+gain, so weak drafts are dropped, down to speculation off. Rows whose drafts are passes of one shared network
+(``RowDrafts.network``: the requests' pard drafters over the same 0.5B) draft in ONE forward of it per step, whose
+seconds ``network_s[key](N)`` grow with the ids N it is fed (each drafting row's reads + its drafts): its weights
+are read once, so one row's drafts cost only their ids once another row drafts. Greedy cannot see that bundle (the
+first row would carry the whole pass), so the pass is planned as paid and the plan compared with the best plan
+without it. Nor can it see past a jump in the forward's cost: on AMX tiles 1-16 rows cost about the same, the 17th
+starts a second block of rows (+25 ms on the 1.5B) and rows 18-32 are nearly free again, so one draft at a time
+never crosses it. Each plan is therefore also made against the lower convex hull of the forward's cost (the jump
+spread over the rows it buys), and the plan kept is the one with the most expected tokens per second at the true
+cost. Drafts never change what is generated, only how fast.
 """
 
 from __future__ import annotations

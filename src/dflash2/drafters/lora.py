@@ -42,7 +42,8 @@ class LoRALinear(nn.Module):
         return linear.requires_grad_(False)
 
 
-def add_lora(model: Transformer, rank: int, alpha: float, targets: tuple[str, ...] = LORA_TARGETS) -> list[nn.Parameter]:
+def add_lora(model: Transformer, rank: int, alpha: float,
+             targets: tuple[str, ...] = LORA_TARGETS) -> list[nn.Parameter]:
     """Wrap the ``targets`` projections of every layer in :class:`LoRALinear`; returns the new parameters."""
     if rank <= 0:
         return []
