@@ -179,10 +179,8 @@ def reading_twin(model: Transformer) -> Transformer:
 
     from dflash2.models.loading import own_memory, pack_linear_layers
 
-    projections = {id(m.weight) for layer in model.layers for m in layer.modules() if isinstance(m, nn.Linear)}
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers()) if id(t) not in projections}
-    twin = copy.deepcopy(model, memo=dict(shared))
-    pack_linear_layers(twin, include_head=False)  # (not moved onto huge pages: 1.7 s at load, no faster reads)
+    twin = copy.deepcopy(model, memo={id(t): t for t in (*model.parameters(), *model.buffers())})  # modules only
+    pack_linear_layers(twin, include_head=False)  # the projections' packed copies (not on huge pages: no faster reads)
     return own_memory(twin).eval().requires_grad_(False)
 
 
