@@ -55,10 +55,10 @@ def plan_draft_lengths(rows: list[RowDrafts], base_tokens: int, base_expected: f
     network_s = network_s or {}
     networks = sorted({row.network for row in rows if row.network is not None and row.max_drafts > 0}, key=repr)
     hull = lower_hull(forward_s, base_tokens, base_tokens + sum(row.max_drafts for row in rows))
-    # Each network's pass planned as run (its rows' drafts priced by the ids they add), or left out.
-    variants = [rows] + [[RowDrafts(0, []) if row.network in closed else row for row in rows]
-                         for closed in ([networks] if networks else [])
-                         + ([[key] for key in networks] if len(networks) > 1 else [])]
+    # Each network's pass planned as run (its rows' drafts priced by the ids they add), or left out: all of them,
+    # or one at a time where there are several.
+    left_out = ([networks] if networks else []) + ([[key] for key in networks] if len(networks) > 1 else [])
+    variants = [rows] + [[RowDrafts(0, []) if row.network in closed else row for row in rows] for closed in left_out]
     candidates = [_greedy(kept, base_tokens, base_expected, cost, network_s) for kept in variants
                   for cost in (forward_s, hull)]
     return max(candidates, key=lambda plan: rate_of_plan(rows, plan, base_tokens, base_expected, forward_s,
