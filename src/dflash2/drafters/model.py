@@ -34,14 +34,15 @@ class CachedModelDrafter(Drafter):
     READER_MIN_IDS = 32  # a read of at least this many ids goes through ``reader`` when there is one
 
     def __init__(self, model: Transformer, num_draft_tokens: int, target_vocab_size: int | None = None,
-                 context_window: tuple[int, int] | None = None, catch_up: int | None = None) -> None:
+                 context_window: tuple[int, int] | None = None, catch_up: int | None = None,
+                 reader: Transformer | None = None) -> None:
         super().__init__(num_draft_tokens)
         if context_window is not None and (context_window[0] < 0 or context_window[1] < 1):
             raise ValueError(f"context_window = (sink >= 0, recent >= 1) ids, got {context_window}")
         if catch_up is not None and catch_up < 1:
             raise ValueError(f"catch_up must be >= 1 ids (or None: all), got {catch_up}")
         self.model = model
-        self.reader: Transformer | None = None  # the same network laid out for many rows (pard.reading_twin)
+        self.reader = reader  # the same network laid out for many rows (pard.reading_twin); None: ``model``
         self.target_vocab_size = target_vocab_size or model.config.vocab_size
         self.context_window = context_window
         self.catch_up = catch_up

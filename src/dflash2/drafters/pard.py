@@ -368,8 +368,7 @@ class PardDrafter(CachedModelDrafter):
                  target_vocab_size: int | None = None, num_paths: int = 1,
                  context_window: tuple[int, int] | None = None, catch_up: int | None = None,
                  lead_tokens: int = 0, reader: Transformer | None = None) -> None:
-        super().__init__(model, num_draft_tokens, target_vocab_size, context_window, catch_up)
-        self.reader = reader  # reads long prompts (load_pard_networks); None: the network itself
+        super().__init__(model, num_draft_tokens, target_vocab_size, context_window, catch_up, reader)
         if num_paths < 1:
             raise ValueError(f"num_paths must be >= 1, got {num_paths}")
         if not 0 <= lead_tokens < num_draft_tokens:
