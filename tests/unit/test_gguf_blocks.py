@@ -3,7 +3,9 @@ gemm_gguf_avx2.cpp) and the model store's cache of them (models/gguf_cache.py)."
 
 from __future__ import annotations
 
+import contextlib
 import os
+import platform
 
 import numpy as np
 import pytest
@@ -117,6 +119,18 @@ def test_kernel_quantizes_rows_like_the_reference(backend):
     assert quantize(x, 32)[0][3, :4].tolist() == [127, 2, -4, 0]
 
 
+@contextlib.contextmanager
+def _pairs_from(backend: str, rows: int):
+    """The build's panels in pairs from `rows` rows (gguf_pair_min_rows) inside the block, its setting restored."""
+    op = getattr(torch.ops, gl.build_namespace(backend)).gguf_pair_min_rows
+    before = op()
+    op(rows)
+    try:
+        yield
+    finally:
+        op(before)
+
+
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
 def test_kernel_equals_reference_and_is_row_count_invariant(qtype, backend):
@@ -128,11 +142,37 @@ def test_kernel_equals_reference_and_is_row_count_invariant(qtype, backend):
     x = torch.randn(40, k)
     full = gl._matmul(op, quantize(x, block), pb)
     assert torch.equal(full, gl.reference_rows(x, t))
-    for m in range(1, 41):  # every row-block split of the kernel (1..4 rows per call; VNNI: 1..8; AMX: tile
-        # chunks of <= 16 rows, evenly sized, over zero-padded rows)
-        assert torch.equal(gl._matmul(op, quantize(x[:m], block), pb), full[:m]), m
-    for r in (0, 13, 39):
-        assert torch.equal(gl._matmul(op, quantize(x[r : r + 1], block), pb), full[r : r + 1])
+    # the VNNI / AMX builds with 1-4 rows on the 256-bit kernel (AMD Zen 4's setting) and on the pairs (elsewhere)
+    for pairs_from in (1, 5) if backend != gl.KERNEL else (0,):
+        with _pairs_from(backend, pairs_from) if pairs_from else contextlib.nullcontext():
+            for m in range(1, 41):  # every row-block split of the kernel (1..4 rows per call; VNNI pairs: 1..12;
+                # AMX: tile chunks of <= 16 rows, evenly sized, over zero-padded rows)
+                assert torch.equal(gl._matmul(op, quantize(x[:m], block), pb), full[:m]), (m, pairs_from)
+            for r in (0, 13, 39):
+                assert torch.equal(gl._matmul(op, quantize(x[r : r + 1], block), pb), full[r : r + 1])
+
+
+def test_pair_rows_setting_follows_the_cpu_and_the_switch(monkeypatch):
+    monkeypatch.delenv(gl.PAIRS_ENV, raising=False)
+    monkeypatch.setattr(gl.jit, "cpu_model", lambda: ("AuthenticAMD", 25))  # Zen 3 / Zen 4
+    assert gl.pair_min_rows() == 5
+    for cpu in (("GenuineIntel", 6), ("AuthenticAMD", 26), ("", -1)):
+        monkeypatch.setattr(gl.jit, "cpu_model", lambda cpu=cpu: cpu)
+        assert gl.pair_min_rows() == 1
+    monkeypatch.setenv(gl.PAIRS_ENV, "3")
+    assert gl.pair_min_rows() == 3
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv(gl.PAIRS_ENV, bad)
+        with pytest.raises(ValueError, match=gl.PAIRS_ENV):
+            gl.pair_min_rows()
+
+
+def test_cpu_model_reads_this_machine():
+    vendor, family = gl.jit.cpu_model()
+    if os.path.exists("/proc/cpuinfo") and platform.machine() in ("x86_64", "AMD64"):
+        assert vendor and family > 0  # every x86 Linux lists vendor_id and cpu family
+    elif not os.path.exists("/proc/cpuinfo"):
+        assert (vendor, family) == ("", -1)
 
 
 @pytest.mark.parametrize("backend", KERNELS)

@@ -27,8 +27,8 @@
 // One 32-byte vector holds 4 consecutive inputs of 8 outputs, so _mm256_maddubs_epi16 + _mm256_madd_epi16 leave
 // one int32 per output (no horizontal sums); each row broadcasts its 4 activation bytes (one VPBROADCASTD load from
 // xq as it is: measured faster on Zen 4 than reading a pre-broadcast copy 8 times its size, 18.2 vs 13.9 tokens/s
-// plain with the AVX2 build). A block's weights are unpacked once per group of up to 4 rows (VNNI, from 5
-// rows: 8). The zero-point and offset terms are int16 pair dot products of the per-output multipliers with each
+// plain with the AVX2 build). A block's weights are unpacked once per group of up to 4 rows (VNNI pairs:
+// 12). The zero-point and offset terms are int16 pair dot products of the per-output multipliers with each
 // block's two activation half sums, accumulated over a scale group and applied once per group.
 
 #include <ATen/Parallel.h>
@@ -43,6 +43,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -51,9 +52,9 @@
 #include <vector>
 
 // Built twice (kernels/gguf_linear.py): for AVX2 + FMA, and for AVX512-VNNI (-mavx512vnni -mavx512vl), where the
-// integer sums use VPDPBUSD (u8 x s8 products summed by 4 into int32 lanes, one instruction; 256-bit for 1-4 rows,
-// block_integers_dp) and from 5 rows up to 8 rows share an unpacked block of two panels. The integers are exact
-// either way, so both builds give the same bits.
+// integer sums use VPDPBUSD (u8 x s8 products summed by 4 into int32 lanes, one instruction; 256-bit in
+// block_integers_dp) and up to 12 rows share an unpacked block of two panels (from gguf_pair_min_rows rows, set per
+// CPU; fewer rows take the 256-bit kernel). The integers are exact either way, so both builds give the same bits.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define GGUF_VNNI 1
 #else
@@ -526,6 +527,11 @@ inline __mmask16 pair_keep(const Args& a, int64_t p, int64_t q) {
 #endif
 
 #if GGUF_VNNI
+// From how many rows the panels go in pairs (fewer: the 256-bit micro-kernel). Set per CPU from Python
+// (gguf_linear.pair_min_rows): on the Intel Xeon (AMX) the pairs are faster from one row (a one-row forward of the
+// 1.5B 53.5 -> 48.9 ms), on AMD Zen 4 the 256-bit kernel streamed 1-4 rows faster (session 29).
+std::atomic<int64_t> pair_min_rows{1};
+
 // All rows over panels in pairs (gemm_gguf_vnni.h); an odd last panel is paired with itself and stored once.
 void paired_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, int64_t grain) {
   at::parallel_for(0, (P + 1) / 2, grain, [&](int64_t i0, int64_t i1) {
@@ -593,10 +599,8 @@ void matmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& b
   }
 #endif
 #if GGUF_VNNI
-  // From 5 rows, panels in pairs (16 outputs per vector); 1-4 rows take the 256-bit micro-kernel below, which
-  // streams the weights faster there (Zen 4, 6 out-of-cache Q4_K / Q6_K layers, 2 threads: 4 rows 20-40% faster;
-  // 5 rows as 3 + 2 slower than the pairs).
-  if (M >= 5) {
+  // Panels in pairs (16 outputs per vector) from pair_min_rows rows; fewer take the 256-bit micro-kernel below.
+  if (M >= pair_min_rows.load(std::memory_order_relaxed) && group <= kMaxPairGroup) {
     paired_panels(a, kind, h, off, M, P, std::max<int64_t>(1, grain / 2));
     return;
   }
@@ -716,6 +720,16 @@ at::Tensor gguf_linear(const at::Tensor& x, const c10::intrusive_ptr<GgufWeights
   return float_out ? y.to(at::kFloat) : y;
 }
 
+// rows > 0: the panels go in pairs from `rows` rows on; returns the setting (0: a build without the pairs).
+int64_t gguf_pair_min_rows(int64_t rows) {
+#if GGUF_VNNI
+  if (rows > 0) pair_min_rows.store(rows, std::memory_order_relaxed);
+  return pair_min_rows.load(std::memory_order_relaxed);
+#else
+  return 0;
+#endif
+}
+
 // True where this build multiplies on AMX tiles (the AMX build, the tile state granted by Linux).
 bool gguf_tiles() {
 #if GGUF_AMX
@@ -746,6 +760,7 @@ TORCH_LIBRARY(DFLASH2_GGUF_NS, m) {
         &gguf_layer_segments);
   m.def("gguf_quantize_rows(Tensor x, int block) -> (Tensor, Tensor, Tensor)", &gguf_quantize_rows);
   m.def("gguf_tiles() -> bool", &gguf_tiles);
+  m.def("gguf_pair_min_rows(int rows=0) -> int", &gguf_pair_min_rows);
   m.def("gguf_matmul(Tensor xq, Tensor dx, Tensor bsum, Tensor packed, Tensor scale, Tensor? offset, "
         "Tensor? sub_scales, Tensor? offset_mult, int bits, bool is_signed, int zero, int sub, int group, "
         "int n_out) -> Tensor",

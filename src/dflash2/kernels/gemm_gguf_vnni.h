@@ -1,9 +1,9 @@
 // The AVX512-VNNI micro-kernel of gemm_gguf_avx2.cpp (included there, inside its namespace, when built with
-// -mavx512vnni; used from 5 rows): two panels (16 outputs) per 64-byte vector, so each row's broadcast activation
-// bytes, VPDPBUSD and per-block bookkeeping serve twice the outputs of the 256-bit path. Lanes 0-7 are panel p's
-// outputs, lanes 8-15 panel p + 1's, each lane the 256-bit path's lane: the same exact integers and the same fp32
-// sequence per output (y = y + (A * dx) * float(J), then the offset term), so the same bits (tested against the
-// reference).
+// -mavx512vnni; used from gguf_pair_min_rows rows, which Python sets per CPU): two panels (16 outputs) per 64-byte
+// vector, so each row's broadcast activation bytes, VPDPBUSD and per-block bookkeeping serve twice the outputs of the
+// 256-bit path. Lanes 0-7 are panel p's outputs, lanes 8-15 panel p + 1's, each lane the 256-bit path's lane: the
+// same exact integers and the same fp32 sequence per output (y = y + (A * dx) * float(J), then the offset term), so
+// the same bits (tested against the reference).
 
 // Panel p's 32 bytes at `off` in the low half, panel p + 1's in the high half.
 inline __m512i load_pair(const uint8_t* p0, const uint8_t* p1) {
@@ -76,15 +76,14 @@ inline void pair_codes(const Args& a, int64_t p, int64_t q, int64_t b, Step&& st
   }
 }
 
-// Per row: the int32 sums of the two halves of block b (inputs 0-15 / 16-31) of panels p, q times their
-// sub-scales (S0 / S1): J = sum_h s_h * sum u x, block_integers' J, for 16 outputs (the zero-point term is
-// pair_rows' once per group).
+// Per row: J += block b's integers of panels p, q (sum_h s_h * sum u x over its halves, inputs 0-15 / 16-31, with
+// the sub-scales S0 / S1; the zero-point term is pair_rows' once per group). One accumulator per row where the block
+// has at most one sub-scale (none: straight into J), two where its halves have their own: few registers per row,
+// so 8 rows run without spilling their sums.
 template <int MR, int KIND, int H>
-inline void pair_block_integers(const Args& a, int64_t p, int64_t q, int64_t b, const int8_t* const* xr,
-                                __m512i S0, __m512i S1, __m512i* J) {
-  __m512i a0[MR], a1[MR];
-  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
-  if constexpr (KIND == kSigned) {  // |w| (u8) times x negated where w < 0
+inline void pair_block_accumulate(const Args& a, int64_t p, int64_t q, int64_t b, const int8_t* const* xr,
+                                  __m512i S0, __m512i S1, __m512i* J) {
+  if constexpr (KIND == kSigned) {  // |w| (u8) times x negated where w < 0; Q8_0: no zero point, no sub-scales
     const uint8_t* w0 = a.w + (p * a.B + b) * 256;
     const uint8_t* w1 = a.w + (q * a.B + b) * 256;
 #pragma GCC unroll 8
@@ -94,26 +93,37 @@ inline void pair_block_integers(const Args& a, int64_t p, int64_t q, int64_t b, 
       const __mmask64 neg = _mm512_movepi8_mask(v);
       for (int r = 0; r < MR; ++r) {
         const __m512i x = xload16(xr[r], 32 * b + 4 * t);
-        a0[r] = _mm512_dpbusd_epi32(a0[r], av, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+        J[r] = _mm512_dpbusd_epi32(J[r], av, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
       }
     }
-    for (int r = 0; r < MR; ++r) J[r] = a0[r];  // Q8_0: no zero point, no sub-scales
-    return;
+  } else if constexpr (H == 0) {
+    pair_codes<KIND>(a, p, q, b, [&](int c, __m512i lo, __m512i hi) {
+      for (int r = 0; r < MR; ++r) {
+        J[r] = _mm512_dpbusd_epi32(J[r], lo, xload16(xr[r], 32 * b + 4 * c));
+        J[r] = _mm512_dpbusd_epi32(J[r], hi, xload16(xr[r], 32 * b + 16 + 4 * c));
+      }
+    });
+  } else if constexpr (H == 1) {
+    __m512i acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
+    pair_codes<KIND>(a, p, q, b, [&](int c, __m512i lo, __m512i hi) {
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = _mm512_dpbusd_epi32(acc[r], lo, xload16(xr[r], 32 * b + 4 * c));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], hi, xload16(xr[r], 32 * b + 16 + 4 * c));
+      }
+    });
+    for (int r = 0; r < MR; ++r) J[r] = _mm512_add_epi32(J[r], _mm512_mullo_epi32(acc[r], S0));
   } else {
+    __m512i a0[MR], a1[MR];
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
     pair_codes<KIND>(a, p, q, b, [&](int c, __m512i lo, __m512i hi) {
       for (int r = 0; r < MR; ++r) {
         a0[r] = _mm512_dpbusd_epi32(a0[r], lo, xload16(xr[r], 32 * b + 4 * c));
         a1[r] = _mm512_dpbusd_epi32(a1[r], hi, xload16(xr[r], 32 * b + 16 + 4 * c));
       }
     });
-  }
-  for (int r = 0; r < MR; ++r) {
-    if constexpr (H == 2) {
-      J[r] = _mm512_add_epi32(_mm512_mullo_epi32(a0[r], S0), _mm512_mullo_epi32(a1[r], S1));
-    } else {
-      J[r] = _mm512_add_epi32(a0[r], a1[r]);
-      if constexpr (H == 1) J[r] = _mm512_mullo_epi32(J[r], S0);
-    }
+    for (int r = 0; r < MR; ++r)
+      J[r] = _mm512_add_epi32(J[r], _mm512_add_epi32(_mm512_mullo_epi32(a0[r], S0), _mm512_mullo_epi32(a1[r], S1)));
   }
 }
 
@@ -122,8 +132,12 @@ inline __m512i pair16_512(__m512i lo, __m512i hi) {
   return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(hi, 16));
 }
 
+constexpr int64_t kMaxPairGroup = 8;  // blocks per scale group (K-quants: 8)
+
 // Rows m0 .. m0 + MR - 1 of panels p and q (p + 1; or p again for a last, lone panel), the outputs in `keep`
-// stored (lane i: output 8p + i).
+// stored (lane i: output 8p + i). Per scale group: first the blocks' integers J of every row (the hot loop: only
+// the rows' sums live), then per row the zero-point and offset terms, int16 pair dot products of the blocks'
+// multipliers (kept from the first pass) with the row's half sums, and the group's fp32 steps.
 template <int MR, int KIND, int H, int OFF>
 void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) {
   __m512 yv[MR];
@@ -133,56 +147,62 @@ void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) 
     xr[r] = a.xq + (m0 + r) * a.K;
   }
   const bool zero = a.zshift >= 0;
+  const __m128i shift = _mm_cvtsi32_si128(zero ? a.zshift : 0);
   const __m512i ones = _mm512_set1_epi16(1);
+  __m512i spair[kMaxPairGroup], cpair[kMaxPairGroup];  // per block: (s_0, s_1) and (c, c) as int16 pairs
   for (int64_t g = 0; g < a.G; ++g) {
-    __m512i Jg[MR], Zg[MR], Tg[MR];
-    for (int r = 0; r < MR; ++r) Jg[r] = Zg[r] = Tg[r] = _mm512_setzero_si512();
-    for (int64_t b = g * a.group; b < (g + 1) * a.group; ++b) {
-      __m512i S0 = _mm512_set1_epi32(1), S1 = S0, Spair = ones;  // Spair: (s_0, s_1) as int16 pairs
+    const int64_t b0 = g * a.group;
+    __m512i Jg[MR];
+    for (int r = 0; r < MR; ++r) Jg[r] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < a.group; ++j) {
+      const int64_t b = b0 + j;
+      __m512i S0 = _mm512_set1_epi32(1), S1 = S0;
+      spair[j] = ones;
       if constexpr (H == 1) {
         S0 = S1 = int8_pair(a.s + (p * a.B + b) * 8, a.s + (q * a.B + b) * 8);
-        Spair = pair16_512(S0, S0);
+        spair[j] = pair16_512(S0, S0);
       } else if constexpr (H == 2) {
         const int8_t* s0 = a.s + (p * a.B + b) * 16;
         const int8_t* s1 = a.s + (q * a.B + b) * 16;
         S0 = int8_pair(s0, s1);
         S1 = int8_pair(s0 + 8, s1 + 8);
-        Spair = pair16_512(S0, S1);
+        spair[j] = pair16_512(S0, S1);
       }
-      __m512i J[MR];
-      pair_block_integers<MR, KIND, H>(a, p, q, b, xr, S0, S1, J);
-      __m512i CM = ones;  // (c, c) per output: c * bsum_0 + c * bsum_1
+      cpair[j] = ones;  // c * bsum_0 + c * bsum_1 per output
       if constexpr (OFF == 2) {
         const __m512i c = int8_pair(a.cm + (p * a.B + b) * 8, a.cm + (q * a.B + b) * 8);
-        CM = pair16_512(c, c);
+        cpair[j] = pair16_512(c, c);
       }
-      for (int r = 0; r < MR; ++r) {
-        const __m512i bpair = _mm512_set1_epi32(a.bp[(m0 + r) * a.B + b]);  // the half sums as an int16 pair
-        Jg[r] = _mm512_add_epi32(Jg[r], J[r]);
-        if (zero) Zg[r] = _mm512_dpwssd_epi32(Zg[r], Spair, bpair);  // sum_h s_h * bsum_h
-        if constexpr (OFF != 0) Tg[r] = _mm512_dpwssd_epi32(Tg[r], CM, bpair);
-      }
-    }
-    if (zero) {  // J -= zero * sum_b sum_h s_h * bsum_h, once per group
-      const __m128i shift = _mm_cvtsi32_si128(a.zshift);
-      for (int r = 0; r < MR; ++r) Jg[r] = _mm512_sub_epi32(Jg[r], _mm512_sll_epi32(Zg[r], shift));
+      pair_block_accumulate<MR, KIND, H>(a, p, q, b, xr, S0, S1, Jg);
     }
     const __m512 Av = float_pair(a.A + (p * a.G + g) * kPanel, a.A + (q * a.G + g) * kPanel);
     __m512 Cv = _mm512_setzero_ps();
     if constexpr (OFF != 0) Cv = float_pair(a.C + (p * a.G + g) * kPanel, a.C + (q * a.G + g) * kPanel);
     for (int r = 0; r < MR; ++r) {
+      const int32_t* bp = a.bp + (m0 + r) * a.B + b0;  // the blocks' half sums as int16 pairs
+      __m512i J = Jg[r];
+      if (zero) {  // J -= zero * sum_b sum_h s_h * bsum_h
+        __m512i Z = _mm512_setzero_si512();
+        for (int64_t j = 0; j < a.group; ++j) Z = _mm512_dpwssd_epi32(Z, spair[j], _mm512_set1_epi32(bp[j]));
+        J = _mm512_sub_epi32(J, _mm512_sll_epi32(Z, shift));
+      }
       const __m512 d = _mm512_set1_ps(a.dx[(m0 + r) * a.G + g]);
-      yv[r] = _mm512_add_ps(yv[r], _mm512_mul_ps(_mm512_mul_ps(Av, d), _mm512_cvtepi32_ps(Jg[r])));
-      if constexpr (OFF != 0)
-        yv[r] = _mm512_add_ps(yv[r], _mm512_mul_ps(_mm512_mul_ps(Cv, d), _mm512_cvtepi32_ps(Tg[r])));
+      yv[r] = _mm512_add_ps(yv[r], _mm512_mul_ps(_mm512_mul_ps(Av, d), _mm512_cvtepi32_ps(J)));
+      if constexpr (OFF != 0) {  // T = sum_b c_b * (bsum_0 + bsum_1)
+        __m512i T = _mm512_setzero_si512();
+        for (int64_t j = 0; j < a.group; ++j) T = _mm512_dpwssd_epi32(T, cpair[j], _mm512_set1_epi32(bp[j]));
+        yv[r] = _mm512_add_ps(yv[r], _mm512_mul_ps(_mm512_mul_ps(Cv, d), _mm512_cvtepi32_ps(T)));
+      }
     }
   }
   for (int r = 0; r < MR; ++r) store_pair(a, m0 + r, p, keep, yv[r]);
 }
 
-struct Pairs {  // panels p and q in one 512-bit vector, 1-8 rows per call (gemm_gguf_avx2.cpp's pick), from 5 rows
+// Panels p and q in one 512-bit vector, 1-12 rows per call (gemm_gguf_avx2.cpp's pick: 9 rows in one call, whose
+// split as 5 + 4 unpacked every block twice: one Q6_K [1536, 8960] layer, 9 rows, 0.99 -> 0.83 ms).
+struct Pairs {
   using Fn = void (*)(const Args&, int64_t, int64_t, int64_t, __mmask16);
-  static constexpr int kRows = 8;
+  static constexpr int kRows = 12;
   template <int MR, int KIND, int H, int OFF>
   static constexpr Fn fn = &pair_rows<MR, KIND, H, OFF>;
 };

@@ -22,12 +22,12 @@ depends on the other rows nor on the CPU: the integer sums are exact, whichever 
 
 Backends: ``"amx-int8"`` (the C++ file built with AMX tiles as well: from 4 rows the integer sums of up to 16 rows
 come from one tile product per block; CPUs listing ``amx_tile`` and ``amx_int8``: Sapphire Rapids and later Xeons),
-``"avx512-vnni"`` (built with VPDPBUSD, 8 rows per unpacked block; CPUs listing ``avx512_vnni`` and ``avx512vl``:
-Intel Cascade Lake and later, AMD Zen 4 / Zen 5), ``"avx2"`` (built for AVX2 + FMA, 4 rows) and ``"torch"``
-(:func:`reference_matmul`: portable, slow; float64 integer sums, the same fp32 steps).  ``DFLASH2_GGUF_KERNEL``
-picks one (``amx``, ``vnni``, ``avx2``, ``torch``); unset, the fastest kernel the CPU runs is used (AMX unless
-``DFLASH2_AMX=off``), and a CPU or build that can run none is an error naming that switch (no silent fallback).  The
-packed layout, shared by all backends and by the model store's cache, is built by
+``"avx512-vnni"`` (built with VPDPBUSD, up to 12 rows per unpacked block of two panels from :func:`pair_min_rows`
+rows; CPUs listing ``avx512_vnni`` and ``avx512vl``: Intel Cascade Lake and later, AMD Zen 4 / Zen 5), ``"avx2"``
+(built for AVX2 + FMA, 4 rows) and ``"torch"`` (:func:`reference_matmul`: portable, slow; float64 integer sums, the
+same fp32 steps).  ``DFLASH2_GGUF_KERNEL`` picks one (``amx``, ``vnni``, ``avx2``, ``torch``); unset, the fastest
+kernel the CPU runs is used (AMX unless ``DFLASH2_AMX=off``), and a CPU or build that can run none is an error naming
+that switch (no silent fallback).  The packed layout, shared by all backends and by the model store's cache, is built by
 :mod:`dflash2.kernels.gguf_packing` and described in the C++ file.
 """
 
@@ -49,9 +49,9 @@ from dflash2.models.gguf_blocks import (BLOCK, SUPPORTED_TYPES, BlockTensor, deq
                                         quantize_q4_0, quantize_q8_0, random_blocks,
                                         take_rows)
 
-__all__ = ["AMX", "ENV", "VNNI", "GgufLinear", "PackedBlocks", "activation_block", "build_namespace", "gguf_backend",
-           "gguf_kernel_status", "gguf_kernels_available", "kernel_backends", "kernel_ops", "pack_blocks",
-           "quantize_rows", "reference_matmul", "reference_rows", "unpack_blocks"]
+__all__ = ["AMX", "ENV", "PAIRS_ENV", "VNNI", "GgufLinear", "PackedBlocks", "activation_block", "build_namespace",
+           "gguf_backend", "gguf_kernel_status", "gguf_kernels_available", "kernel_backends", "kernel_ops",
+           "pack_blocks", "pair_min_rows", "quantize_rows", "reference_matmul", "reference_rows", "unpack_blocks"]
 
 ENV = "DFLASH2_GGUF_KERNEL"
 KERNEL = _bf16.KERNEL  # "avx2"
@@ -218,6 +218,23 @@ def _matmul(op, quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor], pb: 
               pb.zero, pb.sub, pb.group, pb.out_features)
 
 
+PAIRS_ENV = "DFLASH2_GGUF_PAIR_ROWS"
+
+
+def pair_min_rows() -> int:
+    """From how many rows the AVX512-VNNI and AMX builds multiply two panels (16 outputs) per 512-bit vector; fewer
+    rows take the 256-bit micro-kernel (the AMX build's tiles start at 4 rows).  Measured: on the Intel Xeon (AMX) the
+    pairs are faster from one row (one-row forward of the 1.5B 53.5 -> 48.9 ms); on AMD Zen 4 (family 25), which
+    runs a 512-bit operation as two 256-bit halves, the 256-bit kernel streamed 1-4 rows faster (session 29), so
+    the pairs start at 5 rows there.  ``DFLASH2_GGUF_PAIR_ROWS=<n>`` sets it.  Either choice gives the same bits."""
+    raw = os.environ.get(PAIRS_ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{PAIRS_ENV}={raw!r}: expected a row count >= 1")
+        return int(raw)
+    return 5 if jit.cpu_model() == ("AuthenticAMD", 25) else 1
+
+
 def _load(build: _Build) -> tuple[bool, str, object]:
     missing = jit.missing_cpu_flags(build.cpu_flags)
     if missing:
@@ -227,6 +244,8 @@ def _load(build: _Build) -> tuple[bool, str, object]:
     ok, status, op = jit.jit_load(f"{build.namespace}_{tag}", _SOURCE, list(build.cflags),
                                   jit.build_dir() / f"gguf-{build.backend}-{tag}", f"{build.namespace}.gguf_matmul",
                                   lambda _op: _self_check(build), label=label)
+    if ok:
+        getattr(torch.ops, build.namespace).gguf_pair_min_rows(pair_min_rows())
     return ok, status.replace("AVX2/FMA kernel", "kernel"), op
 
 

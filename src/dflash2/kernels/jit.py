@@ -29,6 +29,7 @@ __all__ = [
     "build_dir",
     "build_lock",
     "cpu_flags",
+    "cpu_model",
     "ensure_loaded",
     "jit_load",
     "kernels_disabled_reason",
@@ -61,6 +62,25 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def cpu_model() -> tuple[str, int]:
+    """(vendor, family) from /proc/cpuinfo: ("AuthenticAMD", 25) on AMD Zen 3 / Zen 4, ("GenuineIntel", 6) on Intel;
+    ("", -1) when there is none."""
+    vendor, family = "", -1
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    vendor = value.strip()
+                elif key.strip() == "cpu family":
+                    family = int(value.strip())
+                if vendor and family >= 0:
+                    break
+    except (OSError, ValueError):
+        pass
+    return vendor, family
 
 
 def _cpu_has_avx2_fma() -> tuple[bool, str]:
