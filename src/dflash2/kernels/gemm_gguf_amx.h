@@ -1,5 +1,5 @@
 // The Intel AMX-INT8 path of gemm_gguf_avx2.cpp (included there, inside its namespace, in the build made with
-// -mamx-tile -mamx-int8 on top of AVX512-VNNI; used from kAmxRows rows): the integer sums run on tiles instead of
+// -mamx-tile -mamx-int8 on top of AVX512-VNNI; used from amx_min_rows rows): the integer sums run on tiles instead of
 // VPDPBUSD; the fp32 steps are the VNNI pair kernel's.
 //
 // Why: with VPDPBUSD each row costs 8 instructions per block of 32 inputs and 16 outputs, so verifying 9 rows costs
@@ -20,7 +20,11 @@
 // the codes instead of subtracted as zero * sums of x), and the fp32 steps per output are its sequence, so the
 // result is the same bits as the VNNI and AVX2 builds (tested, and self-checked at load).
 
-constexpr int kAmxRows = 4;  // rows from which gguf_matmul takes the tiles (fewer: the 256-bit VNNI micro-kernel)
+// Rows from which gguf_matmul takes the tiles (fewer: the VNNI kernels). Q4_K's folded tiles from 2 rows: one
+// [17920, 1536] layer, weights from memory, 2 / 3 rows 0.97 / 1.01 ms on the VNNI pairs, 0.83 / 0.85 on tiles;
+// Q6_K's per-block tile products only from 4 (3 rows: 0.68 ms on the pairs, 0.72 on tiles).
+constexpr int kAmxRows = 4;
+constexpr int kAmxFoldedRows = 2;
 constexpr int kTileRows = 16;
 constexpr int kMaxGroup = 8;  // blocks per scale group (K-quants: 8)
 constexpr int64_t kPrefetchBlocks = 8;  // how far ahead of the widening the codes are prefetched
@@ -138,6 +142,9 @@ inline __m512i offset_row(const Args& a, int64_t p, int64_t q, int64_t b) {
 
 // Whether a block kind takes the folded path: Q4_K (4-bit codes, a sub-scale per block, offsets).
 constexpr bool folded_kind(int kind, int h, int off) { return kind == kNib4 && h == 1 && off == 2; }
+
+// Rows from which a block kind runs on tiles.
+constexpr int amx_min_rows(int kind, int h, int off) { return folded_kind(kind, h, off) ? kAmxFoldedRows : kAmxRows; }
 
 // Block j's tile products for one chunk of rows (xb: the chunk's first row at the block's first input) into
 // prod[0] (and prod[1], the second half's, with halves), int32 [rows, 16]. Without halves even blocks take tiles
