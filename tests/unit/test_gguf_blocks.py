@@ -303,6 +303,46 @@ def test_q8_0_from_a_float_weight(backend):
         quantize_q8_0(np.zeros((2, 40), np.float32))
 
 
+def _numpy_q8_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes int8 [N, B, 32], scale fp32 [N, B]): Q8_0's definition evaluated in numpy (fp32 throughout)."""
+    blocks = w.reshape(w.shape[0], -1, 32)
+    with np.errstate(over="ignore"):
+        d = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float16).astype(np.float32)
+    safe = np.where(d > 0, d, np.float32(1))
+    return np.where(d[..., None] > 0, np.clip(np.rint(blocks / safe[..., None]), -127, 127), 0).astype(np.int8), d
+
+
+def _numpy_q4_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes uint8 [N, B, 32], scale fp32 [N, B]): Q4_0's definition evaluated in numpy (fp32 throughout)."""
+    blocks = w.reshape(w.shape[0], -1, 32)
+    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[..., None], axis=2)[..., 0]
+    with np.errstate(over="ignore"):
+        d = (largest / np.float32(-8)).astype(np.float16).astype(np.float32)
+    safe = np.where(d != 0, d, np.float32(1))
+    codes = np.where(d[..., None] != 0, np.clip(np.rint(blocks / safe[..., None]) + 8, 0, 15), 8).astype(np.uint8)
+    return codes, d
+
+
+def test_float_quantizers_equal_their_numpy_definition_bit_for_bit():
+    """quantize_q8_0 / quantize_q4_0 run in PyTorch by chunks of rows (seconds for the 0.5B drafter, not tens); their
+    codes and scales are those of the same fp32 arithmetic in numpy: ties rounded to even, zero blocks, a largest
+    magnitude shared by two inputs (the first is taken), scales past fp16's range, more rows than one chunk."""
+    from dflash2.models import gguf_blocks as gb
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(gb._QUANTIZE_ROWS + 37, 96, generator=g) * torch.logspace(-3, 2, gb._QUANTIZE_ROWS + 37)[:, None]
+    w[0, :32] = 0
+    w[1, :32] = torch.arange(32) * 0.25 - 4  # steps of a quarter: ties of w / d at 127 / 4 ... (exact halves)
+    w[2, 32:64] = torch.tensor([-3.0, 3.0] * 16)  # the largest magnitude twice, with opposite signs
+    w[3, 64:96] = 1e7  # past fp16 after / 127 and / -8: infinite scales
+    for quantize, reference in ((gb.quantize_q8_0, _numpy_q8_0), (gb.quantize_q4_0, _numpy_q4_0)):
+        for weight in (w, w.numpy()):  # a torch tensor or a numpy array
+            t = quantize(weight)
+            codes, scale = reference(w.numpy())
+            assert np.array_equal(t.codes.reshape(codes.shape).view(codes.dtype), codes), quantize.__name__
+            assert np.array_equal(t.scale.view(np.uint32), scale.view(np.uint32)), quantize.__name__
+
+
 def _check_layer_over(t, w, backend, qtype, g, tolerance):
     """GgufLinear.from_weight(w) over ``qtype`` blocks computes the reference over ``t``, within ``tolerance`` (of
     the largest output) of the float product."""

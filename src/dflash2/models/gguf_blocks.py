@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 __all__ = ["BLOCK", "SUPPORTED_TYPES", "BlockTensor", "GGUFBlockError", "concat_rows", "decode_blocks",
            "dequantize", "integer_weights", "quantize_q4_0", "quantize_q8_0", "random_blocks", "random_raw", "take_rows"]
@@ -195,35 +196,62 @@ def concat_rows(parts: list[BlockTensor]) -> BlockTensor:
                        first.group, cat("scale"), cat("offset"), cat("offset_mult"))
 
 
-def quantize_q4_0(weight: np.ndarray) -> BlockTensor:
-    """A float [N, K] weight (K a multiple of 32) as Q4_0 blocks: per 32 inputs ``d = fp16(m / -8)``, m the input
-    of largest magnitude (it maps to code 0, so the other side keeps 7 steps), and codes ``round(w / d) + 8``
-    (half to even) clamped to [0, 15]; 4.5 bits per weight. For weights no GGUF holds (a merged drafter)."""
-    w = np.asarray(weight, dtype=np.float32)
+_QUANTIZE_ROWS = 4096  # rows per chunk when quantizing a float weight (bounds the fp32 temporaries)
+
+
+def _float_blocks(weight: np.ndarray | torch.Tensor, qtype: str) -> torch.Tensor:
+    """fp32 [N, K / 32, 32] view of a float [N, K] weight (numpy or CPU torch), K a multiple of 32."""
+    w = torch.as_tensor(weight).detach().to("cpu", torch.float32).contiguous()
     n, k = w.shape
     if k % BLOCK:
-        raise GGUFBlockError(f"Q4_0 needs K a multiple of {BLOCK}, got [{n}, {k}]")
-    blocks = w.reshape(n, k // BLOCK, BLOCK)
-    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[..., None], axis=2)[..., 0]  # [N, B]
-    d = (largest / np.float32(-8)).astype(np.float16).astype(np.float32)
-    safe = np.where(d != 0, d, np.float32(1))
-    codes = np.where(d[..., None] != 0, np.clip(np.rint(blocks / safe[..., None]) + 8, 0, 15), 8).astype(np.uint8)
-    return BlockTensor("Q4_0", codes.reshape(n, k), False, 4, 8, BLOCK, None, 1, d, None, None)
+        raise GGUFBlockError(f"{qtype} needs K a multiple of {BLOCK}, got [{n}, {k}]")
+    return w.view(n, k // BLOCK, BLOCK)
 
 
-def quantize_q8_0(weight: np.ndarray) -> BlockTensor:
+def _fp16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values rounded to fp16 (to nearest even; numpy's astype rounds the same) and widened back."""
+    return x.to(torch.float16).to(torch.float32)
+
+
+def quantize_q4_0(weight: np.ndarray | torch.Tensor) -> BlockTensor:
+    """A float [N, K] weight (K a multiple of 32) as Q4_0 blocks: per 32 inputs ``d = fp16(m / -8)``, m the input
+    of largest magnitude (the first such; it maps to code 0, so the other side keeps 7 steps), and codes
+    ``round(w / d) + 8`` (half to even) clamped to [0, 15]; 4.5 bits per weight. For weights no GGUF holds (a merged
+    drafter). fp32 operations in PyTorch, a chunk of rows at a time (the 0.5B drafter: seconds, not tens)."""
+    blocks = _float_blocks(weight, "Q4_0")  # [N, B, 32]
+    n, nb, _ = blocks.shape
+    codes = torch.empty(n, nb, BLOCK, dtype=torch.uint8)
+    scale = torch.empty(n, nb, dtype=torch.float32)
+    for r0 in range(0, n, _QUANTIZE_ROWS):
+        part = blocks[r0 : r0 + _QUANTIZE_ROWS]
+        largest = part.gather(2, part.abs().argmax(dim=2, keepdim=True))[..., 0]  # [rows, B]
+        d = _fp16_rounded(largest / -8)
+        safe = torch.where(d != 0, d, 1.0)
+        q = torch.clamp(torch.round(part / safe[..., None]) + 8, 0, 15)
+        codes[r0 : r0 + _QUANTIZE_ROWS] = torch.where(d[..., None] != 0, q, 8).to(torch.uint8)
+        scale[r0 : r0 + _QUANTIZE_ROWS] = d
+    return BlockTensor("Q4_0", codes.view(n, nb * BLOCK).numpy(), False, 4, 8, BLOCK, None, 1, scale.numpy(), None,
+                       None)
+
+
+def quantize_q8_0(weight: np.ndarray | torch.Tensor) -> BlockTensor:
     """A float [N, K] weight (K a multiple of 32) as Q8_0 blocks: per 32 inputs ``d = fp16(amax / 127)`` and codes
     ``round(w / d)`` (half to even) clamped to [-127, 127], 0 where the block is 0 (the format llama.cpp's Q8_0
-    stores; codes rounded against the stored fp16 scale). For weights no GGUF holds, e.g. a merged drafter."""
-    w = np.asarray(weight, dtype=np.float32)
-    n, k = w.shape
-    if k % BLOCK:
-        raise GGUFBlockError(f"Q8_0 needs K a multiple of {BLOCK}, got [{n}, {k}]")
-    blocks = w.reshape(n, k // BLOCK, BLOCK)
-    d = (np.abs(blocks).max(axis=2) / np.float32(127)).astype(np.float16).astype(np.float32)  # [N, B]
-    safe = np.where(d > 0, d, np.float32(1))
-    codes = np.where(d[..., None] > 0, np.clip(np.rint(blocks / safe[..., None]), -127, 127), 0).astype(np.int8)
-    return BlockTensor("Q8_0", codes.reshape(n, k).view(np.uint8), True, 8, 0, BLOCK, None, 1, d, None, None)
+    stores; codes rounded against the stored fp16 scale). For weights no GGUF holds, e.g. a merged drafter. fp32
+    operations in PyTorch, a chunk of rows at a time."""
+    blocks = _float_blocks(weight, "Q8_0")  # [N, B, 32]
+    n, nb, _ = blocks.shape
+    codes = torch.empty(n, nb, BLOCK, dtype=torch.int8)
+    scale = torch.empty(n, nb, dtype=torch.float32)
+    for r0 in range(0, n, _QUANTIZE_ROWS):
+        part = blocks[r0 : r0 + _QUANTIZE_ROWS]
+        d = _fp16_rounded(part.abs().amax(dim=2) / 127)  # [rows, B]
+        safe = torch.where(d > 0, d, 1.0)
+        q = torch.clamp(torch.round(part / safe[..., None]), -127, 127)
+        codes[r0 : r0 + _QUANTIZE_ROWS] = torch.where(d[..., None] > 0, q, 0).to(torch.int8)
+        scale[r0 : r0 + _QUANTIZE_ROWS] = d
+    return BlockTensor("Q8_0", codes.view(n, nb * BLOCK).numpy().view(np.uint8), True, 8, 0, BLOCK, None, 1,
+                       scale.numpy(), None, None)
 
 
 # where each type keeps its fp16 fields (byte offsets in a block)
