@@ -1,4 +1,5 @@
-"""huge_page_copies: the same values, dtypes and shapes, in one buffer that starts on a huge-page boundary."""
+"""huge_page_copies: the same values, dtypes and shapes, in one buffer that starts on a huge-page boundary; when the
+weights move there (DFLASH2_HUGE_PAGES, the fault-in probe)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,13 @@ def test_refuses_non_contiguous_tensors():
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
 def test_loaded_linear_weights_move_per_layer_and_compute_the_same(tiny_model_dirs, monkeypatch, weights):
     """load_transformer moves each decoder layer's packed / quantized weights into one huge-page buffer (and the
-    head into its own); DFLASH2_HUGE_PAGES=off leaves them; the logits are the same either way."""
+    head into its own) with DFLASH2_HUGE_PAGES=on; off leaves them; the logits are the same either way."""
     from dflash2.models.huge_pages import ENV
     from dflash2.models.loading import load_transformer
 
     monkeypatch.setenv(ENV, "off")
     before = load_transformer(tiny_model_dirs["qwen2"], "bf16", weights=weights)
-    monkeypatch.delenv(ENV)
+    monkeypatch.setenv(ENV, "on")  # (auto: also on, unless this process measured huge pages slow)
     moved = load_transformer(tiny_model_dirs["qwen2"], "bf16", weights=weights)
 
     def buffers(layer):
@@ -55,11 +56,12 @@ def test_loaded_linear_weights_move_per_layer_and_compute_the_same(tiny_model_di
 def test_gguf_layers_move_with_their_cpp_view_rebuilt(tiny_model_dirs, monkeypatch):
     """A GGUF layer's blocks move too; its C++ weights (made at a forward) are rebuilt from the moved tensors."""
     from dflash2.kernels import gguf_linear as gl
-    from dflash2.models.huge_pages import move_linear_weights
+    from dflash2.models.huge_pages import ENV, move_linear_weights
     from dflash2.models.loading import load_transformer
 
     if not gl.gguf_kernels_available():
         pytest.skip(f"gguf kernel: {gl.gguf_kernel_status()}")
+    monkeypatch.setenv(ENV, "on")
     model = load_transformer(tiny_model_dirs["qwen2"], "bf16", packed=False)
     for layer in model.layers:
         layer.ffn.w_down = gl.GgufLinear.from_linear(layer.ffn.w_down)
@@ -73,3 +75,47 @@ def test_gguf_layers_move_with_their_cpp_view_rebuilt(tiny_model_dirs, monkeypat
         assert moved.data_ptr() != old.data_ptr() and torch.equal(moved, old)
         assert "_gguf_layers" not in model.__dict__
         assert torch.equal(model(ids).logits, expected)
+
+
+def test_mode_switch():
+    from dflash2.models import huge_pages as hp
+
+    for raw, mode in (("", "auto"), ("auto", "auto"), ("on", "on"), ("ALWAYS", "on"), ("off", "off"), ("0", "off")):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(hp.ENV, raw)
+            assert hp.huge_pages_mode() == mode
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(hp.ENV, "sometimes")
+        with pytest.raises(ValueError, match=hp.ENV):
+            hp.huge_pages_mode()
+
+
+def test_a_measured_fault_in_sets_the_probe(monkeypatch):
+    from dflash2.models import huge_pages as hp
+
+    monkeypatch.setattr(hp, "_probe", hp._FaultProbe())
+    huge_page_copies([torch.ones(1 << 20)], measure=True)  # 4 MiB: too small to tell
+    assert hp._probe.seconds_per_gb is None
+    huge_page_copies([torch.ones(4 << 20)], measure=True)  # 16 MiB
+    assert hp._probe.seconds_per_gb is not None and hp._probe.seconds_per_gb > 0
+
+
+@pytest.mark.parametrize("seconds_per_gb, mode, moved", [(8.0, "auto", False), (0.1, "auto", True), (8.0, "on", True),
+                                                         (0.1, "off", False)])
+def test_slow_huge_pages_leave_the_weights_in_auto_mode(tiny_model_dirs, monkeypatch, seconds_per_gb, mode, moved):
+    """Where this process measured huge pages faulting in slowly (the Firecracker VMs: ~8 s per GB), auto mode moves
+    nothing more; on moves anyway, off never; the logits are the same in every case."""
+    from dflash2.models import huge_pages as hp
+    from dflash2.models.loading import load_transformer
+
+    monkeypatch.setenv(hp.ENV, "off")
+    before = load_transformer(tiny_model_dirs["qwen2"], "bf16")
+    monkeypatch.setenv(hp.ENV, mode)
+    monkeypatch.setattr(hp, "_probe", hp._FaultProbe(seconds_per_gb=seconds_per_gb))
+    model = load_transformer(tiny_model_dirs["qwen2"], "bf16")
+    layer = model.layers[0]
+    linears = (layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down)
+    assert len({m.weight_data.untyped_storage().data_ptr() for m in linears}) == (1 if moved else 4)
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, before(ids).logits)

@@ -6,6 +6,13 @@ Copying the weights into one anonymous buffer advised ``MADV_HUGEPAGE`` before i
 pages where the kernel's transparent huge pages are ``always`` or ``madvise`` (measured on Zen 4 with the gguf
 target: a one-row step 43.0 -> 35.5 ms, interleaved; docs/kernels.md). Elsewhere, or when Linux refuses the advice,
 the copies are plain ones: the values are the same either way, only the pages differ.
+
+Faulting huge pages in is not always cheap: in the Firecracker VMs of the Intel Xeon (AMX) sessions a fresh 2 MiB
+page cost ~8 s per GB (4 KiB pages 0.2 s), so moving the 1.5B target and the pard drafter took ~25 s of a 40 s
+``dflash2 generate``, for no measured gain in decoding there (bf16 and gguf one-row forwards the same within
+noise). So by default (``DFLASH2_HUGE_PAGES`` unset or ``auto``) the first buffer's fault-in is timed and, slower
+than :data:`SLOW_FAULT_SECONDS_PER_GB`, nothing more moves in this process; ``on`` moves everything whatever it
+costs, ``off`` nothing.
 """
 
 from __future__ import annotations
@@ -14,25 +21,42 @@ import ctypes
 import ctypes.util
 import dataclasses
 import logging
+import os
 import sys
+import time
 from collections.abc import Sequence
 
 import torch
 
-from dflash2.kernels import jit
-
-__all__ = ["ENV", "HUGE_PAGE", "huge_page_copies", "huge_pages_wanted", "move_linear_weights"]
+__all__ = ["ENV", "HUGE_PAGE", "SLOW_FAULT_SECONDS_PER_GB", "huge_page_copies", "huge_pages_mode",
+           "move_linear_weights"]
 
 log = logging.getLogger(__name__)
 
-ENV = "DFLASH2_HUGE_PAGES"  # "off": leave the weights where loading put them (for comparisons)
+ENV = "DFLASH2_HUGE_PAGES"  # "off": leave the weights where loading put them; "on": always move; "auto" (default)
 HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+SLOW_FAULT_SECONDS_PER_GB = 1.0  # fault-in slower than this: stop moving (fast machines ~0.1; the slow VMs ~8)
+_PROBE_BYTES = 8 << 20  # a buffer at least this large times its fault-in (smaller ones are noise)
 _ALIGN = 64  # bytes between tensors in the buffer: every dtype's alignment, a cache line
 _MADV_HUGEPAGE = 14
+_MODES = {"": "auto", "auto": "auto", "on": "on", "1": "on", "true": "on", "yes": "on", "always": "on",
+          "off": "off", "0": "off", "false": "off", "no": "off", "never": "off"}
 
 
-def huge_page_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of contiguous CPU ``tensors`` (same dtypes and shapes) laid out one after another in one buffer."""
+@dataclasses.dataclass
+class _FaultProbe:
+    """This process's one measurement of how fast huge pages fault in (auto mode), and whether it was reported."""
+
+    seconds_per_gb: float | None = None
+    told: bool = False
+
+
+_probe = _FaultProbe()
+
+
+def huge_page_copies(tensors: Sequence[torch.Tensor], measure: bool = False) -> list[torch.Tensor]:
+    """Copies of contiguous CPU ``tensors`` (same dtypes and shapes) laid out one after another in one buffer.
+    ``measure``: fault the buffer in first and record its seconds per GB (when it is large enough to tell)."""
     offsets, total = [], 0
     for t in tensors:
         if t.device.type != "cpu" or not t.is_contiguous():
@@ -41,6 +65,10 @@ def huge_page_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         offsets.append(total)
         total += t.numel() * t.element_size()
     buffer = _huge_buffer(total)
+    if measure and total >= _PROBE_BYTES:
+        start = time.perf_counter()
+        buffer.zero_()  # the page faults alone (the source may still be on disk: not timed)
+        _probe.seconds_per_gb = (time.perf_counter() - start) / (total / 1e9)
     copies = []
     for t, offset in zip(tensors, offsets):
         size = t.numel() * t.element_size()
@@ -49,17 +77,33 @@ def huge_page_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return copies
 
 
-def huge_pages_wanted() -> bool:
-    """False when ``DFLASH2_HUGE_PAGES`` is off (read at each load)."""
-    return not jit.switched_off(ENV)
+def huge_pages_mode() -> str:
+    """``DFLASH2_HUGE_PAGES`` (read at each load): ``"auto"`` (unset), ``"on"`` or ``"off"``."""
+    raw = os.environ.get(ENV, "")
+    mode = _MODES.get(raw.strip().lower())
+    if mode is None:
+        raise ValueError(f"{ENV}={raw!r}: expected auto, on or off")
+    return mode
+
+
+def _too_slow() -> bool:
+    """True once this process measured huge pages faulting in slower than SLOW_FAULT_SECONDS_PER_GB (said once)."""
+    if _probe.seconds_per_gb is None or _probe.seconds_per_gb <= SLOW_FAULT_SECONDS_PER_GB:
+        return False
+    if not _probe.told:
+        _probe.told = True
+        log.info("huge pages fault in at %.1f s per GB here (a VM that backs them slowly): the remaining weights "
+                 "stay on 4 KiB pages (%s=on moves them anyway)", _probe.seconds_per_gb, ENV)
+    return True
 
 
 def move_linear_weights(model: torch.nn.Module) -> torch.nn.Module:
     """Move the weights of ``model``'s CPU linear layers onto huge pages, one decoder layer (then the head) per
     buffer, so the load's peak grows by one layer's weights, not the model's: the packed / quantized tensors
     (``weight_data`` / ``scale_data``) of packed bf16 and int8 / int4 layers, and the blocks of GGUF layers. Nothing
-    moves when :func:`huge_pages_wanted` is false."""
-    if not huge_pages_wanted():
+    moves when :func:`huge_pages_mode` is off; in auto mode nothing more once a fault-in measured slow."""
+    mode = huge_pages_mode()
+    if mode == "off":
         return model
     groups = [list(layer.modules()) for layer in getattr(model, "layers", [])]
     head = getattr(model, "lm_head", None)
@@ -71,7 +115,9 @@ def move_linear_weights(model: torch.nn.Module) -> torch.nn.Module:
         tensors = [getattr(m, name) for m, name in slots] + [t for _, _, p in blocks for t in p.tensors().values()]
         if not tensors:
             continue
-        copies = iter(huge_page_copies(tensors))
+        if mode == "auto" and _too_slow():
+            break
+        copies = iter(huge_page_copies(tensors, measure=mode == "auto" and _probe.seconds_per_gb is None))
         for m, name in slots:
             setattr(m, name, next(copies))
         for m, i, p in blocks:  # a GGUF layer's runs of blocks: the same blocks, new tensors
