@@ -48,6 +48,12 @@ def test_pack_layout_and_round_trip() -> None:
     assert packed[2, 0, 0, 2 * 5] == 0  # output 37 is padding
     assert packed[0, 2, 3, 0] == 0  # k = 70 is padding
     assert torch.equal(unpack_weight_amx(packed, n, k), w)
+    for n, k in ((48, 64), (1040, 4096)):  # whole panels and steps (no padded copy); 1040 x 4096: two chunks
+        w = torch.randn(n, k)
+        packed = pack_weight_amx(w)  # fp32 in: rounded to bf16 as .to(bf16) rounds
+        assert torch.equal(unpack_weight_amx(packed, n, k), w.to(torch.bfloat16))
+        assert packed[1, 1, 5, 2 * 7 + 1] == w[16 + 7, 32 + 11].to(torch.bfloat16)
+        assert torch.equal(unpack_weight_amx(pack_weight_amx(w.to(torch.bfloat16)), n, k), w.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("backend", TILE_BACKENDS)

@@ -133,16 +133,25 @@ def _int8_chunk_order(chunks: torch.Tensor) -> torch.Tensor:
 
 
 def _to_tiles(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] -> dtype [P, S, 16, 32] (see pack_weight_amx), a chunk of panels at a time. The two halves of a pair
+    row stay together, so the permutation moves them as one 4-byte (bf16) or 2-byte (int8) element: a third of the
+    time of moving each half (the 1.5B's bf16 head: 0.39 -> 0.14 s)."""
     n, k = w.shape
     p, s = -(-n // PANEL), -(-k // STEP)
     out = torch.empty(p, s, STEP // 2, PANEL, 2, dtype=dtype)  # [P, S, pair row, output, half]
+    pair = {2: torch.int32, 1: torch.int16}[out.element_size()]
+    pairs = out.view(pair).view(p, s, STEP // 2, PANEL)  # [P, S, pair row, output]: one pair per element
     step = max(1, (1 << 24) // max(1, s * STEP * PANEL * 4))  # panels per chunk: ~16 MB of fp32 source
     for p0 in range(0, p, step):
         p1 = min(p, p0 + step)
-        src = torch.zeros((p1 - p0) * PANEL, s * STEP, dtype=dtype)
-        src[: min(n, p1 * PANEL) - p0 * PANEL, :k] = w[p0 * PANEL : p1 * PANEL]
-        # [panels, 16 outputs, S, 16 pair rows, 2] -> [panels, S, pair row, output, half]
-        out[p0:p1] = src.view(p1 - p0, PANEL, s, STEP // 2, 2).permute(0, 2, 3, 1, 4)
+        rows = w[p0 * PANEL : p1 * PANEL]
+        if rows.shape[0] == (p1 - p0) * PANEL and k == s * STEP and rows.dtype == dtype:
+            src = rows.contiguous()
+        else:  # zero padded to whole panels and steps, in dtype
+            src = torch.zeros((p1 - p0) * PANEL, s * STEP, dtype=dtype)
+            src[: rows.shape[0], :k] = rows
+        # [panels, 16 outputs, S, 16 pair rows] -> [panels, S, pair row, output]
+        pairs[p0:p1] = src.view(pair).view(p1 - p0, PANEL, s, STEP // 2).permute(0, 2, 3, 1)
     return out.view(p, s, PANEL, STEP)
 
 
