@@ -213,25 +213,39 @@ def _fp16_rounded(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).to(torch.float32)
 
 
+def _by_row_chunks(blocks: torch.Tensor, dtype: torch.dtype, chunk) -> tuple[np.ndarray, np.ndarray]:
+    """(codes [N, K] in dtype, scales fp32 [N, K / 32]) as numpy arrays: ``chunk(part) -> (codes, scales)`` over
+    fp32 [rows, K / 32, 32] chunks of ``blocks`` (bounds the temporaries to a chunk's)."""
+    n, nb, _ = blocks.shape
+    codes = torch.empty(n, nb, BLOCK, dtype=dtype)
+    scale = torch.empty(n, nb, dtype=torch.float32)
+    for r0 in range(0, n, _QUANTIZE_ROWS):
+        codes[r0 : r0 + _QUANTIZE_ROWS], scale[r0 : r0 + _QUANTIZE_ROWS] = chunk(blocks[r0 : r0 + _QUANTIZE_ROWS])
+    return codes.view(n, nb * BLOCK).numpy(), scale.numpy()
+
+
+def _q4_0_chunk(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    largest = part.gather(2, part.abs().argmax(dim=2, keepdim=True))[..., 0]  # [rows, B]: the first largest
+    d = _fp16_rounded(largest / -8)
+    safe = torch.where(d != 0, d, 1.0)
+    q = torch.clamp(torch.round(part / safe[..., None]) + 8, 0, 15)
+    return torch.where(d[..., None] != 0, q, 8).to(torch.uint8), d
+
+
+def _q8_0_chunk(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = _fp16_rounded(part.abs().amax(dim=2) / 127)  # [rows, B]
+    safe = torch.where(d > 0, d, 1.0)
+    q = torch.clamp(torch.round(part / safe[..., None]), -127, 127)
+    return torch.where(d[..., None] > 0, q, 0).to(torch.int8), d
+
+
 def quantize_q4_0(weight: np.ndarray | torch.Tensor) -> BlockTensor:
     """A float [N, K] weight (K a multiple of 32) as Q4_0 blocks: per 32 inputs ``d = fp16(m / -8)``, m the input
     of largest magnitude (the first such; it maps to code 0, so the other side keeps 7 steps), and codes
     ``round(w / d) + 8`` (half to even) clamped to [0, 15]; 4.5 bits per weight. For weights no GGUF holds (a merged
     drafter). fp32 operations in PyTorch, a chunk of rows at a time (the 0.5B drafter: seconds, not tens)."""
-    blocks = _float_blocks(weight, "Q4_0")  # [N, B, 32]
-    n, nb, _ = blocks.shape
-    codes = torch.empty(n, nb, BLOCK, dtype=torch.uint8)
-    scale = torch.empty(n, nb, dtype=torch.float32)
-    for r0 in range(0, n, _QUANTIZE_ROWS):
-        part = blocks[r0 : r0 + _QUANTIZE_ROWS]
-        largest = part.gather(2, part.abs().argmax(dim=2, keepdim=True))[..., 0]  # [rows, B]
-        d = _fp16_rounded(largest / -8)
-        safe = torch.where(d != 0, d, 1.0)
-        q = torch.clamp(torch.round(part / safe[..., None]) + 8, 0, 15)
-        codes[r0 : r0 + _QUANTIZE_ROWS] = torch.where(d[..., None] != 0, q, 8).to(torch.uint8)
-        scale[r0 : r0 + _QUANTIZE_ROWS] = d
-    return BlockTensor("Q4_0", codes.view(n, nb * BLOCK).numpy(), False, 4, 8, BLOCK, None, 1, scale.numpy(), None,
-                       None)
+    codes, scale = _by_row_chunks(_float_blocks(weight, "Q4_0"), torch.uint8, _q4_0_chunk)
+    return BlockTensor("Q4_0", codes, False, 4, 8, BLOCK, None, 1, scale, None, None)
 
 
 def quantize_q8_0(weight: np.ndarray | torch.Tensor) -> BlockTensor:
@@ -239,19 +253,8 @@ def quantize_q8_0(weight: np.ndarray | torch.Tensor) -> BlockTensor:
     ``round(w / d)`` (half to even) clamped to [-127, 127], 0 where the block is 0 (the format llama.cpp's Q8_0
     stores; codes rounded against the stored fp16 scale). For weights no GGUF holds, e.g. a merged drafter. fp32
     operations in PyTorch, a chunk of rows at a time."""
-    blocks = _float_blocks(weight, "Q8_0")  # [N, B, 32]
-    n, nb, _ = blocks.shape
-    codes = torch.empty(n, nb, BLOCK, dtype=torch.int8)
-    scale = torch.empty(n, nb, dtype=torch.float32)
-    for r0 in range(0, n, _QUANTIZE_ROWS):
-        part = blocks[r0 : r0 + _QUANTIZE_ROWS]
-        d = _fp16_rounded(part.abs().amax(dim=2) / 127)  # [rows, B]
-        safe = torch.where(d > 0, d, 1.0)
-        q = torch.clamp(torch.round(part / safe[..., None]), -127, 127)
-        codes[r0 : r0 + _QUANTIZE_ROWS] = torch.where(d[..., None] > 0, q, 0).to(torch.int8)
-        scale[r0 : r0 + _QUANTIZE_ROWS] = d
-    return BlockTensor("Q8_0", codes.view(n, nb * BLOCK).numpy().view(np.uint8), True, 8, 0, BLOCK, None, 1,
-                       scale.numpy(), None, None)
+    codes, scale = _by_row_chunks(_float_blocks(weight, "Q8_0"), torch.int8, _q8_0_chunk)
+    return BlockTensor("Q8_0", codes.view(np.uint8), True, 8, 0, BLOCK, None, 1, scale, None, None)
 
 
 # where each type keeps its fp16 fields (byte offsets in a block)
