@@ -1,6 +1,6 @@
 // The Intel AMX-INT8 path of gemm_gguf_avx2.cpp (included there, inside its namespace, in the build made with
-// -mamx-tile -mamx-int8 on top of AVX512-VNNI; used from amx_min_rows rows): the integer sums run on tiles instead of
-// VPDPBUSD; the fp32 steps are the VNNI pair kernel's.
+// -mamx-tile -mamx-int8 on top of AVX512-VNNI; used from amx_min_rows rows): the integer sums run on tiles instead
+// of VPDPBUSD; the fp32 steps are the VNNI pair kernel's.
 //
 // Why: with VPDPBUSD each row costs 8 instructions per block of 32 inputs and 16 outputs, so verifying 9 rows costs
 // about 9 times the arithmetic of one and the forward stops being memory-bound. One TDPBSUD multiplies up to 16

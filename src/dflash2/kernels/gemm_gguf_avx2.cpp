@@ -27,9 +27,9 @@
 // One 32-byte vector holds 4 consecutive inputs of 8 outputs, so _mm256_maddubs_epi16 + _mm256_madd_epi16 leave
 // one int32 per output (no horizontal sums); each row broadcasts its 4 activation bytes (one VPBROADCASTD load from
 // xq as it is: measured faster on Zen 4 than reading a pre-broadcast copy 8 times its size, 18.2 vs 13.9 tokens/s
-// plain with the AVX2 build). A block's weights are unpacked once per group of up to 4 rows (VNNI pairs:
-// 12). The zero-point and offset terms are int16 pair dot products of the per-output multipliers with each
-// block's two activation half sums, accumulated over a scale group and applied once per group.
+// plain with the AVX2 build). A block's weights are unpacked once per group of up to 4 rows (VNNI pairs: 12). The
+// zero-point and offset terms are int16 pair dot products of the per-output multipliers with each block's two
+// activation half sums, accumulated over a scale group and applied once per group.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

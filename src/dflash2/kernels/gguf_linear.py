@@ -20,15 +20,15 @@ This is llama.cpp's scheme (integer dot products on activations quantized to 8 b
 :func:`reference_matmul` evaluate exactly these operations, so they agree bit for bit, and a row's result never
 depends on the other rows nor on the CPU: the integer sums are exact, whichever instructions form them.
 
-Backends: ``"amx-int8"`` (the C++ file built with AMX tiles as well: from 4 rows the integer sums of up to 16 rows
-come from one tile product per block; CPUs listing ``amx_tile`` and ``amx_int8``: Sapphire Rapids and later Xeons),
+Backends: ``"amx-int8"`` (the C++ file built with AMX tiles as well: from 4 rows, Q4_K from 2, the integer sums of up
+to 16 rows come from tile products; CPUs listing ``amx_tile`` and ``amx_int8``: Sapphire Rapids and later Xeons),
 ``"avx512-vnni"`` (built with VPDPBUSD, up to 12 rows per unpacked block of two panels from :func:`pair_min_rows`
 rows; CPUs listing ``avx512_vnni`` and ``avx512vl``: Intel Cascade Lake and later, AMD Zen 4 / Zen 5), ``"avx2"``
 (built for AVX2 + FMA, 4 rows) and ``"torch"`` (:func:`reference_matmul`: portable, slow; float64 integer sums, the
 same fp32 steps).  ``DFLASH2_GGUF_KERNEL`` picks one (``amx``, ``vnni``, ``avx2``, ``torch``); unset, the fastest
 kernel the CPU runs is used (AMX unless ``DFLASH2_AMX=off``), and a CPU or build that can run none is an error naming
-that switch (no silent fallback).  The packed layout, shared by all backends and by the model store's cache, is built by
-:mod:`dflash2.kernels.gguf_packing` and described in the C++ file.
+that switch (no silent fallback).  The packed layout, shared by all backends and by the model store's cache, is built
+by :mod:`dflash2.kernels.gguf_packing` and described in the C++ file.
 """
 
 from __future__ import annotations
@@ -223,10 +223,11 @@ PAIRS_ENV = "DFLASH2_GGUF_PAIR_ROWS"
 
 def pair_min_rows() -> int:
     """From how many rows the AVX512-VNNI and AMX builds multiply two panels (16 outputs) per 512-bit vector; fewer
-    rows take the 256-bit micro-kernel (the AMX build's tiles start at 4 rows).  Measured: on the Intel Xeon (AMX) the
-    pairs are faster from one row (one-row forward of the 1.5B 53.5 -> 48.9 ms); on AMD Zen 4 (family 25), which
-    runs a 512-bit operation as two 256-bit halves, the 256-bit kernel streamed 1-4 rows faster (session 29), so
-    the pairs start at 5 rows there.  ``DFLASH2_GGUF_PAIR_ROWS=<n>`` sets it.  Either choice gives the same bits."""
+    rows take the 256-bit micro-kernel (the AMX build's tiles start at 2 or 4 rows).  Measured: on the Intel Xeon
+    (AMX) the pairs are faster from one row (one-row forward of the 1.5B 53.5 -> 48.9 ms); on AMD Zen 4 (family
+    25), which runs a 512-bit operation as two 256-bit halves, the 256-bit kernel streamed 1-4 rows faster (session
+    29), so the pairs start at 5 rows there.  ``DFLASH2_GGUF_PAIR_ROWS=<n>`` sets it.  Either choice gives the same
+    bits."""
     raw = os.environ.get(PAIRS_ENV, "").strip()
     if raw:
         if not raw.isdigit() or int(raw) < 1:
