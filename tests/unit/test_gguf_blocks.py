@@ -287,7 +287,7 @@ def test_selected_rows_give_those_outputs_bitwise(backend):
 def test_q8_0_from_a_float_weight(backend):
     """quantize_q8_0: fp16 scales per 32 inputs, codes within half a step of w / d; the layer over them equals the
     reference on those blocks and is close to the float product."""
-    from dflash2.models.gguf_blocks import quantize_q8_0
+    from dflash2.models.gguf_quantize import quantize_q8_0
 
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 256, generator=g) * torch.logspace(-2, 1, 40)[:, None]
@@ -327,15 +327,16 @@ def test_float_quantizers_equal_their_numpy_definition_bit_for_bit():
     """quantize_q8_0 / quantize_q4_0 run in PyTorch by chunks of rows (seconds for the 0.5B drafter, not tens); their
     codes and scales are those of the same fp32 arithmetic in numpy: ties rounded to even, zero blocks, a largest
     magnitude shared by two inputs (the first is taken), scales past fp16's range, more rows than one chunk."""
-    from dflash2.models import gguf_blocks as gb
+    from dflash2.models import gguf_quantize as gq
 
     g = torch.Generator().manual_seed(11)
-    w = torch.randn(gb._QUANTIZE_ROWS + 37, 96, generator=g) * torch.logspace(-3, 2, gb._QUANTIZE_ROWS + 37)[:, None]
+    rows = gq._QUANTIZE_ROWS + 37
+    w = torch.randn(rows, 96, generator=g) * torch.logspace(-3, 2, rows)[:, None]
     w[0, :32] = 0
     w[1, :32] = torch.arange(32) * 0.25 - 4  # steps of a quarter: ties of w / d at 127 / 4 ... (exact halves)
     w[2, 32:64] = torch.tensor([-3.0, 3.0] * 16)  # the largest magnitude twice, with opposite signs
     w[3, 64:96] = 1e7  # past fp16 after / 127 and / -8: infinite scales
-    for quantize, reference in ((gb.quantize_q8_0, _numpy_q8_0), (gb.quantize_q4_0, _numpy_q4_0)):
+    for quantize, reference in ((gq.quantize_q8_0, _numpy_q8_0), (gq.quantize_q4_0, _numpy_q4_0)):
         for weight in (w, w.numpy()):  # a torch tensor or a numpy array
             t = quantize(weight)
             codes, scale = reference(w.numpy())
@@ -359,7 +360,7 @@ def test_q4_0_from_a_float_weight(backend):
     """quantize_q4_0: fp16 scales per 32 inputs (the largest magnitude at code 0), codes in [0, 15] within half a
     step of w / d + 8 (a step at 15: the side opposite the largest has 7 steps); the layer over them equals the
     reference on those blocks and is near the float product."""
-    from dflash2.models.gguf_blocks import quantize_q4_0
+    from dflash2.models.gguf_quantize import quantize_q4_0
 
     g = torch.Generator().manual_seed(4)
     w = torch.randn(40, 256, generator=g) * torch.logspace(-2, 1, 40)[:, None]

@@ -46,8 +46,8 @@ from dflash2.kernels import jit
 from dflash2.kernels import packed_linear as _bf16
 from dflash2.kernels.gguf_packing import PANEL, PackedBlocks, pack_blocks, unpack_blocks
 from dflash2.models.gguf_blocks import (BLOCK, SUPPORTED_TYPES, BlockTensor, dequantize, integer_weights,
-                                        quantize_q4_0, quantize_q8_0, random_blocks,
-                                        take_rows)
+                                        random_blocks, take_rows)
+from dflash2.models.gguf_quantize import quantize_q4_0, quantize_q8_0
 
 __all__ = ["AMX", "ENV", "PAIRS_ENV", "VNNI", "GgufLinear", "PackedBlocks", "activation_block", "build_namespace",
            "gguf_backend", "gguf_kernel_status", "gguf_kernels_available", "kernel_backends", "kernel_ops",
