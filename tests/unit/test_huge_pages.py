@@ -80,7 +80,8 @@ def test_gguf_layers_move_with_their_cpp_view_rebuilt(tiny_model_dirs, monkeypat
 def test_mode_switch():
     from dflash2.models import huge_pages as hp
 
-    for raw, mode in (("", "auto"), ("auto", "auto"), ("on", "on"), ("ALWAYS", "on"), ("off", "off"), ("0", "off")):
+    for raw, mode in (("", "auto"), ("auto", "auto"), ("on", "on"), ("ALWAYS", "on"), ("off", "off"), ("0", "off"),
+                      ("disabled", "off")):  # (every off value of jit.switched_off)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(hp.ENV, raw)
             assert hp.huge_pages_mode() == mode

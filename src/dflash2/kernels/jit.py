@@ -52,35 +52,34 @@ def build_dir() -> Path:
     return home / "kernels" / tag
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty when there is none)."""
+def _first_cpu() -> dict[str, str]:
+    """The first processor's ``key: value`` fields of /proc/cpuinfo (empty when there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return set()
+    return fields
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty when there is none)."""
+    return set(_first_cpu().get("flags", "").split())
 
 
 def cpu_model() -> tuple[str, int]:
     """(vendor, family) from /proc/cpuinfo: ("AuthenticAMD", 25) on AMD Zen 3 / Zen 4, ("GenuineIntel", 6) on Intel;
     ("", -1) when there is none."""
-    vendor, family = "", -1
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    vendor = value.strip()
-                elif key.strip() == "cpu family":
-                    family = int(value.strip())
-                if vendor and family >= 0:
-                    break
-    except (OSError, ValueError):
-        pass
-    return vendor, family
+    fields = _first_cpu()
+    family = fields.get("cpu family", "")
+    return fields.get("vendor_id", ""), int(family) if family.isdigit() else -1
 
 
 def _cpu_has_avx2_fma() -> tuple[bool, str]:

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
+from dflash2.kernels import jit
+
 __all__ = ["ENV", "HUGE_PAGE", "SLOW_FAULT_SECONDS_PER_GB", "huge_page_copies", "huge_pages_mode",
            "move_linear_weights"]
 
@@ -39,8 +41,7 @@ SLOW_FAULT_SECONDS_PER_GB = 1.0  # fault-in slower than this: stop moving (fast 
 _PROBE_BYTES = 8 << 20  # a buffer at least this large times its fault-in (smaller ones are noise)
 _ALIGN = 64  # bytes between tensors in the buffer: every dtype's alignment, a cache line
 _MADV_HUGEPAGE = 14
-_MODES = {"": "auto", "auto": "auto", "on": "on", "1": "on", "true": "on", "yes": "on", "always": "on",
-          "off": "off", "0": "off", "false": "off", "no": "off", "never": "off"}
+_ON = ("on", "1", "true", "yes", "always")
 
 
 @dataclasses.dataclass
@@ -78,12 +79,17 @@ def huge_page_copies(tensors: Sequence[torch.Tensor], measure: bool = False) -> 
 
 
 def huge_pages_mode() -> str:
-    """``DFLASH2_HUGE_PAGES`` (read at each load): ``"auto"`` (unset), ``"on"`` or ``"off"``."""
+    """``DFLASH2_HUGE_PAGES`` (read at each load): ``"off"`` (the package's off values, :func:`jit.switched_off`),
+    ``"on"``, or ``"auto"`` (unset)."""
+    if jit.switched_off(ENV):
+        return "off"
     raw = os.environ.get(ENV, "")
-    mode = _MODES.get(raw.strip().lower())
-    if mode is None:
-        raise ValueError(f"{ENV}={raw!r}: expected auto, on or off")
-    return mode
+    value = raw.strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in _ON:
+        return "on"
+    raise ValueError(f"{ENV}={raw!r}: expected auto, on or off")
 
 
 def _too_slow() -> bool:
