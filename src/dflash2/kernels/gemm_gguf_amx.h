@@ -263,14 +263,31 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
       o.S1[j] = int8_pair(s0 + 8, s1 + 8);
     }
   };
-  auto finish = [&](int64_t u, int i0, int i1) {  // rows i0 .. i1 - 1 of unit u's chunk: J, then the fp32 steps
-    const int64_t g = u / chunks;
-    const int c0 = static_cast<int>(u % chunks) * t.rows;
-    const GroupOperands& o = ops[g % 3];
-    const UnitSums& us = sums[u % 2];
-    const __m512 Av = float_pair(a.A + (p * a.G + g) * kPanel, a.A + (q * a.G + g) * kPanel);
-    __m512 Cv = _mm512_setzero_ps();
-    if constexpr (OFF != 0) Cv = float_pair(a.C + (p * a.G + g) * kPanel, a.C + (q * a.G + g) * kPanel);
+  struct Unit {  // what the sums of one unit read, found once per unit (its rows are made in nb slices)
+    const GroupOperands* o;
+    const UnitSums* us;
+    int64_t g;
+    int c0, rows;
+    __m512 Av, Cv;
+  };
+  auto unit_of = [&](int64_t u) {
+    Unit w;
+    w.g = u / chunks;
+    w.c0 = static_cast<int>(u % chunks) * t.rows;
+    w.rows = std::min(t.rows, mr - w.c0);
+    w.o = &ops[w.g % 3];
+    w.us = &sums[u % 2];
+    w.Av = float_pair(a.A + (p * a.G + w.g) * kPanel, a.A + (q * a.G + w.g) * kPanel);
+    w.Cv = _mm512_setzero_ps();
+    if constexpr (OFF != 0) w.Cv = float_pair(a.C + (p * a.G + w.g) * kPanel, a.C + (q * a.G + w.g) * kPanel);
+    return w;
+  };
+  auto finish = [&](const Unit& w, int i0, int i1) {  // rows i0 .. i1 - 1 of unit w's chunk: J, then the fp32 steps
+    const int64_t g = w.g;
+    const int c0 = w.c0;
+    const GroupOperands& o = *w.o;
+    const UnitSums& us = *w.us;
+    const __m512 Av = w.Av, Cv = w.Cv;
     for (int i = i0; i < i1; ++i) {
       const int64_t m = m0 + c0 + i;
       __m512i J = _mm512_setzero_si512();
@@ -312,14 +329,18 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
       _mm512_store_ps(yacc[c0 + i], y);
     }
   };
-  auto rows_of = [&](int64_t u) { return std::min(t.rows, mr - static_cast<int>(u % chunks) * t.rows); };
 
   for (int j = 0; j < nb; ++j) make(0, j);
   for (int64_t u = 0; u < units; ++u) {
     const int64_t g = u / chunks;
     const int c0 = static_cast<int>(u % chunks) * t.rows;
     const bool make_next = c0 == 0 && g + 1 < a.G;
-    const int prev_rows = u > 0 ? rows_of(u - 1) : 0;
+    Unit prev{};
+    int cut[kMaxGroup + 1] = {};  // the rows of unit u - 1 made after block j: cut[j] .. cut[j + 1] - 1
+    if (u > 0) {
+      prev = unit_of(u - 1);
+      for (int j = 0; j <= nb; ++j) cut[j] = prev.rows * j / nb;
+    }
     const int8_t* xc = t.x + (m0 + c0) * a.K + 32 * g * a.group;
     const GroupOperands& o = ops[g % 3];
     UnitSums& us = sums[u % 2];
@@ -342,7 +363,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
       }
       tile_barrier();
       if (make_next) make(g + 1, j);
-      if (u > 0) finish(u - 1, prev_rows * j / nb, prev_rows * (j + 1) / nb);
+      if (u > 0) finish(prev, cut[j], cut[j + 1]);
     }
     if constexpr (kFold) {
       _tile_stored(0, us.prod[0][0], 64);
@@ -351,7 +372,8 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
     if constexpr (OFF != 0 && !kFold) _tile_stored(6, us.tsum, 64);
   }
   tile_barrier();
-  finish(units - 1, 0, rows_of(units - 1));
+  const Unit last = unit_of(units - 1);
+  finish(last, 0, last.rows);
   for (int r = 0; r < mr; ++r) store_pair(a, m0 + r, p, keep, _mm512_load_ps(yacc[r]));
 }
 
