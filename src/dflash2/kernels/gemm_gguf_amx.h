@@ -15,14 +15,15 @@
 //   P_b = A . B (int32 [rows, 16]: sum_k (u - zero) x per output, exact), stored; per row J += s_b * P_b;
 //   with an offset, T = sum_b A_b . O_b accumulates in a tile over the group, O_b the block's offset multipliers
 //     c_b (1 for Q4_1) repeated down its 8 rows (one 64-byte row loaded with stride 0): T = sum_b c_b sum_k x.
-// Sub-scales per 16 inputs (Q6_K) take two tiles per block, one per half (K = 16 each); Q4_K folds its sub-scales
-// into B instead (tile_pair_rows). J and T are the exact integers of the pair kernel (the zero point folded into
+// Q4_K and Q6_K fold their sub-scales into B instead (tile_pair_rows); sub-scales per 16 inputs of a kind that does
+// not fold would take two tiles per block, one per half (K = 16 each). J and T are the exact integers of the pair kernel (the zero point folded into
 // the codes instead of subtracted as zero * sums of x), and the fp32 steps per output are its sequence, so the
 // result is the same bits as the VNNI and AVX2 builds (tested, and self-checked at load).
 
 // Rows from which gguf_matmul takes the tiles (fewer: the VNNI kernels). Q4_K's folded tiles from 2 rows: one
 // [17920, 1536] layer, weights from memory, 2 / 3 rows 0.97 / 1.01 ms on the VNNI pairs, 0.83 / 0.85 on tiles;
-// Q6_K's per-block tile products only from 4 (3 rows: 0.68 ms on the pairs, 0.72 on tiles).
+// the others from 4 (Q6_K's folded tiles at 2 / 3 rows: the down projections x28 +0.6-1.3 ms over 1 row, on the
+// pairs +0.1-0.6; the head even).
 constexpr int kAmxRows = 4;
 constexpr int kAmxFoldedRows = 2;
 constexpr int kTileRows = 16;
@@ -89,6 +90,34 @@ inline void widen_folded_block(const Args& a, int64_t p, int64_t q, int64_t b, u
   });
 }
 
+// Q6_K's block b of panels p, q widened with each output's sub-scale folded in (the B operands of a folded scale
+// group with 16-bit products): v = s_h * (u - zero) (|v| <= 128 * 63: an int16; s_h the output's sub-scale of the
+// block's half h) split into its bytes, v = 256 hi + lo (lo unsigned, hi signed), low[t] = lo and high[t] = hi. One
+// VPMULLW per 32 codes: the even and odd bytes of each word are sign-extended apart, multiplied and put back.
+inline void widen_folded16_block(const Args& a, int64_t p, int64_t q, int64_t b, __m512i zero, uint8_t (*low)[64],
+                                 uint8_t (*high)[64]) {
+  const int8_t* s0 = a.s + (p * a.B + b) * 16;
+  const int8_t* s1 = a.s + (q * a.B + b) * 16;
+  auto in_both_words = [](__m512i v) {  // int32 lanes -> the low 16 bits in both words
+    return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(v, 16));
+  };
+  const __m512i S0 = in_both_words(int8_pair(s0, s1)), S1 = in_both_words(int8_pair(s0 + 8, s1 + 8));
+  const __mmask64 odd = 0xAAAAAAAAAAAAAAAAull;
+  auto put = [&](int t, __m512i codes, __m512i scale) {
+    const __m512i c = _mm512_sub_epi8(codes, zero);
+    const __m512i even = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(c, 8), 8), scale);
+    const __m512i odd_v = _mm512_mullo_epi16(_mm512_srai_epi16(c, 8), scale);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(low[t]),
+                       _mm512_mask_blend_epi8(odd, even, _mm512_slli_epi16(odd_v, 8)));
+    _mm512_store_si512(reinterpret_cast<__m512i*>(high[t]),
+                       _mm512_mask_blend_epi8(odd, _mm512_srli_epi16(even, 8), odd_v));
+  };
+  pair_codes<kNib6>(a, p, q, b, [&](int c, __m512i lo, __m512i hi) {  // steps 0-3: the first half, 4-7 the second
+    put(c, lo, S0);
+    put(c + 4, hi, S1);
+  });
+}
+
 // Block b's offset multipliers of panels p, q, one per output's lane.
 inline __m512i offset_mults(const Args& a, int64_t p, int64_t q, int64_t b) {
   const __m128i c = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.cm + (p * a.B + b) * 8)),
@@ -127,24 +156,31 @@ inline __m512i offset_row(const Args& a, int64_t p, int64_t q, int64_t b) {
     _tile_stored(TC, out, 64);                                                \
   } while (0)
 
-// Two folded blocks (Q4_K; K = 64 inputs): A (tile TA) times the low digits' B (tile TL) into C0 (tile 0) and times
-// the high digits' B (tile TH) into C1 (tile 3), both accumulating over the scale group, so nothing is stored per
-// block. The B operands of blocks j, j + 1 lie one after the other (16 rows of 64 bytes). The offset term is
-// vector work in `finish` (tile products cost by their K whatever the rows: a third product would cost half again).
-#define GGUF_TILE_FOLDED(TA, TL, TH, xb, K, low, high) \
-  do {                                                \
-    _tile_loadd(TA, xb, K);                           \
-    _tile_loadd(TL, low, 64);                         \
-    _tile_dpbsud(0, TA, TL);                          \
-    _tile_loadd(TH, high, 64);                        \
-    _tile_dpbsud(3, TA, TH);                          \
+// Two folded blocks (K = 64 inputs): A (tile TA) times the low digits' B (tile TL) into C0 (tile 0) and times the
+// high digits' B (tile TH) into C1 (tile 3), both accumulating over the scale group, so nothing is stored per
+// block. The B operands of blocks j, j + 1 lie one after the other (16 rows of 64 bytes). The high digits are
+// unsigned for Q4_K, signed for Q6_K (signed_high). The offset term is vector work in `finish` (a third product
+// would cost half again).
+#define GGUF_TILE_FOLDED(TA, TL, TH, xb, K, low, high, signed_high) \
+  do {                                                             \
+    _tile_loadd(TA, xb, K);                                        \
+    _tile_loadd(TL, low, 64);                                      \
+    _tile_dpbsud(0, TA, TL);                                       \
+    _tile_loadd(TH, high, 64);                                     \
+    GGUF_TILE_DP(signed_high, 3, TA, TH);                          \
   } while (0)
 
-// Whether a block kind takes the folded path: Q4_K (4-bit codes, a sub-scale per block, offsets).
-constexpr bool folded_kind(int kind, int h, int off) { return kind == kNib4 && h == 1 && off == 2; }
+// Whether a block kind takes the folded path: Q4_K (4-bit codes, a sub-scale per block, offsets; two 4-bit digits
+// of the sub-scale, J = 16 C1 + C0) or Q6_K (6-bit codes, a sub-scale per half block, no offset; the two bytes of
+// 16-bit products, J = 256 C1 + C0).
+constexpr bool folded_kind(int kind, int h, int off) {
+  return (kind == kNib4 && h == 1 && off == 2) || (kind == kNib6 && h == 2 && off == 0);
+}
 
 // Rows from which a block kind runs on tiles.
-constexpr int amx_min_rows(int kind, int h, int off) { return folded_kind(kind, h, off) ? kAmxFoldedRows : kAmxRows; }
+constexpr int amx_min_rows(int kind, int h, int off) {
+  return folded_kind(kind, h, off) && kind == kNib4 ? kAmxFoldedRows : kAmxRows;
+}
 
 // Block j's tile products for one chunk of rows (xb: the chunk's first row at the block's first input) into
 // prod[0] (and prod[1], the second half's, with halves), int32 [rows, 16]. Without halves even blocks take tiles
@@ -212,9 +248,16 @@ struct UnitSums {
 // product costs by its K, nearly whatever the rows. The same exact J and T, so the same bits, for two VPMULLW per
 // 64 codes in the widening, which every row count shares. (One [17920, 1536] Q4_K layer in cache, 9 rows: 0.87 ->
 // 0.74 ms.)
+//
+// Q6_K (6-bit codes minus 32, a sub-scale per 16 inputs, no offset) folds too, with 16-bit products: v = s * (u - 32)
+// fits an int16 and splits into an unsigned low and a signed high byte (widen_folded16_block), J = 256 C1 + C0. Per
+// block it replaces two K = 16 tile products, each with a tile store of every row, and two VPMULLD per row by four
+// VPMULLW per 64 codes in the widening. Measured on an Emerald Rapids Xeon (2 cores), each category of the 1.5B's
+// layers as a forward reads them, 9 rows: the head 14.3 -> 11.2 ms, the down projections (half Q6_K) 20.3 -> 18.4.
 template <int KIND, int H, int OFF>
 void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int64_t m0, int mr, __mmask16 keep) {
   constexpr bool kFold = folded_kind(KIND, H, OFF);
+  constexpr bool kFold16 = kFold && KIND == kNib6;  // (the folded bytes of 16-bit products: J = 256 C1 + C0)
   GroupOperands ops[3];  // by group, modulo 3: group g + 1 is made while the sums of group g - 1 still read theirs
   UnitSums sums[2];      // by unit, modulo 2
   alignas(64) float yacc[kPassRows][16];
@@ -233,7 +276,9 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
   auto make = [&](int64_t g, int j) {  // group g's block j: codes, offset row, sub-scales
     GroupOperands& o = ops[g % 3];
     const int64_t b = g * a.group + j;
-    if constexpr (kFold) {
+    if constexpr (kFold16) {
+      widen_folded16_block(a, p, q, b, zero, o.wide[j], o.wide_high[j]);
+    } else if constexpr (kFold) {
       widen_folded_block(a, p, q, b, o.wide[j], o.wide_high[j]);
     } else {
       widen_pair_block<KIND>(a, p, q, b, zero_point != 0, zero, o.wide[j]);
@@ -250,7 +295,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
       }
     }
     if constexpr (kFold) {  // (the sub-scales are in the B operands)
-      if (j & 1) o.C16[j / 2] = pair16_512(offset_mults(a, p, q, b - 1), offset_mults(a, p, q, b));
+      if (OFF != 0 && (j & 1)) o.C16[j / 2] = pair16_512(offset_mults(a, p, q, b - 1), offset_mults(a, p, q, b));
     } else if constexpr (OFF == 2) {
       _mm512_store_si512(reinterpret_cast<__m512i*>(o.orow[j]), offset_row(a, p, q, b));
     }
@@ -291,10 +336,10 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
     for (int i = i0; i < i1; ++i) {
       const int64_t m = m0 + c0 + i;
       __m512i J = _mm512_setzero_si512();
-      if constexpr (kFold) {  // J = 16 C1 + C0
+      if constexpr (kFold) {  // J = 16 C1 + C0 (Q4_K), 256 C1 + C0 (Q6_K)
         const __m512i C0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[0][0] + 16 * i));
         const __m512i C1 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[0][1] + 16 * i));
-        J = _mm512_add_epi32(_mm512_slli_epi32(C1, 4), C0);
+        J = _mm512_add_epi32(_mm512_slli_epi32(C1, kFold16 ? 8 : 4), C0);
       } else {
         for (int j = 0; j < nb; ++j) {
           const __m512i P0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j][0] + 16 * i));
@@ -354,9 +399,9 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
       if constexpr (kFold) {  // blocks j - 1, j at odd j
         const int i = j - 1;
         if ((j & 3) == 1) {
-          GGUF_TILE_FOLDED(1, 2, 5, xc + 32 * i, a.K, o.wide[i][0], o.wide_high[i][0]);
+          GGUF_TILE_FOLDED(1, 2, 5, xc + 32 * i, a.K, o.wide[i][0], o.wide_high[i][0], kFold16);
         } else if ((j & 3) == 3) {
-          GGUF_TILE_FOLDED(4, 6, 7, xc + 32 * i, a.K, o.wide[i][0], o.wide_high[i][0]);
+          GGUF_TILE_FOLDED(4, 6, 7, xc + 32 * i, a.K, o.wide[i][0], o.wide_high[i][0], kFold16);
         }
       } else {
         tile_block<H, OFF != 0>(xc + 32 * j, a.K, j, signed_b, o.wide[j], o.orow[j], us.prod[j]);
@@ -399,8 +444,9 @@ void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, 
   const bool fold = folded_kind(kind, h, off);
   TileRows t{a.xq, rows, kPassRows / rows * rows, nullptr};
   std::vector<int16_t> xsum;
-  if (fold) {
-    TORCH_CHECK(a.zshift < 0 && a.group % 2 == 0, "gguf amx: a folded group has no zero point, blocks in pairs");
+  TORCH_CHECK(!fold || a.group % 2 == 0, "gguf amx: a folded group has its blocks in pairs");
+  if (fold && off != 0) {  // (Q4_K: the offset term's block sums)
+    TORCH_CHECK(a.zshift < 0, "gguf amx: a folded group with offsets has no zero point");
     xsum = block_sums(a.bs, M, a.B);
     t.xsum = xsum.data();
   }
@@ -411,7 +457,7 @@ void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, 
     t.x = padded.data();
   }
   at::parallel_for(0, (P + 1) / 2, grain, [&](int64_t i0, int64_t i1) {
-    gguf_tile_config(t.rows, h == 2 ? 16 : (fold ? 64 : 32));
+    gguf_tile_config(t.rows, fold ? 64 : (h == 2 ? 16 : 32));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
       const __mmask16 keep = pair_keep(a, p, q);
