@@ -15,10 +15,10 @@
 //   P_b = A . B (int32 [rows, 16]: sum_k (u - zero) x per output, exact), stored; per row J += s_b * P_b;
 //   with an offset, T = sum_b A_b . O_b accumulates in a tile over the group, O_b the block's offset multipliers
 //     c_b (1 for Q4_1) repeated down its 8 rows (one 64-byte row loaded with stride 0): T = sum_b c_b sum_k x.
-// Q4_K and Q6_K fold their sub-scales into B instead (tile_pair_rows); sub-scales per 16 inputs of a kind that does
-// not fold would take two tiles per block, one per half (K = 16 each). J and T are the exact integers of the pair kernel (the zero point folded into
-// the codes instead of subtracted as zero * sums of x), and the fp32 steps per output are its sequence, so the
-// result is the same bits as the VNNI and AVX2 builds (tested, and self-checked at load).
+// Q4_K and Q6_K fold their sub-scales into B instead (tile_pair_rows); sub-scales per 16 inputs (Q6_K's) run on
+// tiles only folded. J and T are the exact integers of the pair kernel (the zero point folded into the codes instead
+// of subtracted as zero * sums of x), and the fp32 steps per output are its sequence, so the result is the same bits
+// as the VNNI and AVX2 builds (tested, and self-checked at load).
 
 // Rows from which gguf_matmul takes the tiles (fewer: the VNNI kernels). Q4_K's folded tiles from 2 rows: one
 // [17920, 1536] layer, weights from memory, 2 / 3 rows 0.97 / 1.01 ms on the VNNI pairs, 0.83 / 0.85 on tiles;
@@ -30,12 +30,11 @@ constexpr int kTileRows = 16;
 constexpr int kMaxGroup = 8;  // blocks per scale group (K-quants: 8)
 constexpr int64_t kPrefetchBlocks = 8;  // how far ahead of the widening the codes are prefetched
 
-// Tiles 0 / 3: P (rows x 16 int32); 1 / 4: A (rows x 32 bytes, or 16 per half); 2 / 5: B (8 rows x 64, or 4);
-// 6: T (rows x 16 int32); 7: O (as B). Without halves, even blocks use tiles 0-2 and odd ones 3-5, so two blocks'
-// tile work can be in flight; with halves, 0-2 hold the first half and 3-5 the second. Folded (k = 64, two blocks
-// per product): 0 / 3 the group's C0 / C1, 1 / 4 A (rows x 64 bytes), 2 / 5 and 6 / 7 the low / high digits' B
-// (16 rows x 64), alternating by pair of blocks.
-// k: the inputs of one tile product (16 for halves, 32 for a block, 64 for two folded blocks).
+// Tiles 0 / 3: P (rows x 16 int32); 1 / 4: A (rows x 32 bytes); 2 / 5: B (8 rows x 64); 6: T (rows x 16 int32);
+// 7: O (as B). Even blocks use tiles 0-2 and odd ones 3-5, so two blocks' tile work can be in flight. Folded (k = 64,
+// two blocks per product): 0 / 3 the group's C0 / C1, 1 / 4 A (rows x 64 bytes), 2 / 5 and 6 / 7 the low / high
+// digits' B (16 rows x 64), alternating by pair of blocks.
+// k: the inputs of one tile product (32 for a block, 64 for two folded blocks).
 inline void gguf_tile_config(int rows, int k) {
   TileConfig cfg;
   const bool folded = k == 64;
@@ -177,24 +176,23 @@ constexpr bool folded_kind(int kind, int h, int off) {
   return (kind == kNib4 && h == 1 && off == 2) || (kind == kNib6 && h == 2 && off == 0);
 }
 
+// Whether a block kind runs on tiles: sub-scales per 16 inputs only folded (Q6_K).
+constexpr bool tiles_take(int kind, int h, int off) { return h != 2 || folded_kind(kind, h, off); }
+
 // Rows from which a block kind runs on tiles.
 constexpr int amx_min_rows(int kind, int h, int off) {
   return folded_kind(kind, h, off) && kind == kNib4 ? kAmxFoldedRows : kAmxRows;
 }
 
-// Block j's tile products for one chunk of rows (xb: the chunk's first row at the block's first input) into
-// prod[0] (and prod[1], the second half's, with halves), int32 [rows, 16]. Without halves even blocks take tiles
-// 0-2 and odd ones 3-5 (two blocks in flight); with halves the first half takes 0-2 and the second 3-5.
-template <int H, bool OFFSET>
+// Block j's tile product for one chunk of rows (xb: the chunk's first row at the block's first input) into prod,
+// int32 [rows, 16]: even blocks take tiles 0-2 and odd ones 3-5 (two blocks in flight).
+template <bool OFFSET>
 inline void tile_block(const int8_t* xb, int64_t K, int j, bool signed_b, const uint8_t (*wide)[64],
-                       const uint8_t* orow, int32_t (*prod)[kTileRows * 16]) {
-  if constexpr (H == 2) {  // two halves of 16 inputs, each with its own sub-scale
-    GGUF_TILE_PRODUCT(0, 1, 2, OFFSET, xb, K, wide[0], orow, signed_b, prod[0]);
-    GGUF_TILE_PRODUCT(3, 4, 5, OFFSET, xb + 16, K, wide[4], orow, signed_b, prod[1]);
-  } else if ((j & 1) == 0) {
-    GGUF_TILE_PRODUCT(0, 1, 2, OFFSET, xb, K, wide[0], orow, signed_b, prod[0]);
+                       const uint8_t* orow, int32_t* prod) {
+  if ((j & 1) == 0) {
+    GGUF_TILE_PRODUCT(0, 1, 2, OFFSET, xb, K, wide[0], orow, signed_b, prod);
   } else {
-    GGUF_TILE_PRODUCT(3, 4, 5, OFFSET, xb, K, wide[0], orow, signed_b, prod[0]);
+    GGUF_TILE_PRODUCT(3, 4, 5, OFFSET, xb, K, wide[0], orow, signed_b, prod);
   }
 }
 
@@ -224,14 +222,14 @@ struct GroupOperands {
   alignas(64) uint8_t wide_high[kMaxGroup][8][64];  // folded only: the high digits
   __m512i C16[kMaxGroup / 2];  // folded only: blocks 2i, 2i + 1's offset multipliers as an int16 pair per output
   alignas(64) uint8_t orow[kMaxGroup][64];
-  __m512i S0[kMaxGroup], S1[kMaxGroup];
+  __m512i S0[kMaxGroup];  // unfolded, with sub-scales (Q5_0 and Q4_0 have none)
 };
 
 // One unit of tile work: a scale group g for one chunk of rows; its products, stored for the sums.
 struct UnitSums {
-  alignas(64) int32_t prod[kMaxGroup][2][kTileRows * 16];  // [block of the group][half][row * 16 + output];
-                                                           // folded: prod[0][0] = C0, prod[0][1] = C1
-  alignas(64) int32_t tsum[kTileRows * 16];                // T, with an offset
+  alignas(64) int32_t prod[kMaxGroup][kTileRows * 16];  // unfolded: [block of the group][row * 16 + output]
+  alignas(64) int32_t c[2][kTileRows * 16];              // folded: C0, C1
+  alignas(64) int32_t tsum[kTileRows * 16];              // unfolded: T, with an offset
 };
 
 // Rows m0 .. m0 + mr - 1 (mr <= kPassRows) of panels p and q: pair_rows' arithmetic with the integer sums from
@@ -299,14 +297,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
     } else if constexpr (OFF == 2) {
       _mm512_store_si512(reinterpret_cast<__m512i*>(o.orow[j]), offset_row(a, p, q, b));
     }
-    if constexpr (H == 1 && !kFold) {
-      o.S0[j] = int8_pair(a.s + (p * a.B + b) * 8, a.s + (q * a.B + b) * 8);
-    } else if constexpr (H == 2) {
-      const int8_t* s0 = a.s + (p * a.B + b) * 16;
-      const int8_t* s1 = a.s + (q * a.B + b) * 16;
-      o.S0[j] = int8_pair(s0, s1);
-      o.S1[j] = int8_pair(s0 + 8, s1 + 8);
-    }
+    if constexpr (H == 1 && !kFold) o.S0[j] = int8_pair(a.s + (p * a.B + b) * 8, a.s + (q * a.B + b) * 8);
   };
   struct Unit {  // what the sums of one unit read, found once per unit (its rows are made in nb slices)
     const GroupOperands* o;
@@ -337,17 +328,13 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
       const int64_t m = m0 + c0 + i;
       __m512i J = _mm512_setzero_si512();
       if constexpr (kFold) {  // J = 16 C1 + C0 (Q4_K), 256 C1 + C0 (Q6_K)
-        const __m512i C0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[0][0] + 16 * i));
-        const __m512i C1 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[0][1] + 16 * i));
+        const __m512i C0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.c[0] + 16 * i));
+        const __m512i C1 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.c[1] + 16 * i));
         J = _mm512_add_epi32(_mm512_slli_epi32(C1, kFold16 ? 8 : 4), C0);
       } else {
         for (int j = 0; j < nb; ++j) {
-          const __m512i P0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j][0] + 16 * i));
-          if constexpr (H == 2) {
-            const __m512i P1 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j][1] + 16 * i));
-            J = _mm512_add_epi32(J,
-                                 _mm512_add_epi32(_mm512_mullo_epi32(P0, o.S0[j]), _mm512_mullo_epi32(P1, o.S1[j])));
-          } else if constexpr (H == 1) {
+          const __m512i P0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j] + 16 * i));
+          if constexpr (H == 1) {
             J = _mm512_add_epi32(J, _mm512_mullo_epi32(P0, o.S0[j]));
           } else {
             J = _mm512_add_epi32(J, P0);
@@ -404,15 +391,15 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
           GGUF_TILE_FOLDED(4, 6, 7, xc + 32 * i, a.K, o.wide[i][0], o.wide_high[i][0], kFold16);
         }
       } else {
-        tile_block<H, OFF != 0>(xc + 32 * j, a.K, j, signed_b, o.wide[j], o.orow[j], us.prod[j]);
+        tile_block<OFF != 0>(xc + 32 * j, a.K, j, signed_b, o.wide[j], o.orow[j], us.prod[j]);
       }
       tile_barrier();
       if (make_next) make(g + 1, j);
       if (u > 0) finish(prev, cut[j], cut[j + 1]);
     }
     if constexpr (kFold) {
-      _tile_stored(0, us.prod[0][0], 64);
-      _tile_stored(3, us.prod[0][1], 64);
+      _tile_stored(0, us.c[0], 64);
+      _tile_stored(3, us.c[1], 64);
     }
     if constexpr (OFF != 0 && !kFold) _tile_stored(6, us.tsum, 64);
   }
@@ -425,8 +412,16 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
 struct Tiles {  // the AMX family: one function per (kind, sub-scales, offset); rows are a run-time argument
   using Fn = void (*)(const Args&, const TileRows&, int64_t, int64_t, int64_t, int, __mmask16);
   static constexpr int kRows = 1;
+  template <int KIND, int H, int OFF>
+  static constexpr Fn tile_fn() {
+    if constexpr (tiles_take(KIND, H, OFF)) {
+      return &tile_pair_rows<KIND, H, OFF>;
+    } else {
+      return nullptr;
+    }
+  }
   template <int MR, int KIND, int H, int OFF>
-  static constexpr Fn fn = &tile_pair_rows<KIND, H, OFF>;
+  static constexpr Fn fn = tile_fn<KIND, H, OFF>();
 };
 
 // Linux grants the tile state to a process on request (amx_tiles.h): asked once.
@@ -439,6 +434,7 @@ inline bool gguf_amx_granted() {
 // The tile configuration is per thread: loaded once, released at the end.
 void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, int64_t grain) {
   const Tiles::Fn fn = pick<Tiles>(kind, h, off, 1);
+  TORCH_CHECK(fn != nullptr, "gguf amx: this block kind does not run on tiles");
   const int64_t chunks = (M + kTileRows - 1) / kTileRows;
   const int rows = static_cast<int>((M + chunks - 1) / chunks);
   const bool fold = folded_kind(kind, h, off);
@@ -457,7 +453,7 @@ void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, 
     t.x = padded.data();
   }
   at::parallel_for(0, (P + 1) / 2, grain, [&](int64_t i0, int64_t i1) {
-    gguf_tile_config(t.rows, fold ? 64 : (h == 2 ? 16 : 32));
+    gguf_tile_config(t.rows, fold ? 64 : 32);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
       const __mmask16 keep = pair_keep(a, p, q);

@@ -594,7 +594,7 @@ void matmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& b
          zero == 0 ? -1 : (zero == 8 ? 3 : (zero == 16 ? 4 : 5)), out};
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K));
 #if GGUF_AMX
-  if (M >= amx_min_rows(kind, h, off) && group <= kMaxGroup && gguf_amx_granted()) {
+  if (tiles_take(kind, h, off) && M >= amx_min_rows(kind, h, off) && group <= kMaxGroup && gguf_amx_granted()) {
     tile_panels(a, kind, h, off, M, P, std::max<int64_t>(1, grain / 2));
     return;
   }
