@@ -151,6 +151,23 @@ def test_close_to_sdpa(dtype, heads, dh) -> None:
     torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
 
 
+def test_the_softmax_max_is_the_true_max_wherever_it_lies() -> None:
+    """Scores spread over thousands (a max off by one score's gap over- or underflows 2^(s - max)): one large key at
+    every position class of the max's reduction (first, inside the 32-wide chains, in their last lanes, in the tail)
+    for slot counts below, at and past the vector loop; the result equals SDPA in fp64."""
+    dh = 32
+    for slots in (7, 31, 32, 33, 64, 95, 129):
+        for big in sorted({0, 5, 17, 31, slots // 2, slots - 1} - {s for s in range(slots, 200)}):
+            q = torch.full((1, 1, 1, dh), 4.0)
+            k = torch.randn(1, 1, slots, dh, generator=torch.Generator().manual_seed(slots + big))
+            k[0, 0, big] = 30.0  # the max score (~2e4 * scale) far above the rest
+            v = torch.randn(1, 1, slots, dh, generator=torch.Generator().manual_seed(big))
+            ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+            got = invariant_attention(q, k, v, None)
+            assert torch.isfinite(got).all(), (slots, big)
+            torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=2e-6, msg=f"{slots} slots, max at {big}")
+
+
 @pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags(), reason="no AVX-512")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_16_lane_functions_give_the_8_lane_bits(dtype) -> None:
