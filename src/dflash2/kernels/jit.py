@@ -157,6 +157,23 @@ def kernels_disabled_reason() -> str:
     return ""
 
 
+def stable_source(source: Path, directory: Path) -> Path:
+    """``source`` and the headers beside it, copied into ``directory``/src (each rewritten only when its bytes
+    differ): the path to build from. torch's build files name a source by its path, so building the same code from
+    two checkouts (a CI clone and a working tree, a wheel and a source tree) rebuilt every kernel at each switch,
+    15-60 s each, inside the first forward that needed it. Call with the directory's build lock held."""
+    target = directory / "src"
+    target.mkdir(parents=True, exist_ok=True)
+    for path in (source, *sorted(source.parent.glob("*.h"))):
+        data = path.read_bytes()
+        copy = target / path.name
+        if not copy.exists() or copy.read_bytes() != data:
+            partial = copy.with_name(copy.name + ".partial")
+            partial.write_bytes(data)
+            os.replace(partial, copy)
+    return target / source.name
+
+
 def jit_load(name: str, source: Path, cflags: list[str], directory: Path, op_name: str, self_check,
              label: str = "") -> tuple[bool, str, object]:
     """Build (or reuse) and load one kernel extension, fetch ``torch.ops.<op_name>`` and self-check it.
@@ -173,7 +190,7 @@ def jit_load(name: str, source: Path, cflags: list[str], directory: Path, op_nam
         with build_lock(directory):
             cpp_extension.load(
                 name=name,
-                sources=[str(source)],
+                sources=[str(stable_source(source, directory))],
                 extra_cflags=cflags,
                 extra_ldflags=LDFLAGS,
                 build_directory=str(directory),
