@@ -222,7 +222,7 @@ struct GroupOperands {
   alignas(64) uint8_t wide_high[kMaxGroup][8][64];  // folded only: the high digits
   __m512i C16[kMaxGroup / 2];  // folded only: blocks 2i, 2i + 1's offset multipliers as an int16 pair per output
   alignas(64) uint8_t orow[kMaxGroup][64];
-  __m512i S0[kMaxGroup];  // unfolded, with sub-scales (Q5_0 and Q4_0 have none)
+  __m512i S0[kMaxGroup];  // unfolded kinds with a sub-scale per block
 };
 
 // One unit of tile work: a scale group g for one chunk of rows; its products, stored for the sums.
