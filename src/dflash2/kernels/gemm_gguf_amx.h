@@ -4,19 +4,19 @@
 //
 // Why: with VPDPBUSD each row costs 8 instructions per block of 32 inputs and 16 outputs, so verifying 9 rows costs
 // about 9 times the arithmetic of one and the forward stops being memory-bound. One TDPBSUD multiplies up to 16
-// rows of activation bytes by a block's 32 x 16 weight codes at once; what stays per row and block is the
-// sub-scale multiply (VPMULLD and an add), so a block's cost grows slowly with the rows.
+// rows of activation bytes by a block's 32 x 16 weight codes at once; what stays per row is an add per block
+// (kinds without sub-scales) or per scale group (the folded K-quants), so a block's cost grows slowly with the rows.
 //
 // Per panel pair (p, q: 16 outputs, as in gemm_gguf_vnni.h), scale group and chunk of <= 16 rows:
 //   B tile of block b (8 rows x 64 bytes, the layout TDPB*D wants: row t = inputs 4t .. 4t + 3 of the 16 outputs)
 //     = the block's codes widened to bytes with the zero point subtracted (u - zero: signed where zero > 0), made
 //     for the whole group before its first tile load (a tile load right after the stores it reads waits for them);
 //   A tile = the rows' 32 activation bytes of the block, read from xq where they lie (stride K);
-//   P_b = A . B (int32 [rows, 16]: sum_k (u - zero) x per output, exact), stored; per row J += s_b * P_b;
+//   P_b = A . B (int32 [rows, 16]: sum_k (u - zero) x per output, exact), stored; per row J += P_b;
 //   with an offset, T = sum_b A_b . O_b accumulates in a tile over the group, O_b the block's offset multipliers
 //     c_b (1 for Q4_1) repeated down its 8 rows (one 64-byte row loaded with stride 0): T = sum_b c_b sum_k x.
-// Q4_K and Q6_K fold their sub-scales into B instead (tile_pair_rows); sub-scales per 16 inputs (Q6_K's) run on
-// tiles only folded. J and T are the exact integers of the pair kernel (the zero point folded into the codes instead
+// Q4_K and Q6_K fold their sub-scales into B instead (tile_pair_rows); kinds with sub-scales run on tiles only
+// folded. J and T are the exact integers of the pair kernel (the zero point folded into the codes instead
 // of subtracted as zero * sums of x), and the fp32 steps per output are its sequence, so the result is the same bits
 // as the VNNI and AVX2 builds (tested, and self-checked at load).
 
@@ -176,8 +176,8 @@ constexpr bool folded_kind(int kind, int h, int off) {
   return (kind == kNib4 && h == 1 && off == 2) || (kind == kNib6 && h == 2 && off == 0);
 }
 
-// Whether a block kind runs on tiles: sub-scales per 16 inputs only folded (Q6_K).
-constexpr bool tiles_take(int kind, int h, int off) { return h != 2 || folded_kind(kind, h, off); }
+// Whether a block kind runs on tiles: without sub-scales (Q4_0, Q4_1, Q5_0, Q8_0) or folded (Q4_K, Q6_K).
+constexpr bool tiles_take(int kind, int h, int off) { return h == 0 || folded_kind(kind, h, off); }
 
 // Rows from which a block kind runs on tiles.
 constexpr int amx_min_rows(int kind, int h, int off) {
@@ -215,14 +215,13 @@ inline std::vector<int16_t> block_sums(const int32_t* half_sums, int64_t M, int6
 
 constexpr int kPassRows = 64;  // rows whose sums one pass keeps (4 tile chunks per widened group of blocks)
 
-// A scale group's operands, made before its tiles: the codes widened (B tiles), the offset rows (O), the
-// sub-scale multipliers.
+// A scale group's operands, made before its tiles: the codes widened (B tiles), the offset rows (O) or, folded,
+// the offset multipliers.
 struct GroupOperands {
   alignas(64) uint8_t wide[kMaxGroup][8][64];  // (folded: the low digits)
   alignas(64) uint8_t wide_high[kMaxGroup][8][64];  // folded only: the high digits
   __m512i C16[kMaxGroup / 2];  // folded only: blocks 2i, 2i + 1's offset multipliers as an int16 pair per output
   alignas(64) uint8_t orow[kMaxGroup][64];
-  __m512i S0[kMaxGroup];  // unfolded kinds with a sub-scale per block
 };
 
 // One unit of tile work: a scale group g for one chunk of rows; its products, stored for the sums.
@@ -271,7 +270,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
   }
   for (int r = 0; r < mr; ++r) _mm512_store_ps(yacc[r], _mm512_setzero_ps());
 
-  auto make = [&](int64_t g, int j) {  // group g's block j: codes, offset row, sub-scales
+  auto make = [&](int64_t g, int j) {  // group g's block j: codes, offset row or multipliers
     GroupOperands& o = ops[g % 3];
     const int64_t b = g * a.group + j;
     if constexpr (kFold16) {
@@ -297,7 +296,6 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
     } else if constexpr (OFF == 2) {
       _mm512_store_si512(reinterpret_cast<__m512i*>(o.orow[j]), offset_row(a, p, q, b));
     }
-    if constexpr (H == 1 && !kFold) o.S0[j] = int8_pair(a.s + (p * a.B + b) * 8, a.s + (q * a.B + b) * 8);
   };
   struct Unit {  // what the sums of one unit read, found once per unit (its rows are made in nb slices)
     const GroupOperands* o;
@@ -333,12 +331,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
         J = _mm512_add_epi32(_mm512_slli_epi32(C1, kFold16 ? 8 : 4), C0);
       } else {
         for (int j = 0; j < nb; ++j) {
-          const __m512i P0 = _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j] + 16 * i));
-          if constexpr (H == 1) {
-            J = _mm512_add_epi32(J, _mm512_mullo_epi32(P0, o.S0[j]));
-          } else {
-            J = _mm512_add_epi32(J, P0);
-          }
+          J = _mm512_add_epi32(J, _mm512_load_si512(reinterpret_cast<const __m512i*>(us.prod[j] + 16 * i)));
         }
       }
       const __m512 d = _mm512_set1_ps(a.dx[m * a.G + g]);
