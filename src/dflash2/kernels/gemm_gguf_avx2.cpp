@@ -67,6 +67,7 @@
 #else
 #define GGUF_AMX 0
 #endif
+#include "chunked_for.h"
 #if GGUF_VNNI
 #include "tile_store.h"
 #endif
@@ -535,7 +536,7 @@ std::atomic<int64_t> pair_min_rows{1};
 
 // All rows over panels in pairs (gemm_gguf_vnni.h); an odd last panel is paired with itself and stored once.
 void paired_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, int64_t grain) {
-  at::parallel_for(0, (P + 1) / 2, grain, [&](int64_t i0, int64_t i1) {
+  chunked_for((P + 1) / 2, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
       const __mmask16 keep = pair_keep(a, p, q);
@@ -606,7 +607,7 @@ void matmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& b
     return;
   }
 #endif
-  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+  chunked_for(P, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t nv = std::min<int64_t>(kPanel, n_out - p * kPanel);
       for (int64_t m = 0; m < M;) {

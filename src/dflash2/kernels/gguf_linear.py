@@ -60,7 +60,8 @@ AMX = "amx-int8"
 TORCH = _bf16.TORCH
 _SOURCE = Path(__file__).with_name("gemm_gguf_avx2.cpp")
 _HEADERS = tuple(Path(__file__).with_name(name)
-                 for name in ("gemm_gguf_vnni.h", "gemm_gguf_amx.h", "amx_tiles.h", "gguf_layer.h", "tile_store.h"))
+                 for name in ("gemm_gguf_vnni.h", "gemm_gguf_amx.h", "amx_tiles.h", "gguf_layer.h", "tile_store.h",
+                              "chunked_for.h"))
 # (included by _SOURCE: part of its build tag)
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
 
