@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from dflash2.kernels.jit import stable_source
+from dflash2.kernels.jit import included_headers, source_tag, stable_source
 
 
 def _checkout(root, body: bytes, header: bytes):
@@ -36,3 +36,33 @@ def test_changed_bytes_are_copied_again(tmp_path):
     assert path.read_bytes() == b"new\n"
     assert (build / "src" / "k.h").read_bytes() == b"int y;\n"
     assert not list((build / "src").glob("*.partial"))
+
+
+def test_the_build_tag_follows_every_header_a_source_includes(tmp_path):
+    """A change to a header included through another header builds anew (torch's own check reads the source only);
+    headers the source does not include, and system headers, do not count."""
+    root = tmp_path / "src"
+    root.mkdir()
+    source = root / "k.cpp"
+    source.write_bytes(b'#include <vector>\n#include "a.h"\nint main() {}\n')
+    (root / "a.h").write_bytes(b'#pragma once\n  #  include "b.h"\n')
+    (root / "b.h").write_bytes(b"int b;\n")
+    (root / "unused.h").write_bytes(b"int u;\n")
+    assert included_headers(source) == [root / "a.h", root / "b.h"]
+    tag = source_tag(source, ["-O3"])
+    assert len(tag) == 12 and source_tag(source, ["-O3"]) == tag
+    (root / "unused.h").write_bytes(b"int v;\n")
+    assert source_tag(source, ["-O3"]) == tag
+    (root / "b.h").write_bytes(b"int c;\n")
+    changed = source_tag(source, ["-O3"])
+    assert changed != tag
+    assert source_tag(source, ["-O2"]) != changed
+
+
+def test_every_package_kernel_names_its_headers_in_its_tag():
+    """The gguf kernel: every header it includes is found, those included by another header too."""
+    from dflash2.kernels import gguf_linear
+
+    names = {p.name for p in included_headers(gguf_linear._SOURCE)}
+    assert {"gemm_gguf_vnni.h", "gemm_gguf_amx.h", "amx_tiles.h", "gguf_layer.h", "tile_store.h",
+            "chunked_for.h"} <= names

@@ -16,7 +16,6 @@ differ in rounding from the AVX2 kernel's (another machine, another rounding), n
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 
@@ -31,8 +30,6 @@ __all__ = ["amx_available", "amx_int8_rows", "amx_linear_rows", "amx_status", "l
 PANEL = 16  # outputs per panel (kPanel in gemm_amx.cpp)
 STEP = 32  # k per tile step (kStep)
 _SOURCE = Path(__file__).with_name("gemm_amx.cpp")
-_INCLUDED = {"gemm_amx.cpp": (Path(__file__).with_name("amx_tiles.h"), Path(__file__).with_name("tile_store.h")),
-             "gemm_dpbf16.cpp": (Path(__file__).with_name("tile_store.h"),)}  # the package headers a source includes
 # -ffp-contract=off: int8 applies the scale and the bias as two roundings (no fused FMA), like the AVX2 int8 kernel.
 _CFLAGS = ["-O3", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vbmi", "-fopenmp", "-ffp-contract=off"]
 
@@ -64,8 +61,7 @@ def load_tile_kernel(name: str, source: Path, cflags: list[str], op_name: str, s
                      label: str) -> tuple[bool, str, object]:
     """Build and load a kernel on the tile layout into a build directory named by a hash of its source, the
     headers it includes and its flags."""
-    code = source.read_bytes() + b"".join(h.read_bytes() for h in _INCLUDED.get(source.name, ()))
-    tag = hashlib.sha256(code + " ".join(cflags).encode()).hexdigest()[:12]
+    tag = jit.source_tag(source, cflags)
     ok, status, op = jit.jit_load(f"dflash2_{name}_{tag}", source, cflags, jit.build_dir() / f"{name}-{tag}",
                                   op_name, self_check, label=label)
     return ok, status.replace("AVX2/FMA kernel", "kernel"), op

@@ -15,7 +15,6 @@ under ``$DFLASH2_HOME/kernels``), self-checked against ``F.scaled_dot_product_at
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 from pathlib import Path
@@ -59,7 +58,7 @@ def _self_check(op) -> str:
 
 
 def _load() -> tuple[bool, str, object]:
-    tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+    tag = jit.source_tag(_SOURCE, _CFLAGS)
     directory = jit.build_dir() / f"attention-{tag}"
     ok, status, op = jit.jit_load(f"dflash2_attention_{tag}", _SOURCE, _CFLAGS, directory,
                                   "dflash2_attention.attention_rows", _self_check, label="attention ")

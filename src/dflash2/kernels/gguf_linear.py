@@ -33,7 +33,6 @@ by :mod:`dflash2.kernels.gguf_packing` and described in the C++ file.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from dataclasses import dataclass
@@ -59,10 +58,6 @@ VNNI = "avx512-vnni"
 AMX = "amx-int8"
 TORCH = _bf16.TORCH
 _SOURCE = Path(__file__).with_name("gemm_gguf_avx2.cpp")
-_HEADERS = tuple(Path(__file__).with_name(name)
-                 for name in ("gemm_gguf_vnni.h", "gemm_gguf_amx.h", "amx_tiles.h", "gguf_layer.h", "tile_store.h",
-                              "chunked_for.h"))
-# (included by _SOURCE: part of its build tag)
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
 
 
@@ -147,11 +142,6 @@ def reference_rows(x: torch.Tensor, t: BlockTensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ kernel
-
-
-def _source_tag(build: _Build) -> str:
-    code = b"".join(path.read_bytes() for path in (_SOURCE, *_HEADERS))
-    return hashlib.sha256(code + " ".join(build.cflags).encode()).hexdigest()[:12]
 
 
 def _ops(build: _Build) -> tuple[object, object]:
@@ -241,7 +231,7 @@ def _load(build: _Build) -> tuple[bool, str, object]:
     missing = jit.missing_cpu_flags(build.cpu_flags)
     if missing:
         return False, missing, None
-    tag = _source_tag(build)
+    tag = jit.source_tag(_SOURCE, build.cflags)
     label = f"gguf {build.backend} "
     ok, status, op = jit.jit_load(f"{build.namespace}_{tag}", _SOURCE, list(build.cflags),
                                   jit.build_dir() / f"gguf-{build.backend}-{tag}", f"{build.namespace}.gguf_matmul",

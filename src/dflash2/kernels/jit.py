@@ -11,9 +11,11 @@ Nothing here imports a kernel module, so the backends import this module and nev
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 import threading
@@ -31,10 +33,12 @@ __all__ = [
     "cpu_flags",
     "cpu_model",
     "ensure_loaded",
+    "included_headers",
     "jit_load",
     "kernels_disabled_reason",
     "missing_cpu_flags",
     "self_check_mismatch",
+    "source_tag",
     "switched_off",
 ]
 
@@ -155,6 +159,30 @@ def kernels_disabled_reason() -> str:
     if not _ensure_ninja():
         return "ninja not found (pip install ninja)"
     return ""
+
+
+_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def included_headers(source: Path) -> list[Path]:
+    """The package headers ``source`` includes (``#include "name"``, found beside it), and theirs, in order of first
+    inclusion."""
+    found: list[Path] = []
+    pending = [source]
+    while pending:
+        for name in _INCLUDE.findall(pending.pop(0).read_bytes()):
+            header = source.parent / name.decode()
+            if header.is_file() and header not in found:
+                found.append(header)
+                pending.append(header)
+    return found
+
+
+def source_tag(source: Path, cflags: list[str] | tuple[str, ...]) -> str:
+    """A build's name tag: a hash of ``source``, every package header it includes and the compiler flags, so that a
+    change to any of them builds anew (torch's own check reads the source file only)."""
+    code = b"".join(path.read_bytes() for path in (source, *included_headers(source)))
+    return hashlib.sha256(code + " ".join(cflags).encode()).hexdigest()[:12]
 
 
 def stable_source(source: Path, directory: Path) -> Path:

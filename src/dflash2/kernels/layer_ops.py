@@ -18,7 +18,6 @@ PyTorch operations. Built on first use like the other kernels (:mod:`dflash2.ker
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 
@@ -105,7 +104,7 @@ def _self_check(ops) -> str:
 
 
 def _load() -> tuple[bool, str, object]:
-    tag = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+    tag = jit.source_tag(_SOURCE, _CFLAGS)
     directory = jit.build_dir() / f"layer-ops-{tag}"
     ok, status, op = jit.jit_load(f"dflash2_layer_ops_{tag}", _SOURCE, _CFLAGS, directory,
                                   "dflash2_layer_ops.rms_norm", lambda op: _self_check(_ops(op)), label="layer ops ")

@@ -18,7 +18,6 @@ in chunks, then the same scale and bias) gives the same numbers up to the order 
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 
@@ -141,10 +140,6 @@ def unpack_int4(packed: torch.Tensor, scales_packed: torch.Tensor, out_features:
 # ----------------------------------------------------------------------------------------------
 
 
-def _source_tag() -> str:
-    return hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
-
-
 def _self_check(op) -> str:
     """Compare both kernels with the fallback on small shapes that hit every code path."""
     g = torch.Generator().manual_seed(0)
@@ -161,7 +156,7 @@ def _self_check(op) -> str:
 
 
 def _load() -> tuple[bool, str, object]:
-    tag = _source_tag()
+    tag = jit.source_tag(_SOURCE, _CFLAGS)
     return jit.jit_load(f"dflash2_qkernels_{tag}", _SOURCE, _CFLAGS, jit.build_dir() / f"q8-{tag}",
                         "dflash2_qkernels.int8_linear", _self_check, label="int8/int4 ")
 
