@@ -14,23 +14,43 @@
 #include <atomic>
 #include <cstdint>
 
-// run(i0, i1) over [0, n) in chunks of >= min_chunk items (about 8 per thread), each chunk on one thread. A call
-// whose n is under two chunks' worth, or with one thread, runs on the calling thread.
-template <class Run>
-void chunked_for(int64_t n, int64_t min_chunk, Run&& run) {
+// The chunks of one call: take(i0, i1) claims the next one (false when none is left).
+class Chunks {
+ public:
+  Chunks(int64_t n, int64_t chunk) : n_(n), chunk_(chunk) {}
+  bool take(int64_t& i0, int64_t& i1) {
+    i0 = next_.fetch_add(chunk_, std::memory_order_relaxed);
+    if (i0 >= n_) return false;
+    i1 = std::min(n_, i0 + chunk_);
+    return true;
+  }
+
+ private:
+  const int64_t n_, chunk_;
+  std::atomic<int64_t> next_{0};
+};
+
+// worker(chunks) once per thread, each taking chunks of >= min_chunk items of [0, n) (about 8 per thread) until
+// none is left: a thread's own state (tile configuration, buffers) lives in its worker call. A call whose n is under
+// two chunks' worth, or with one thread, runs one worker on the calling thread.
+template <class Worker>
+void chunked_threads(int64_t n, int64_t min_chunk, Worker&& worker) {
   min_chunk = std::max<int64_t>(1, min_chunk);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n / min_chunk));
   if (threads <= 1 || at::in_parallel_region()) {
-    run(int64_t{0}, n);
+    Chunks all(n, std::max<int64_t>(1, n));
+    worker(all);
     return;
   }
-  const int64_t chunk = std::max(min_chunk, n / (threads * 8));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (;;) {
-      const int64_t i0 = next.fetch_add(chunk, std::memory_order_relaxed);
-      if (i0 >= n) break;
-      run(i0, std::min(n, i0 + chunk));
-    }
+  Chunks chunks(n, std::max(min_chunk, n / (threads * 8)));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { worker(chunks); });
+}
+
+// run(i0, i1) for each chunk (chunked_threads without per-thread state).
+template <class Run>
+void chunked_for(int64_t n, int64_t min_chunk, Run&& run) {
+  chunked_threads(n, min_chunk, [&](Chunks& chunks) {
+    int64_t i0, i1;
+    while (chunks.take(i0, i1)) run(i0, i1);
   });
 }

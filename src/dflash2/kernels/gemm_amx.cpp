@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include "amx_tiles.h"
+#include "chunked_for.h"
 #include "tile_store.h"
 
 #include <algorithm>
@@ -246,8 +247,6 @@ struct Call {
   const float* bias;  // fp32 [n_out] or nullptr
   int64_t panel_stride() const { return S * kBlock; }  // elements between consecutive panels
   int64_t groups() const { return (P + kGroup - 1) / kGroup; }
-  // Enough groups per thread that a thread's share is a long contiguous stream of the packed weight.
-  int64_t grain() const { return std::max<int64_t>(1, groups() / std::max<int64_t>(1, at::get_num_threads())); }
 };
 
 Call check_call(const char* name, const at::Tensor& x, const at::Tensor& w, at::ScalarType w_type,
@@ -321,13 +320,16 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const int64_t stride = c.panel_stride();
-  at::parallel_for(0, c.groups(), c.grain(), [&](int64_t g0, int64_t g1) {
+  chunked_threads(c.groups(), 1, [&](Chunks& chunks) {  // (groups in chunks, each a contiguous stream)
     TileRowsConfig config;
     alignas(64) float out[2 * kGroup * kRows * kPanel];
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p0 = g * kGroup;
-      const int np = static_cast<int>(std::min(kGroup, c.P - p0));
-      group_rows(config, np, p0, wp + p0 * stride, xp, c, nullptr, yp, out);
+    int64_t g0, g1;
+    while (chunks.take(g0, g1)) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p0 = g * kGroup;
+        const int np = static_cast<int>(std::min(kGroup, c.P - p0));
+        group_rows(config, np, p0, wp + p0 * stride, xp, c, nullptr, yp, out);
+      }
     }
     _tile_release();
   });
@@ -348,7 +350,7 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
   const float* sp = scale.data_ptr<float>();
   const int64_t stride = c.panel_stride();
   const Bf16ByteTables tables = make_tables();
-  at::parallel_for(0, c.groups(), c.grain(), [&](int64_t g0, int64_t g1) {
+  chunked_threads(c.groups(), 1, [&](Chunks& chunks) {
     TileRowsConfig config;
     alignas(64) float out[2 * kGroup * kRows * kPanel];
     // Decoding and verification (one row block) widen one k step at a time (4 KiB, in L1); more rows widen the
@@ -356,19 +358,22 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
     const int64_t wide_elems = m_out <= kRows ? kGroup * kBlock : kGroup * stride;
     auto* wide = static_cast<uint16_t*>(std::aligned_alloc(64, wide_elems * sizeof(uint16_t)));
     TORCH_CHECK(wide != nullptr, "amx_int8_linear: out of memory");
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t p0 = g * kGroup;
-      const int np = static_cast<int>(std::min(kGroup, c.P - p0));
-      const int8_t* qg = qp + p0 * stride;
-      if (m_out <= kRows) {
-        config.ensure(block_rows(m_out, 0));
-        run_group_int8_streamed(np, qg, stride, xp, c.Kp, c.S, wide, out, tables);
-        store_group(out, np, p0, 0, c, sp, yp);
-        continue;
+    int64_t g0, g1;
+    while (chunks.take(g0, g1)) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p0 = g * kGroup;
+        const int np = static_cast<int>(std::min(kGroup, c.P - p0));
+        const int8_t* qg = qp + p0 * stride;
+        if (m_out <= kRows) {
+          config.ensure(block_rows(m_out, 0));
+          run_group_int8_streamed(np, qg, stride, xp, c.Kp, c.S, wide, out, tables);
+          store_group(out, np, p0, 0, c, sp, yp);
+          continue;
+        }
+        widen_int8(qg, wide, np * stride, tables);
+        memory_barrier();
+        group_rows(config, np, p0, wide, xp, c, sp, yp, out);
       }
-      widen_int8(qg, wide, np * stride, tables);
-      memory_barrier();
-      group_rows(config, np, p0, wide, xp, c, sp, yp, out);
     }
     std::free(wide);
     _tile_release();

@@ -14,8 +14,8 @@
 // broadcasting x[m, k] (fp32) and doing one FMA per (row, half).  MR <= 6 keeps the 2*MR
 // accumulators plus the two weight vectors and a broadcast in the 16 ymm registers; small MR
 // splits k across KU independent accumulator sets to hide the FMA latency.  Accumulation is
-// fp32 throughout.  Work is split across threads by panels (at::parallel_for + a shared chunk
-// counter); the arithmetic done for one output element does not depend on the split, so
+// fp32 throughout.  Work is split across threads by panels (chunks from a shared counter,
+// chunked_for.h); the arithmetic done for one output element does not depend on the split, so
 // results are identical for any thread count.
 //
 // AVX-512 (chosen at run time when the CPU has it): calls of 4..12 rows use a micro-kernel with one zmm
@@ -33,8 +33,9 @@
 
 #include <immintrin.h>
 
+#include "chunked_for.h"
+
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -329,26 +330,11 @@ at::Tensor packed_linear_tuned(const at::Tensor& x, const at::Tensor& packed,
   // thread computes a panel does not change its arithmetic, so results do not depend on it.
   const int64_t work_per_panel = K * std::max<int64_t>(M, 4);  // ~ cycles
   const int64_t min_chunk = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_panel);
-  const int64_t threads =
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), P / min_chunk));
-  const int64_t chunk = std::max(min_chunk, P / (threads * 8));
-  auto run = [&](int64_t p0, int64_t p1) {
+  chunked_for(P, min_chunk, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       panel_all_rows(wp + p * K * kPanel, xp, M, K, yp, n_out, bias_ptr, p, mc, kc, full, tail, wide);
     }
-  };
-  if (threads <= 1) {
-    run(0, P);
-  } else {
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      for (;;) {
-        const int64_t p0 = next.fetch_add(chunk, std::memory_order_relaxed);
-        if (p0 >= P) break;
-        run(p0, std::min(P, p0 + chunk));
-      }
-    });
-  }
+  });
   return y;
 }
 

@@ -424,7 +424,7 @@ inline bool gguf_amx_granted() {
 }
 
 // All rows over panels in pairs, on tiles, in passes of <= kPassRows rows, each pass in chunks of `rows` (TileRows).
-// The tile configuration is per thread: loaded at the start of each chunk of panel pairs, released at its end.
+// The tile configuration is per thread: loaded once, released at the end (chunked_threads).
 void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, int64_t grain) {
   const Tiles::Fn fn = pick<Tiles>(kind, h, off, 1);
   TORCH_CHECK(fn != nullptr, "gguf amx: this block kind does not run on tiles");
@@ -445,15 +445,18 @@ void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, 
     std::memcpy(padded.data(), a.xq, static_cast<size_t>(M * a.K));
     t.x = padded.data();
   }
-  chunked_for((P + 1) / 2, grain, [&](int64_t i0, int64_t i1) {
+  chunked_threads((P + 1) / 2, grain, [&](Chunks& chunks) {
     gguf_tile_config(t.rows, fold ? 64 : 32);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
-      const __mmask16 keep = pair_keep(a, p, q);
-      for (int64_t m = 0; m < M;) {
-        const int mr = static_cast<int>(std::min<int64_t>(t.pass, M - m));
-        fn(a, t, p, q, m, mr, keep);
-        m += mr;
+    int64_t i0, i1;
+    while (chunks.take(i0, i1)) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
+        const __mmask16 keep = pair_keep(a, p, q);
+        for (int64_t m = 0; m < M;) {
+          const int mr = static_cast<int>(std::min<int64_t>(t.pass, M - m));
+          fn(a, t, p, q, m, mr, keep);
+          m += mr;
+        }
       }
     }
     _tile_release();

@@ -29,8 +29,9 @@
 
 #include <immintrin.h>
 
+#include "chunked_for.h"
+
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -286,30 +287,15 @@ inline void group_blocked(const Slices& slices, const float* scale, const float*
   }
 }
 
-// Threads take chunks of consecutive panel groups from a shared counter (a late or preempted
+// Threads take chunks of consecutive panel groups from a shared counter (chunked_for.h: a late, preempted or slower
 // worker costs little).  Which thread computes a panel does not change its arithmetic.
 template <class Fn>
 void for_panel_groups(int64_t P, int64_t M, int64_t K, const Fn& fn) {
   const int64_t groups = (P + kGroup - 1) / kGroup;
   const int64_t work_per_group = K * kGroup * std::max<int64_t>(M, 4);
   const int64_t min_chunk = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_group);
-  const int64_t threads =
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups / min_chunk));
-  const int64_t chunk = std::max(min_chunk, groups / (threads * 8));
-  auto run = [&](int64_t q0, int64_t q1) {
+  chunked_for(groups, min_chunk, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q) fn(q * kGroup, std::min(kGroup, P - q * kGroup));
-  };
-  if (threads <= 1) {
-    run(0, groups);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (;;) {
-      const int64_t q0 = next.fetch_add(chunk, std::memory_order_relaxed);
-      if (q0 >= groups) break;
-      run(q0, std::min(groups, q0 + chunk));
-    }
   });
 }
 
