@@ -66,3 +66,18 @@ def test_every_package_kernel_names_its_headers_in_its_tag():
     names = {p.name for p in included_headers(gguf_linear._SOURCE)}
     assert {"gemm_gguf_vnni.h", "gemm_gguf_amx.h", "amx_tiles.h", "gguf_layer.h", "tile_store.h",
             "chunked_for.h"} <= names
+
+
+def test_kernel_calls_skip_the_torch_function_lookup():
+    """The pinned torch has the context that skips the per-argument __torch_function__ lookup (on a ScriptObject
+    argument it raises and catches an exception inside torch, ~13 us per call): were it gone, gguf forwards would
+    silently slow down."""
+    import torch
+
+    from dflash2.kernels import jit
+
+    assert jit.no_torch_function is torch._C.DisableTorchFunctionSubclass
+    assert torch._C._is_torch_function_enabled()
+    with jit.no_torch_function():
+        assert not torch._C._is_torch_function_enabled()
+    assert torch._C._is_torch_function_enabled()  # (only inside)

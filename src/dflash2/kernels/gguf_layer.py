@@ -52,7 +52,8 @@ def fused_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
     length, keys, values = cache.length, cache.keys, cache.values  # [L, B, H_kv, S, Dh]
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int) -> torch.Tensor:
-        return op(x, cos, sin, keys[index], values[index], length, handles[index])
+        with jit.no_torch_function():  # (the layer handle is a C++ object: jit.no_torch_function)
+            return op(x, cos, sin, keys[index], values[index], length, handles[index])
 
     return run
 
@@ -73,7 +74,8 @@ def _segmented_layers(model, parts: list, lengths: list[int], x: torch.Tensor) -
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int) -> torch.Tensor:
         keys = [c.keys[index] for c in caches]  # each [1, H_kv, S_i, Dh]
         values = [c.values[index] for c in caches]
-        return op(x, cos, sin, keys, values, cached, seq, handles[index])
+        with jit.no_torch_function():
+            return op(x, cos, sin, keys, values, cached, seq, handles[index])
 
     return run
 

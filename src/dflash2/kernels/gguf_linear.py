@@ -315,7 +315,8 @@ class GgufLinear(_bf16.CpuLinear):
         if self._weights is None:
             self.cpp_weights()
         op, weights = self._weights
-        return op(x, weights)
+        with jit.no_torch_function():
+            return op(x, weights)
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
         """``self(x).float()`` in one pass on the kernel backends (the model's logits: bf16 outputs widened to fp32
@@ -325,7 +326,8 @@ class GgufLinear(_bf16.CpuLinear):
         if self._weights is None:
             self.cpp_weights()
         op, weights = self._weights
-        return op(x, weights, True)
+        with jit.no_torch_function():
+            return op(x, weights, True)
 
     def cpp_weights(self):
         """This layer's C++ ``GgufWeights`` (what ``gguf_linear`` and ``gguf_layer`` read), made once; kernel
