@@ -1,5 +1,5 @@
 // Work over [0, n) split across threads in chunks taken from a shared counter, rather than at::parallel_for's fixed
-// halves: the gguf kernels' panels (gemm_gguf_avx2.cpp, gemm_gguf_amx.h).
+// halves: the panels of every linear-layer kernel (bf16, int8, gguf; AVX2, AVX-512, AMX) and the attention items.
 //
 // Why: on a shared machine the cores do not run at one speed. On the 2-core Intel Xeon (AMX, model 207) VM the
 // same single-thread AMX product took 37 ms on one core and 16 ms on the other for seconds at a time (a neighbour
