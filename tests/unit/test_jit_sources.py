@@ -1,10 +1,13 @@
 """A kernel builds from a copy of its sources inside its build directory, so two checkouts of the same code share
 one build (torch's build files name the source by its path: each switch between a CI clone and a working tree
-rebuilt every kernel, 15-60 s each, inside the first forward)."""
+rebuilt every kernel, 15-60 s each, inside the first forward); its build tag follows every header it includes; a
+build of the same code is loaded as it is, whichever virtual environment built it."""
 
 from __future__ import annotations
 
 import os
+
+import pytest
 
 from dflash2.kernels.jit import included_headers, source_tag, stable_source
 
@@ -81,3 +84,60 @@ def test_kernel_calls_skip_the_torch_function_lookup():
     with jit.no_torch_function():
         assert not torch._C._is_torch_function_enabled()
     assert torch._C._is_torch_function_enabled()  # (only inside)
+
+
+def _fake_kernel(tmp_path):
+    root = tmp_path / "src"
+    root.mkdir()
+    source = root / "k.cpp"
+    source.write_bytes(b'#include "k.h"\n')
+    (root / "k.h").write_bytes(b"int x;\n")
+    return source, tmp_path / "build"
+
+
+def test_a_build_of_this_exact_code_is_loaded_as_it_is(tmp_path, monkeypatch):
+    """A library whose name carries the code's tag is loaded without torch's builder (whose ninja file names the
+    torch headers of the environment that built it: a CI clone's build was built again in the working tree)."""
+    import torch
+    from torch.utils import cpp_extension
+
+    from dflash2.kernels import jit
+
+    source, build = _fake_kernel(tmp_path)
+    build.mkdir()
+    name = f"k_{source_tag(source, ['-O3'])}"
+    (build / f"{name}.so").write_bytes(b"")  # (stands for the library built earlier)
+    loaded = []
+    monkeypatch.setattr(jit, "kernels_disabled_reason", lambda: "")
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("built again"))
+    ok, status, op = jit.jit_load(name, source, ["-O3"], build, "aten.add", lambda op: "")
+    assert ok, status
+    assert loaded == [str(build / f"{name}.so")] and op is torch.ops.aten.add.default
+
+
+def test_changed_code_or_a_library_that_does_not_load_is_built(tmp_path, monkeypatch):
+    import torch
+    from torch.utils import cpp_extension
+
+    from dflash2.kernels import jit
+
+    source, build = _fake_kernel(tmp_path)
+    build.mkdir()
+    old = f"k_{source_tag(source, ['-O3'])}"
+    (build / f"{old}.so").write_bytes(b"")
+    (source.parent / "k.h").write_bytes(b"int y;\n")  # the code changed: another tag
+    new = f"k_{source_tag(source, ['-O3'])}"
+    (build / f"{new}.so").write_bytes(b"")
+    built = []
+    monkeypatch.setattr(jit, "kernels_disabled_reason", lambda: "")
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: built.append(kw["name"]))
+
+    def broken(path):
+        raise OSError(f"{path}: file too short")
+
+    monkeypatch.setattr(torch.ops, "load_library", broken)
+    assert jit.jit_load(new, source, ["-O3"], build, "aten.add", lambda op: "")[0]  # does not load: built
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: pytest.fail("loaded a stale library"))
+    assert jit.jit_load(old, source, ["-O3"], build, "aten.add", lambda op: "")[0]  # stale name: built
+    assert built == [new, old]

@@ -224,15 +224,16 @@ def jit_load(name: str, source: Path, cflags: list[str], directory: Path, op_nam
 
         directory.mkdir(parents=True, exist_ok=True)
         with build_lock(directory):
-            cpp_extension.load(
-                name=name,
-                sources=[str(stable_source(source, directory))],
-                extra_cflags=cflags,
-                extra_ldflags=LDFLAGS,
-                build_directory=str(directory),
-                is_python_module=False,
-                verbose=False,
-            )
+            if not _load_built(directory, name, source, cflags):
+                cpp_extension.load(
+                    name=name,
+                    sources=[str(stable_source(source, directory))],
+                    extra_cflags=cflags,
+                    extra_ldflags=LDFLAGS,
+                    build_directory=str(directory),
+                    is_python_module=False,
+                    verbose=False,
+                )
         namespace, op = op_name.split(".")
         op = getattr(getattr(torch.ops, namespace), op).default
     except Exception as e:  # noqa: BLE001 - any build/load failure means: use the fallback
@@ -243,6 +244,23 @@ def jit_load(name: str, source: Path, cflags: list[str], directory: Path, op_nam
     if bad:
         return False, bad, None
     return True, f"{label}AVX2/FMA kernel loaded from {directory}", op
+
+
+def _load_built(directory: Path, name: str, source: Path, cflags: list[str]) -> bool:
+    """Load the library built earlier in ``directory`` when ``name`` carries this code's :func:`source_tag` (the same
+    source, headers and flags; the directory is per torch and Python version), without torch's builder: that re-runs
+    ninja, whose build file names the torch headers of the environment that built it, so a build made from another
+    virtual environment of the same torch (a CI clone's) was built again, 15-60 s per kernel, inside the first forward.
+    False (build it) when there is no such library or it does not load."""
+    library = directory / f"{name}.so"
+    if not name.endswith(source_tag(source, cflags)) or not library.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as e:
+        log.warning("rebuilding %s: %s", library, e)
+        return False
+    return True
 
 
 BUILD_LOCK_TIMEOUT_ENV = "DFLASH2_BUILD_LOCK_TIMEOUT"
