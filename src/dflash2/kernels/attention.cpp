@@ -426,36 +426,33 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     const int64_t ld_max = (S + kLanes - 1) / kLanes * kLanes;
     std::vector<float> s(kMaxGroup * std::max<int64_t>(ld_max, kLanes));
     std::vector<float> qf(kMaxGroup * dh);
-    int64_t i0, i1;
-    while (chunks.take(i0, i1)) {
-      for (int64_t item = i0; item < i1; ++item) {
-        const int64_t t = item % T_;
-        const int64_t hk = (item / T_) % Hkv;
-        const int64_t b = item / (T_ * Hkv);
-        const int64_t limit = causal ? std::min<int64_t>(S, S - T_ + t + 1) : S;
-        int64_t n = 0;
-        const bool* mrow = mask ? mask + b * ms.b + t * ms.t : nullptr;
-        for (int64_t slot = 0; slot < limit; ++slot)
-          if (!mrow || mrow[slot * ms.s]) idx[n++] = static_cast<int32_t>(slot);
-        const T* kb = kp + b * ks.b + hk * ks.h;
-        const T* vb = vp + b * vs.b + hk * vs.h;
-        const int64_t ld = std::max<int64_t>(kLanes, (n + kLanes - 1) / kLanes * kLanes);
-        for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup) {
-          const int gb = static_cast<int>(std::min<int64_t>(kMaxGroup, G - g0));
-          const int64_t h0 = hk * G + g0;
-          float* o = op + ((b * H + h0) * T_ + t) * dh;
-          if (n == 0) {  // no visible key: zeros (torch gives NaN)
-            for (int g = 0; g < gb; ++g) std::fill(o + g * T_ * dh, o + g * T_ * dh + dh, 0.0f);
-            continue;
-          }
-          for (int g = 0; g < gb; ++g) {
-            const T* qr = qp + b * qs.b + (h0 + g) * qs.h + t * qs.t;
-            for (int64_t d = 0; d < dh; ++d) qf[g * dh + d] = load1(qr + d);
-          }
-          run_group<T>(wide, gb, qf.data(), dh, kb, ks.t, vb, vs.t, idx.data(), n, alpha, s.data(), ld, o, T_ * dh);
+    chunks.each([&](int64_t item) {
+      const int64_t t = item % T_;
+      const int64_t hk = (item / T_) % Hkv;
+      const int64_t b = item / (T_ * Hkv);
+      const int64_t limit = causal ? std::min<int64_t>(S, S - T_ + t + 1) : S;
+      int64_t n = 0;
+      const bool* mrow = mask ? mask + b * ms.b + t * ms.t : nullptr;
+      for (int64_t slot = 0; slot < limit; ++slot)
+        if (!mrow || mrow[slot * ms.s]) idx[n++] = static_cast<int32_t>(slot);
+      const T* kb = kp + b * ks.b + hk * ks.h;
+      const T* vb = vp + b * vs.b + hk * vs.h;
+      const int64_t ld = std::max<int64_t>(kLanes, (n + kLanes - 1) / kLanes * kLanes);
+      for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup) {
+        const int gb = static_cast<int>(std::min<int64_t>(kMaxGroup, G - g0));
+        const int64_t h0 = hk * G + g0;
+        float* o = op + ((b * H + h0) * T_ + t) * dh;
+        if (n == 0) {  // no visible key: zeros (torch gives NaN)
+          for (int g = 0; g < gb; ++g) std::fill(o + g * T_ * dh, o + g * T_ * dh + dh, 0.0f);
+          continue;
         }
+        for (int g = 0; g < gb; ++g) {
+          const T* qr = qp + b * qs.b + (h0 + g) * qs.h + t * qs.t;
+          for (int64_t d = 0; d < dh; ++d) qf[g * dh + d] = load1(qr + d);
+        }
+        run_group<T>(wide, gb, qf.data(), dh, kb, ks.t, vb, vs.t, idx.data(), n, alpha, s.data(), ld, o, T_ * dh);
       }
-    }
+    });
   });
 }
 

@@ -14,7 +14,8 @@
 #include <atomic>
 #include <cstdint>
 
-// The chunks of one call: take(i0, i1) claims the next one (false when none is left).
+// The chunks of one call: take(i0, i1) claims the next one (false when none is left); each(f) runs f on the items
+// of every chunk the calling thread takes.
 class Chunks {
  public:
   Chunks(int64_t n, int64_t chunk) : n_(n), chunk_(chunk) {}
@@ -23,6 +24,13 @@ class Chunks {
     if (i0 >= n_) return false;
     i1 = std::min(n_, i0 + chunk_);
     return true;
+  }
+  // f(i) for each item of every chunk this thread takes, in order.
+  template <class F>
+  void each(F&& f) {
+    int64_t i0, i1;
+    while (take(i0, i1))
+      for (int64_t i = i0; i < i1; ++i) f(i);
   }
 
  private:

@@ -323,14 +323,11 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   chunked_threads(c.groups(), 1, [&](Chunks& chunks) {  // (groups in chunks, each a contiguous stream)
     TileRowsConfig config;
     alignas(64) float out[2 * kGroup * kRows * kPanel];
-    int64_t g0, g1;
-    while (chunks.take(g0, g1)) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t p0 = g * kGroup;
-        const int np = static_cast<int>(std::min(kGroup, c.P - p0));
-        group_rows(config, np, p0, wp + p0 * stride, xp, c, nullptr, yp, out);
-      }
-    }
+    chunks.each([&](int64_t g) {
+      const int64_t p0 = g * kGroup;
+      const int np = static_cast<int>(std::min(kGroup, c.P - p0));
+      group_rows(config, np, p0, wp + p0 * stride, xp, c, nullptr, yp, out);
+    });
     _tile_release();
   });
   return y;
@@ -358,23 +355,20 @@ at::Tensor amx_int8_linear(const at::Tensor& x, const at::Tensor& q, const at::T
     const int64_t wide_elems = m_out <= kRows ? kGroup * kBlock : kGroup * stride;
     auto* wide = static_cast<uint16_t*>(std::aligned_alloc(64, wide_elems * sizeof(uint16_t)));
     TORCH_CHECK(wide != nullptr, "amx_int8_linear: out of memory");
-    int64_t g0, g1;
-    while (chunks.take(g0, g1)) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t p0 = g * kGroup;
-        const int np = static_cast<int>(std::min(kGroup, c.P - p0));
-        const int8_t* qg = qp + p0 * stride;
-        if (m_out <= kRows) {
-          config.ensure(block_rows(m_out, 0));
-          run_group_int8_streamed(np, qg, stride, xp, c.Kp, c.S, wide, out, tables);
-          store_group(out, np, p0, 0, c, sp, yp);
-          continue;
-        }
-        widen_int8(qg, wide, np * stride, tables);
-        memory_barrier();
-        group_rows(config, np, p0, wide, xp, c, sp, yp, out);
+    chunks.each([&](int64_t g) {
+      const int64_t p0 = g * kGroup;
+      const int np = static_cast<int>(std::min(kGroup, c.P - p0));
+      const int8_t* qg = qp + p0 * stride;
+      if (m_out <= kRows) {
+        config.ensure(block_rows(m_out, 0));
+        run_group_int8_streamed(np, qg, stride, xp, c.Kp, c.S, wide, out, tables);
+        store_group(out, np, p0, 0, c, sp, yp);
+        return;
       }
-    }
+      widen_int8(qg, wide, np * stride, tables);
+      memory_barrier();
+      group_rows(config, np, p0, wide, xp, c, sp, yp, out);
+    });
     std::free(wide);
     _tile_release();
   });

@@ -126,28 +126,25 @@ at::Tensor dpbf16_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   const int64_t groups = (P + kGroup - 1) / kGroup;
   chunked_threads(groups, 1, [&](Chunks& chunks) {  // (groups in chunks, each a contiguous stream)
     std::vector<float> acc(static_cast<size_t>(m_out * kGroup * kPanel));  // [m_out][kGroup][16]
-    int64_t g0, g1;
-    while (chunks.take(g0, g1)) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t p0 = g * kGroup;
-        const int np = static_cast<int>(std::min(kGroup, P - p0));
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t s0 = 0; s0 < S; s0 += kChunk) {
-          const int64_t s1 = std::min(S, s0 + kChunk);
-          for (int64_t mb = 0; mb < m_out; mb += kMaxRows) {
-            const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m_out - mb));
-            run_block(np, rows, wp + p0 * stride, stride, xp + mb * Kp, Kp, s0, s1, acc.data() + mb * kGroup * kPanel);
-          }
-        }
-        for (int64_t m = 0; m < m_out; ++m) {
-          for (int j = 0; j < np; ++j) {
-            const int64_t n0 = (p0 + j) * kPanel;
-            const int64_t nv = std::min<int64_t>(kPanel, n_out - n0);
-            store_outputs(acc.data() + (m * kGroup + j) * kPanel, nv, nullptr, bp, yp, m, n0);
-          }
+    chunks.each([&](int64_t g) {
+      const int64_t p0 = g * kGroup;
+      const int np = static_cast<int>(std::min(kGroup, P - p0));
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t s0 = 0; s0 < S; s0 += kChunk) {
+        const int64_t s1 = std::min(S, s0 + kChunk);
+        for (int64_t mb = 0; mb < m_out; mb += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m_out - mb));
+          run_block(np, rows, wp + p0 * stride, stride, xp + mb * Kp, Kp, s0, s1, acc.data() + mb * kGroup * kPanel);
         }
       }
-    }
+      for (int64_t m = 0; m < m_out; ++m) {
+        for (int j = 0; j < np; ++j) {
+          const int64_t n0 = (p0 + j) * kPanel;
+          const int64_t nv = std::min<int64_t>(kPanel, n_out - n0);
+          store_outputs(acc.data() + (m * kGroup + j) * kPanel, nv, nullptr, bp, yp, m, n0);
+        }
+      }
+    });
   });
   return y;
 }

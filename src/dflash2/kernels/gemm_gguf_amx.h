@@ -447,18 +447,15 @@ void tile_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, 
   }
   chunked_threads((P + 1) / 2, grain, [&](Chunks& chunks) {
     gguf_tile_config(t.rows, fold ? 64 : 32);
-    int64_t i0, i1;
-    while (chunks.take(i0, i1)) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
-        const __mmask16 keep = pair_keep(a, p, q);
-        for (int64_t m = 0; m < M;) {
-          const int mr = static_cast<int>(std::min<int64_t>(t.pass, M - m));
-          fn(a, t, p, q, m, mr, keep);
-          m += mr;
-        }
+    chunks.each([&](int64_t i) {
+      const int64_t p = 2 * i, q = std::min(p + 1, P - 1);
+      const __mmask16 keep = pair_keep(a, p, q);
+      for (int64_t m = 0; m < M;) {
+        const int mr = static_cast<int>(std::min<int64_t>(t.pass, M - m));
+        fn(a, t, p, q, m, mr, keep);
+        m += mr;
       }
-    }
+    });
     _tile_release();
   });
 }
