@@ -86,13 +86,28 @@ def test_kernel_calls_skip_the_torch_function_lookup():
     assert torch._C._is_torch_function_enabled()  # (only inside)
 
 
-def _fake_kernel(tmp_path):
+def _fake_kernel(tmp_path, monkeypatch):
+    """A kernel source with a header, a build root of its own, and kernels allowed (the tests never compile)."""
+    from dflash2.kernels import jit
+
     root = tmp_path / "src"
     root.mkdir()
     source = root / "k.cpp"
     source.write_bytes(b'#include "k.h"\n')
     (root / "k.h").write_bytes(b"int x;\n")
+    monkeypatch.setattr(jit, "build_dir", lambda: tmp_path / "build")
+    monkeypatch.setattr(jit, "kernels_disabled_reason", lambda: "")
     return source, tmp_path / "build"
+
+
+def _built(build, source, kind="k", library="lib_k"):
+    """Stand-in for a library built earlier from ``source``: (its directory, its file)."""
+    tag = source_tag(source, ["-O3"])
+    directory = build / f"{kind}-{tag}"
+    directory.mkdir(parents=True, exist_ok=True)
+    library_file = directory / f"{library}_{tag}.so"
+    library_file.write_bytes(b"")
+    return directory, library_file
 
 
 def test_a_build_of_this_exact_code_is_loaded_as_it_is(tmp_path, monkeypatch):
@@ -103,17 +118,14 @@ def test_a_build_of_this_exact_code_is_loaded_as_it_is(tmp_path, monkeypatch):
 
     from dflash2.kernels import jit
 
-    source, build = _fake_kernel(tmp_path)
-    build.mkdir()
-    name = f"k_{source_tag(source, ['-O3'])}"
-    (build / f"{name}.so").write_bytes(b"")  # (stands for the library built earlier)
+    source, build = _fake_kernel(tmp_path, monkeypatch)
+    directory, library = _built(build, source)
     loaded = []
-    monkeypatch.setattr(jit, "kernels_disabled_reason", lambda: "")
     monkeypatch.setattr(torch.ops, "load_library", loaded.append)
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("built again"))
-    ok, status, op = jit.jit_load(name, source, ["-O3"], build, "aten.add", lambda op: "")
-    assert ok, status
-    assert loaded == [str(build / f"{name}.so")] and op is torch.ops.aten.add.default
+    ok, status, op = jit.jit_load("k", "lib_k", source, ["-O3"], "aten.add", lambda op: "", label="test ")
+    assert ok and status == f"test kernel loaded from {directory}"
+    assert loaded == [str(library)] and op is torch.ops.aten.add.default
 
 
 def test_changed_code_or_a_library_that_does_not_load_is_built(tmp_path, monkeypatch):
@@ -122,22 +134,67 @@ def test_changed_code_or_a_library_that_does_not_load_is_built(tmp_path, monkeyp
 
     from dflash2.kernels import jit
 
-    source, build = _fake_kernel(tmp_path)
-    build.mkdir()
-    old = f"k_{source_tag(source, ['-O3'])}"
-    (build / f"{old}.so").write_bytes(b"")
+    source, build = _fake_kernel(tmp_path, monkeypatch)
+    old_directory, _ = _built(build, source)
     (source.parent / "k.h").write_bytes(b"int y;\n")  # the code changed: another tag
-    new = f"k_{source_tag(source, ['-O3'])}"
-    (build / f"{new}.so").write_bytes(b"")
+    new_directory, _ = _built(build, source)
     built = []
-    monkeypatch.setattr(jit, "kernels_disabled_reason", lambda: "")
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: built.append(kw["name"]))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: built.append((kw["name"], kw["build_directory"])))
 
     def broken(path):
         raise OSError(f"{path}: file too short")
 
     monkeypatch.setattr(torch.ops, "load_library", broken)
-    assert jit.jit_load(new, source, ["-O3"], build, "aten.add", lambda op: "")[0]  # does not load: built
-    monkeypatch.setattr(torch.ops, "load_library", lambda path: pytest.fail("loaded a stale library"))
-    assert jit.jit_load(old, source, ["-O3"], build, "aten.add", lambda op: "")[0]  # stale name: built
-    assert built == [new, old]
+    assert jit.jit_load("k", "lib_k", source, ["-O3"], "aten.add", lambda op: "")[0]  # does not load: built
+    assert built == [(f"lib_k_{new_directory.name[2:]}", str(new_directory))]
+    (source.parent / "k.h").write_bytes(b"int z;\n")
+    assert jit.jit_load("k", "lib_k", source, ["-O3"], "aten.add", lambda op: "")[0]  # no build of this code: built
+    assert built[1][1] not in (str(old_directory), str(new_directory))
+
+
+def _kinds_builds(build, kind):
+    return sorted(p.name for p in build.iterdir() if p.name.startswith(f"{kind}-"))
+
+
+def test_old_builds_of_a_kind_are_pruned_to_the_most_recently_used(tmp_path, monkeypatch):
+    """Every change of a kernel's code builds anew; the builds of a kind beyond the most recently used few are
+    deleted (an upgrade or a checkout of another revision no longer grows the cache by a build per kernel), never
+    those of another kind, those another process holds the build lock of, or anything that is not a build."""
+    from dflash2.kernels import jit
+    from dflash2.locking import exclusive_flock
+
+    _, build = _fake_kernel(tmp_path, monkeypatch)
+    names = [f"k-{i:012x}" for i in range(6)]
+    for age, name in enumerate(names):
+        (build / name).mkdir(parents=True)
+        (build / name / "lib.so").write_bytes(b"x")
+        (build / name / "dflash2-build.lock").touch()
+        os.utime(build / name, (1000 - age, 1000 - age))  # names[0] used last
+    others = ["k-old-000000000000", "kk-000000000000", "k-0000000000zz"]
+    for name in others:
+        (build / name).mkdir()
+    (build / "k-000000000009.deleting-1").mkdir()  # a deletion cut short
+    with exclusive_flock(build / names[4] / "dflash2-build.lock", 1):  # another process is loading that one
+        deleted = jit.prune_builds("k", keep=3)
+    assert sorted(deleted) == [build / names[3], build / names[5]]
+    assert _kinds_builds(build, "k") == sorted([*names[:3], names[4], others[0], others[2]])
+    assert (build / others[1]).is_dir()
+
+
+def test_loading_a_kernel_marks_its_build_used_and_prunes_the_rest(tmp_path, monkeypatch):
+    import torch
+
+    from dflash2.kernels import jit
+
+    source, build = _fake_kernel(tmp_path, monkeypatch)
+    directory, _ = _built(build, source)
+    os.utime(directory, (1, 1))  # the oldest
+    stale = []
+    for i in range(jit.KEEP_BUILDS):
+        stale.append(build / f"k-{i:012x}")
+        stale[-1].mkdir()
+        os.utime(stale[-1], (100 + i, 100 + i))  # stale[0] the oldest of them
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
+    assert jit.jit_load("k", "lib_k", source, ["-O3"], "aten.add", lambda op: "")[0]
+    assert directory.is_dir() and directory.stat().st_mtime > 1
+    assert _kinds_builds(build, "k") == sorted(p.name for p in [directory, *stale[1:]])

@@ -201,7 +201,7 @@ def test_build_failure_falls_back_with_warning(tmp_path) -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True
     ).stdout.splitlines()
     assert out[0] == "False 1", out
-    assert out[1].startswith("kernel build failed"), out
+    assert "kernel build failed in" in out[1], out
 
 
 @pytest.mark.skipif(not kernels_available(), reason="packed kernel unavailable")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from dflash2.kernels import jit
 
-__all__ = ["amx_available", "amx_int8_rows", "amx_linear_rows", "amx_status", "load_tile_kernel", "pack_int8_amx",
+__all__ = ["amx_available", "amx_int8_rows", "amx_linear_rows", "amx_status", "pack_int8_amx",
            "pack_weight_amx", "tile_linear_rows", "tile_self_check", "unpack_int8_amx", "unpack_weight_amx"]
 
 PANEL = 16  # outputs per panel (kPanel in gemm_amx.cpp)
@@ -57,16 +57,6 @@ def tile_self_check(op, shapes: tuple[tuple[int, int, int], ...], label: str) ->
     return ""
 
 
-def load_tile_kernel(name: str, source: Path, cflags: list[str], op_name: str, self_check,
-                     label: str) -> tuple[bool, str, object]:
-    """Build and load a kernel on the tile layout into a build directory named by a hash of its source, the
-    headers it includes and its flags."""
-    tag = jit.source_tag(source, cflags)
-    ok, status, op = jit.jit_load(f"dflash2_{name}_{tag}", source, cflags, jit.build_dir() / f"{name}-{tag}",
-                                  op_name, self_check, label=label)
-    return ok, status.replace("AVX2/FMA kernel", "kernel"), op
-
-
 def _self_check(op) -> str:
     if not torch.ops.dflash2_amx.amx_init():
         return "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
@@ -77,7 +67,7 @@ def _load() -> tuple[bool, str, object]:
     reason = _disabled_reason()
     if reason:
         return False, reason, None
-    return load_tile_kernel("amx", _SOURCE, _CFLAGS, "dflash2_amx.amx_linear", _self_check, "AMX ")
+    return jit.jit_load("amx", "dflash2_amx", _SOURCE, _CFLAGS, "dflash2_amx.amx_linear", _self_check, label="AMX ")
 
 
 def _ensure_loaded() -> None:

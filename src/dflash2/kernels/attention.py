@@ -58,12 +58,9 @@ def _self_check(op) -> str:
 
 
 def _load() -> tuple[bool, str, object]:
-    tag = jit.source_tag(_SOURCE, _CFLAGS)
-    directory = jit.build_dir() / f"attention-{tag}"
-    ok, status, op = jit.jit_load(f"dflash2_attention_{tag}", _SOURCE, _CFLAGS, directory,
-                                  "dflash2_attention.attention_rows", _self_check, label="attention ")
     lanes = "AVX-512 lanes" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= jit.cpu_flags() else "AVX2/FMA"
-    return ok, (f"row-invariant attention kernel ({lanes}) loaded from {directory}" if ok else status), op
+    return jit.jit_load("attention", "dflash2_attention", _SOURCE, _CFLAGS, "dflash2_attention.attention_rows",
+                        _self_check, label=f"row-invariant attention ({lanes}) ")
 
 
 def _ensure_loaded() -> None:

@@ -43,8 +43,8 @@ def _load() -> tuple[bool, str, object]:
     reason = _disabled_reason()
     if reason:
         return False, reason, None
-    return _amx.load_tile_kernel("dpbf16", _SOURCE, _CFLAGS, "dflash2_dpbf16.dpbf16_linear", _self_check,
-                                 "AVX512-BF16 ")
+    return jit.jit_load("dpbf16", "dflash2_dpbf16", _SOURCE, _CFLAGS, "dflash2_dpbf16.dpbf16_linear", _self_check,
+                        label="AVX512-BF16 ")
 
 
 def _ensure_loaded() -> None:

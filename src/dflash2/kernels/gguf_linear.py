@@ -231,14 +231,12 @@ def _load(build: _Build) -> tuple[bool, str, object]:
     missing = jit.missing_cpu_flags(build.cpu_flags)
     if missing:
         return False, missing, None
-    tag = jit.source_tag(_SOURCE, build.cflags)
-    label = f"gguf {build.backend} "
-    ok, status, op = jit.jit_load(f"{build.namespace}_{tag}", _SOURCE, list(build.cflags),
-                                  jit.build_dir() / f"gguf-{build.backend}-{tag}", f"{build.namespace}.gguf_matmul",
-                                  lambda _op: _self_check(build), label=label)
+    ok, status, op = jit.jit_load(f"gguf-{build.backend}", build.namespace, _SOURCE, list(build.cflags),
+                                  f"{build.namespace}.gguf_matmul", lambda _op: _self_check(build),
+                                  label=f"gguf {build.backend} ")
     if ok:
         getattr(torch.ops, build.namespace).gguf_pair_min_rows(pair_min_rows())
-    return ok, status.replace("AVX2/FMA kernel", "kernel"), op
+    return ok, status, op
 
 
 def _ensure(backend: str) -> dict[str, object]:

@@ -2,8 +2,9 @@
 
 Each kernel module (``packed_linear``, ``amx``, ``dpbf16``, ``quant_linear``, ...) builds its extension with
 :func:`jit_load` (``torch.utils.cpp_extension.load``: needs ninja and a C++ compiler) into a directory under
-:func:`build_dir` (``$DFLASH2_HOME/kernels/<torch+python tag>``, default ``~/.cache/dflash2``), checks it against a
-reference with its own self-check, and loads it once per process with :func:`ensure_loaded`.  The CPU-flag and
+:func:`build_dir` (``$DFLASH2_HOME/kernels/<torch+python tag>``, default ``~/.cache/dflash2``) named by its kind and
+a hash of its code, checks it against a reference with its own self-check, and loads it once per process with
+:func:`ensure_loaded`; :func:`prune_builds` keeps the few most recently used builds of each kind.  The CPU-flag and
 environment checks (:func:`switched_off`, :func:`missing_cpu_flags`, :func:`kernels_disabled_reason`) live here too.
 Nothing here imports a kernel module, so the backends import this module and never each other in a loop.
 """
@@ -38,6 +39,7 @@ __all__ = [
     "kernels_disabled_reason",
     "missing_cpu_flags",
     "no_torch_function",
+    "prune_builds",
     "self_check_mismatch",
     "source_tag",
     "switched_off",
@@ -210,21 +212,25 @@ def stable_source(source: Path, directory: Path) -> Path:
     return target / source.name
 
 
-def jit_load(name: str, source: Path, cflags: list[str], directory: Path, op_name: str, self_check,
+def jit_load(kind: str, library: str, source: Path, cflags: list[str], op_name: str, self_check,
              label: str = "") -> tuple[bool, str, object]:
     """Build (or reuse) and load one kernel extension, fetch ``torch.ops.<op_name>`` and self-check it.
 
-    Returns (ok, one-line status, op or None); never raises for a build or load failure.
+    The build goes to ``build_dir()/<kind>-<tag>`` as library ``<library>_<tag>``, ``tag`` being the code's
+    :func:`source_tag`, and is marked as used; all but the :data:`KEEP_BUILDS` most recently used builds of ``kind``
+    are deleted then. Returns (ok, one-line status, op or None); never raises for a build or load failure.
     """
     reason = kernels_disabled_reason()
     if reason:
         return False, reason, None
+    tag = source_tag(source, cflags)
+    directory, name = build_dir() / f"{kind}-{tag}", f"{library}_{tag}"
     try:
         from torch.utils import cpp_extension
 
         directory.mkdir(parents=True, exist_ok=True)
         with build_lock(directory):
-            if not _load_built(directory, name, source, cflags):
+            if not _load_built(directory, name):
                 cpp_extension.load(
                     name=name,
                     sources=[str(stable_source(source, directory))],
@@ -234,26 +240,28 @@ def jit_load(name: str, source: Path, cflags: list[str], directory: Path, op_nam
                     is_python_module=False,
                     verbose=False,
                 )
+            os.utime(directory)  # (used now: what prune_builds keeps)
         namespace, op = op_name.split(".")
         op = getattr(getattr(torch.ops, namespace), op).default
     except Exception as e:  # noqa: BLE001 - any build/load failure means: use the fallback
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         return False, f"{label}kernel build failed in {directory}: {first}", None
+    prune_builds(kind, keep=KEEP_BUILDS)
     with torch.inference_mode():
         bad = self_check(op)
     if bad:
         return False, bad, None
-    return True, f"{label}AVX2/FMA kernel loaded from {directory}", op
+    return True, f"{label}kernel loaded from {directory}", op
 
 
-def _load_built(directory: Path, name: str, source: Path, cflags: list[str]) -> bool:
-    """Load the library built earlier in ``directory`` when ``name`` carries this code's :func:`source_tag` (the same
+def _load_built(directory: Path, name: str) -> bool:
+    """Load the library built earlier in ``directory`` (whose name carries the code's :func:`source_tag`: the same
     source, headers and flags; the directory is per torch and Python version), without torch's builder: that re-runs
     ninja, whose build file names the torch headers of the environment that built it, so a build made from another
     virtual environment of the same torch (a CI clone's) was built again, 15-60 s per kernel, inside the first forward.
     False (build it) when there is no such library or it does not load."""
     library = directory / f"{name}.so"
-    if not name.endswith(source_tag(source, cflags)) or not library.is_file():
+    if not library.is_file():
         return False
     try:
         torch.ops.load_library(str(library))
@@ -261,6 +269,43 @@ def _load_built(directory: Path, name: str, source: Path, cflags: list[str]) -> 
         log.warning("rebuilding %s: %s", library, e)
         return False
     return True
+
+
+# Builds kept per kernel kind. Each change of a kernel's code builds anew beside the old builds (a few MB each): an
+# upgrade, a checkout of another revision, a CI clone; three keep a working tree, a clone and one more without
+# rebuilding.
+KEEP_BUILDS = 3
+
+
+def prune_builds(kind: str, keep: int = KEEP_BUILDS) -> list[Path]:
+    """Delete all but the ``keep`` most recently used builds of ``kind`` (``<kind>-<tag>`` in :func:`build_dir`; a
+    build's directory is touched whenever it is loaded), skipping any a live process holds the build lock of, and
+    the remains of a deletion that was cut short. Returns the deleted directories; never raises."""
+    root = build_dir()
+    tagged = re.compile(re.escape(kind) + r"-[0-9a-f]{12}")
+    try:
+        builds = [p for p in root.iterdir() if p.is_dir() and tagged.fullmatch(p.name)]
+        builds.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+        leftovers = [p for p in root.iterdir() if tagged.fullmatch(p.name.partition(".deleting-")[0])
+                     and ".deleting-" in p.name]
+    except OSError as e:
+        log.warning("not pruning old %s builds in %s: %s", kind, root, e)
+        return []
+    deleted = []
+    for old in builds[keep:]:
+        doomed = old.with_name(f"{old.name}.deleting-{os.getpid()}")
+        try:
+            with exclusive_flock(old / "dflash2-build.lock", 0):
+                old.rename(doomed)  # (atomic: a process that wants this build from now on builds it anew)
+        except (LockTimeout, OSError):
+            continue  # in use: kept
+        leftovers.append(doomed)
+        deleted.append(old)
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    if deleted:
+        log.info("deleted %d old %s kernel build(s) in %s", len(deleted), kind, root)
+    return deleted
 
 
 BUILD_LOCK_TIMEOUT_ENV = "DFLASH2_BUILD_LOCK_TIMEOUT"

@@ -104,10 +104,8 @@ def _self_check(ops) -> str:
 
 
 def _load() -> tuple[bool, str, object]:
-    tag = jit.source_tag(_SOURCE, _CFLAGS)
-    directory = jit.build_dir() / f"layer-ops-{tag}"
-    ok, status, op = jit.jit_load(f"dflash2_layer_ops_{tag}", _SOURCE, _CFLAGS, directory,
-                                  "dflash2_layer_ops.rms_norm", lambda op: _self_check(_ops(op)), label="layer ops ")
+    ok, status, op = jit.jit_load("layer-ops", "dflash2_layer_ops", _SOURCE, _CFLAGS, "dflash2_layer_ops.rms_norm",
+                                  lambda op: _self_check(_ops(op)), label="layer ops AVX2/FMA ")
     return ok, status, _ops(op) if ok else None
 
 

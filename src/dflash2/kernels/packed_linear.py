@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.kernels import amx, dpbf16
-from dflash2.kernels.jit import build_dir, cpu_flags, ensure_loaded, jit_load, self_check_mismatch, source_tag
+from dflash2.kernels.jit import cpu_flags, ensure_loaded, jit_load, self_check_mismatch
 
 __all__ = [
     "PackedLinear",
@@ -72,9 +72,8 @@ def _self_check(op) -> str:
 
 
 def _load() -> tuple[bool, str, object]:
-    tag = source_tag(_SOURCE, _CFLAGS)
-    ok, status, op = jit_load(f"{_EXT_NAME}_{tag}", _SOURCE, _CFLAGS, build_dir() / f"bf16-{tag}",
-                              "dflash2_kernels.packed_linear", _self_check)
+    ok, status, op = jit_load("bf16", _EXT_NAME, _SOURCE, _CFLAGS, "dflash2_kernels.packed_linear", _self_check,
+                              label="AVX2/FMA ")
     if ok and "avx512f" in cpu_flags():
         status += " (AVX-512 micro-kernel for 4+ rows)"
     return ok, status, op

@@ -156,9 +156,8 @@ def _self_check(op) -> str:
 
 
 def _load() -> tuple[bool, str, object]:
-    tag = jit.source_tag(_SOURCE, _CFLAGS)
-    return jit.jit_load(f"dflash2_qkernels_{tag}", _SOURCE, _CFLAGS, jit.build_dir() / f"q8-{tag}",
-                        "dflash2_qkernels.int8_linear", _self_check, label="int8/int4 ")
+    return jit.jit_load("q8", "dflash2_qkernels", _SOURCE, _CFLAGS, "dflash2_qkernels.int8_linear", _self_check,
+                        label="int8/int4 AVX2/FMA ")
 
 
 def _ensure_loaded() -> None:
