@@ -225,6 +225,7 @@ void panel_rows(const Args& a, int64_t p, int64_t m0, int64_t nv) {
     __m256i Jg[MR], Zg[MR], Tg[MR];
     for (int r = 0; r < MR; ++r) Jg[r] = Zg[r] = Tg[r] = _mm256_setzero_si256();
     for (int64_t b = g * a.group; b < (g + 1) * a.group; ++b) {
+      prefetch_block<KIND>(a.w + (p * a.B + b + kPanelsAhead) * block_bytes(KIND));  // (then panel p + 1's)
       __m256i S0 = ones, S1 = ones, Spair = ones;
       if constexpr (H == 1) {
         S0 = S1 = Spair = dup16(a.s + (p * a.B + b) * 8);

@@ -156,6 +156,7 @@ void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) 
     for (int r = 0; r < MR; ++r) Jg[r] = _mm512_setzero_si512();
     for (int64_t j = 0; j < a.group; ++j) {
       const int64_t b = b0 + j;
+      prefetch_pair<KIND>(a, p, q, b, kPairsAhead);
       __m512i S0 = _mm512_set1_epi32(1), S1 = S0;
       spair[j] = ones;
       if constexpr (H == 1) {
