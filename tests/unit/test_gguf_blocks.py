@@ -158,7 +158,7 @@ def test_pair_rows_setting_follows_the_cpu_and_the_switch(monkeypatch):
     assert gl.pair_min_rows() == 5
     for cpu in (("GenuineIntel", 6), ("AuthenticAMD", 26), ("", -1)):
         monkeypatch.setattr(gl.jit, "cpu_model", lambda cpu=cpu: cpu)
-        assert gl.pair_min_rows() == 1
+        assert gl.pair_min_rows() == 4
     monkeypatch.setenv(gl.PAIRS_ENV, "3")
     assert gl.pair_min_rows() == 3
     for bad in ("0", "-2", "many"):

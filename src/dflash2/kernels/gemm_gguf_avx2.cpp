@@ -290,9 +290,8 @@ inline __mmask16 pair_keep(const Args& a, int64_t p, int64_t q) {
 
 #if GGUF_VNNI
 // From how many rows the panels go in pairs (fewer: the 256-bit micro-kernel). Set per CPU from Python
-// (gguf_linear.pair_min_rows): on the Intel Xeon (AMX) the pairs are faster from one row (a one-row forward of the
-// 1.5B 53.5 -> 48.9 ms), on AMD Zen 4 the 256-bit kernel streamed 1-4 rows faster (session 29).
-std::atomic<int64_t> pair_min_rows{1};
+// (gguf_linear.pair_min_rows, which says what was measured where).
+std::atomic<int64_t> pair_min_rows{4};
 
 // All rows over panels in pairs (gemm_gguf_vnni.h); an odd last panel is paired with itself and stored once.
 void paired_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, int64_t grain) {

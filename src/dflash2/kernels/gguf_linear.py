@@ -214,17 +214,18 @@ PAIRS_ENV = "DFLASH2_GGUF_PAIR_ROWS"
 
 def pair_min_rows() -> int:
     """From how many rows the AVX512-VNNI and AMX builds multiply two panels (16 outputs) per 512-bit vector; fewer
-    rows take the 256-bit micro-kernel (the AMX build's tiles start at 2 or 4 rows).  Measured: on the Intel Xeon
-    (AMX) the pairs are faster from one row (one-row forward of the 1.5B 53.5 -> 48.9 ms); on AMD Zen 4 (family
-    25), which runs a 512-bit operation as two 256-bit halves, the 256-bit kernel streamed 1-4 rows faster (session
-    29), so the pairs start at 5 rows there.  ``DFLASH2_GGUF_PAIR_ROWS=<n>`` sets it.  Either choice gives the same
-    bits."""
+    rows take the 256-bit micro-kernel (the AMX build's tiles start at 2 or 4 rows).  Measured, both kernels
+    prefetching their codes: on the Intel Xeon (AMX, model 207) the 256-bit kernel is faster for 1-3 rows (a one-row
+    forward of the 1.5B 62-66 -> 54-58 ms in six runs), even at 4, slower from 5 (split into two calls); on AMD Zen 4
+    (family 25), which runs a 512-bit operation as two 256-bit halves, it streamed 1-4 rows faster (session 29,
+    before the prefetch), so the pairs start at 5 rows there.  ``DFLASH2_GGUF_PAIR_ROWS=<n>`` sets it.  Either
+    choice gives the same bits."""
     raw = os.environ.get(PAIRS_ENV, "").strip()
     if raw:
         if not raw.isdigit() or int(raw) < 1:
             raise ValueError(f"{PAIRS_ENV}={raw!r}: expected a row count >= 1")
         return int(raw)
-    return 5 if jit.cpu_model() == ("AuthenticAMD", 25) else 1
+    return 5 if jit.cpu_model() == ("AuthenticAMD", 25) else 4
 
 
 def _load(build: _Build) -> tuple[bool, str, object]:
