@@ -95,10 +95,10 @@ constexpr int64_t block_bytes(int kind) { return kind == kSigned ? 256 : 128 + 3
 // first load). A forward of the 1.5B target at 1 / 4 / 9 rows (Intel Xeon (AMX, model 207), the kernel without and
 // with the prefetch in one process): 256-bit panels (gguf@avx2) 16 ahead 80 / 108 -> 53 / 80 ms (4 ahead: 88 / 122
 // -> 73 / 113; 32: 90 / 126 -> 60 / 107); 512-bit pairs (gguf@vnni) 16 ahead 50 / 61 / 77 -> 40 / 45 / 63 ms (8:
-// 52 / 63 / 85 -> 42 / 52 / 77; 32: 64 / 78 / 109 -> 56 / 64 / 104); the tiles 8 ahead (16: 2 rows faster, 9 slower).
+// 52 / 63 / 85 -> 42 / 52 / 77; 32: 64 / 78 / 109 -> 56 / 64 / 104). The tiles prefetch 8 ahead (gemm_gguf_amx.h;
+// 16: 2 rows faster, 9 slower).
 constexpr int64_t kPanelsAhead = 16;
 constexpr int64_t kPairsAhead = 16;
-constexpr int64_t kTilesAhead = 8;
 
 // The cache lines of one block's codes at `codes` into L1 (past the weights' end: a no-op, prefetches never fault).
 template <int KIND>
@@ -137,8 +137,12 @@ struct Args {
 template <int KIND>
 inline void prefetch_pair(const Args& a, int64_t p, int64_t q, int64_t b, int64_t ahead) {
   const int64_t at = b + ahead, next = at < a.B ? 0 : 2;
-  prefetch_block<KIND>(a.w + ((p + next) * a.B + at % a.B) * block_bytes(KIND));
-  prefetch_block<KIND>(a.w + ((q + next) * a.B + at % a.B) * block_bytes(KIND));
+  const uint8_t* w0 = a.w + ((p + next) * a.B + at % a.B) * block_bytes(KIND);
+  const uint8_t* w1 = a.w + ((q + next) * a.B + at % a.B) * block_bytes(KIND);
+  for (int64_t off = 0; off < block_bytes(KIND); off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + off), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + off), _MM_HINT_T0);
+  }
 }
 
 #include "gemm_gguf_panels.h"
