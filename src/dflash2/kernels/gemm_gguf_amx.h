@@ -215,13 +215,17 @@ inline std::vector<int16_t> block_sums(const int32_t* half_sums, int64_t M, int6
 
 constexpr int kPassRows = 64;  // rows whose sums one pass keeps (4 tile chunks per widened group of blocks)
 
-// A scale group's operands, made before its tiles: the codes widened (B tiles), the offset rows (O) or, folded,
-// the offset multipliers.
+// A scale group's tile operands, made before its tiles: the codes widened (B tiles) and the offset rows (O).
 struct GroupOperands {
   alignas(64) uint8_t wide[kMaxGroup][8][64];  // (folded: the low digits)
   alignas(64) uint8_t wide_high[kMaxGroup][8][64];  // folded only: the high digits
-  __m512i C16[kMaxGroup / 2];  // folded only: blocks 2i, 2i + 1's offset multipliers as an int16 pair per output
   alignas(64) uint8_t orow[kMaxGroup][64];
+};
+
+// Folded with offsets: a scale group's offset multipliers, blocks 2i, 2i + 1's as an int16 pair per output (read by
+// the sums, not by the tiles).
+struct GroupOffsets {
+  __m512i C16[kMaxGroup / 2];
 };
 
 // One unit of tile work: a scale group g for one chunk of rows; its products, stored for the sums.
@@ -255,7 +259,13 @@ template <int KIND, int H, int OFF>
 void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int64_t m0, int mr, __mmask16 keep) {
   constexpr bool kFold = folded_kind(KIND, H, OFF);
   constexpr bool kFold16 = kFold && KIND == kNib6;  // (the folded bytes of 16-bit products: J = 256 C1 + C0)
-  GroupOperands ops[3];  // by group, modulo 3: group g + 1 is made while the sums of group g - 1 still read theirs
+  // By group: the tile operands modulo 2 (group g + 1's are made while group g's tiles run; group g - 1's tiles have
+  // all been issued), the offsets modulo 3 (the sums of group g - 1 still read theirs). The tile operands are 8 KB
+  // a group, and with three of them (as until session 41) the working set of a 9-row Q4_K pass (operands, the rows'
+  // activation bytes, the products, the weights prefetched) outgrew the 48 KB L1: measured on the Emerald Rapids
+  // Xeon, all 28 gate / up projections from memory, 9 rows 26.5 -> 22.1 ms, 4 rows 21.0 -> 20.1.
+  GroupOperands ops[2];
+  GroupOffsets offsets[3];
   UnitSums sums[2];      // by unit, modulo 2
   alignas(64) float yacc[kPassRows][16];
   const int zero_point = a.zshift >= 0 ? 1 << a.zshift : 0;
@@ -271,7 +281,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
   for (int r = 0; r < mr; ++r) _mm512_store_ps(yacc[r], _mm512_setzero_ps());
 
   auto make = [&](int64_t g, int j) {  // group g's block j: codes, offset row or multipliers
-    GroupOperands& o = ops[g % 3];
+    GroupOperands& o = ops[g % 2];
     const int64_t b = g * a.group + j;
     if constexpr (kFold16) {
       widen_folded16_block(a, p, q, b, zero, o.wide[j], o.wide_high[j]);
@@ -293,13 +303,15 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
       }
     }
     if constexpr (kFold) {  // (the sub-scales are in the B operands)
-      if (OFF != 0 && (j & 1)) o.C16[j / 2] = pair16_512(offset_mults(a, p, q, b - 1), offset_mults(a, p, q, b));
+      if (OFF != 0 && (j & 1)) {
+        offsets[g % 3].C16[j / 2] = pair16_512(offset_mults(a, p, q, b - 1), offset_mults(a, p, q, b));
+      }
     } else if constexpr (OFF == 2) {
       _mm512_store_si512(reinterpret_cast<__m512i*>(o.orow[j]), offset_row(a, p, q, b));
     }
   };
   struct Unit {  // what the sums of one unit read, found once per unit (its rows are made in nb slices)
-    const GroupOperands* o;
+    const GroupOffsets* o;
     const UnitSums* us;
     int64_t g;
     int c0, rows;
@@ -310,7 +322,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
     w.g = u / chunks;
     w.c0 = static_cast<int>(u % chunks) * t.rows;
     w.rows = std::min(t.rows, mr - w.c0);
-    w.o = &ops[w.g % 3];
+    w.o = &offsets[w.g % 3];
     w.us = &sums[u % 2];
     w.Av = float_pair(a.A + (p * a.G + w.g) * kPanel, a.A + (q * a.G + w.g) * kPanel);
     w.Cv = _mm512_setzero_ps();
@@ -320,7 +332,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
   auto finish = [&](const Unit& w, int i0, int i1) {  // rows i0 .. i1 - 1 of unit w's chunk: J, then the fp32 steps
     const int64_t g = w.g;
     const int c0 = w.c0;
-    const GroupOperands& o = *w.o;
+    const GroupOffsets& o = *w.o;
     const UnitSums& us = *w.us;
     const __m512 Av = w.Av, Cv = w.Cv;
     for (int i = i0; i < i1; ++i) {
@@ -368,7 +380,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
       for (int j = 0; j <= nb; ++j) cut[j] = prev.rows * j / nb;
     }
     const int8_t* xc = t.x + (m0 + c0) * a.K + 32 * g * a.group;
-    const GroupOperands& o = ops[g % 3];
+    const GroupOperands& o = ops[g % 2];
     UnitSums& us = sums[u % 2];
     if constexpr (kFold) {
       _tile_zero(0);
