@@ -58,10 +58,13 @@ inline void pair_codes(const Args& a, int64_t p, int64_t q, int64_t b, Step&& st
   __m512i plane0 = _mm512_setzero_si512(), plane1 = _mm512_setzero_si512();
   if constexpr (HB > 0) plane0 = load_pair(w0 + 128, w1 + 128);
   if constexpr (HB == 2) plane1 = load_pair(w0 + 160, w1 + 160);
-  auto high = [&](int t) {  // step t's high bits at bits 4..
+  auto with_high = [&](__m512i codes, int t) {  // codes | step t's high bits, moved to bits 4 .. 4 + HB - 1
     const __m512i plane = (t * HB) / 8 == 0 ? plane0 : plane1;
-    const __m512i h = _mm512_and_si512(_mm512_srli_epi16(plane, (t * HB) % 8), _mm512_set1_epi8((1 << HB) - 1));
-    return _mm512_slli_epi16(h, 4);
+    const int at = (t * HB) % 8;  // where they lie in the plane's bytes
+    // A 16-bit shift: the bits it moves in from the word's other byte land outside bits 4 .. 4 + HB - 1.
+    const __m512i moved = at <= 4 ? _mm512_slli_epi16(plane, 4 - at) : _mm512_srli_epi16(plane, at - 4);
+    constexpr int kOrAnd = 0xF8;  // VPTERNLOGD: a | (b & c)
+    return _mm512_ternarylogic_epi32(codes, moved, _mm512_set1_epi8(((1 << HB) - 1) << 4), kOrAnd);
   };
 #pragma GCC unroll 4
   for (int c = 0; c < 4; ++c) {
@@ -69,8 +72,8 @@ inline void pair_codes(const Args& a, int64_t p, int64_t q, int64_t b, Step&& st
     __m512i lo = _mm512_and_si512(v, low4);
     __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     if constexpr (HB > 0) {
-      lo = _mm512_or_si512(lo, high(c));
-      hi = _mm512_or_si512(hi, high(c + 4));
+      lo = with_high(lo, c);
+      hi = with_high(hi, c + 4);
     }
     step(c, lo, hi);
   }
