@@ -1,5 +1,5 @@
 // The Intel AMX-INT8 path of gemm_gguf_avx2.cpp (included there, inside its namespace, in the build made with
-// -mamx-tile -mamx-int8 on top of AVX512-VNNI; used from amx_min_rows rows): the integer sums run on tiles instead
+// -mamx-tile -mamx-int8 on top of AVX512-VNNI; used from kAmxRows rows): the integer sums run on tiles instead
 // of VPDPBUSD; the fp32 steps are the VNNI pair kernel's.
 //
 // Why: with VPDPBUSD each row costs 8 instructions per block of 32 inputs and 16 outputs, so verifying 9 rows costs
@@ -20,12 +20,12 @@
 // of subtracted as zero * sums of x), and the fp32 steps per output are its sequence, so the result is the same bits
 // as the VNNI and AVX2 builds (tested, and self-checked at load).
 
-// Rows from which gguf_matmul takes the tiles (fewer: the VNNI kernels). Q4_K's folded tiles from 2 rows: one
-// [17920, 1536] layer, weights from memory, 2 / 3 rows 0.97 / 1.01 ms on the VNNI pairs, 0.83 / 0.85 on tiles;
-// the others from 4 (Q6_K's folded tiles at 2 / 3 rows: the down projections x28 +0.6-1.3 ms over 1 row, on the
-// pairs +0.1-0.6; the head even).
+// Rows from which gguf_matmul takes the tiles (fewer: the 256-bit panels or the VNNI pairs), every block kind. Q4_K
+// took them from 2 rows until session 41 (one [17920, 1536] layer, 2 / 3 rows: 0.83 / 0.85 ms on tiles against 0.97
+// / 1.01 on the pairs, before the panels and pairs prefetched their codes); since, the panels are faster there:
+// whole 1.5B forwards (Emerald Rapids Xeon, 200 cached, alternating builds in one process) at 2 / 3 rows 52.2 / 54.4
+// -> 49.4 / 51.0 ms and 62.8 / 65.1 -> 52.4 / 52.3 in a phase where a neighbour shared the tile unit.
 constexpr int kAmxRows = 4;
-constexpr int kAmxFoldedRows = 2;
 constexpr int kTileRows = 16;
 constexpr int kMaxGroup = 8;  // blocks per scale group (K-quants: 8)
 constexpr int64_t kPrefetchBlocks = 8;  // how far ahead of the widening the codes are prefetched
@@ -202,11 +202,6 @@ constexpr bool folded_kind(int kind, int h, int off) {
 
 // Whether a block kind runs on tiles: without sub-scales (Q4_0, Q4_1, Q5_0, Q8_0) or folded (Q4_K, Q6_K).
 constexpr bool tiles_take(int kind, int h, int off) { return h == 0 || folded_kind(kind, h, off); }
-
-// Rows from which a block kind runs on tiles.
-constexpr int amx_min_rows(int kind, int h, int off) {
-  return folded_kind(kind, h, off) && kind == kNib4 ? kAmxFoldedRows : kAmxRows;
-}
 
 // Block j's tile product for one chunk of rows (xb: the chunk's first row at the block's first input) into prod,
 // int32 [rows, 16]: even blocks take tiles 0-2 and odd ones 3-5 (two blocks in flight).

@@ -60,8 +60,8 @@
 #else
 #define GGUF_VNNI 0
 #endif
-// The third build adds -mamx-tile -mamx-int8 (gemm_gguf_amx.h): from 2 or 4 rows (amx_min_rows) the block products
-// run on tiles.
+// The third build adds -mamx-tile -mamx-int8 (gemm_gguf_amx.h): from 4 rows (kAmxRows) the block products run on
+// tiles.
 #if GGUF_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define GGUF_AMX 1
 #else
@@ -358,7 +358,7 @@ void matmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& b
          zero == 0 ? -1 : (zero == 8 ? 3 : (zero == 16 ? 4 : 5)), out};
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, K));
 #if GGUF_AMX
-  if (tiles_take(kind, h, off) && M >= amx_min_rows(kind, h, off) && group <= kMaxGroup && gguf_amx_granted()) {
+  if (tiles_take(kind, h, off) && M >= kAmxRows && group <= kMaxGroup && gguf_amx_granted()) {
     tile_panels(a, kind, h, off, M, P, std::max<int64_t>(1, grain / 2));
     return;
   }

@@ -20,7 +20,7 @@ This is llama.cpp's scheme (integer dot products on activations quantized to 8 b
 :func:`reference_matmul` evaluate exactly these operations, so they agree bit for bit, and a row's result never
 depends on the other rows nor on the CPU: the integer sums are exact, whichever instructions form them.
 
-Backends: ``"amx-int8"`` (the C++ file built with AMX tiles as well: from 4 rows, Q4_K from 2, the integer sums of up
+Backends: ``"amx-int8"`` (the C++ file built with AMX tiles as well: from 4 rows, the integer sums of up
 to 16 rows come from tile products; CPUs listing ``amx_tile`` and ``amx_int8``: Sapphire Rapids and later Xeons),
 ``"avx512-vnni"`` (built with VPDPBUSD, up to 12 rows per unpacked block of two panels from :func:`pair_min_rows`
 rows; CPUs listing ``avx512_vnni`` and ``avx512vl``: Intel Cascade Lake and later, AMD Zen 4 / Zen 5), ``"avx2"``
@@ -214,7 +214,7 @@ PAIRS_ENV = "DFLASH2_GGUF_PAIR_ROWS"
 
 def pair_min_rows() -> int:
     """From how many rows the AVX512-VNNI and AMX builds multiply two panels (16 outputs) per 512-bit vector; fewer
-    rows take the 256-bit micro-kernel (the AMX build's tiles start at 2 or 4 rows).  Measured, both kernels
+    rows take the 256-bit micro-kernel (the AMX build's tiles start at 4 rows).  Measured, both kernels
     prefetching their codes: on the Intel Xeon (AMX, model 207) the 256-bit kernel is faster for 1-3 rows (a one-row
     forward of the 1.5B 62-66 -> 54-58 ms in six runs), even at 4, slower from 5 (split into two calls); on AMD Zen 4
     (family 25), which runs a 512-bit operation as two 256-bit halves, it streamed 1-4 rows faster (session 29,
