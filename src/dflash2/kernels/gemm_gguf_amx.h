@@ -89,8 +89,8 @@ inline void widen_folded_block(const Args& a, int64_t p, int64_t q, int64_t b, u
   });
 }
 
-// Byte 4n + i of the result (i = 0..3) = byte n of `both` (the 16 bytes of one per output of a pair of panels, panel
-// p's 8 then q's): each output's value in the four bytes of its 32-bit lane, as one VPSHUFB per 128-bit lane.
+// Byte 4n + i of the result (i = 0..3) = byte n of `both` (16 bytes, one per output of a pair of panels: panel p's 8
+// then q's): each output's byte in the four bytes of its 32-bit lane, one VPSHUFB per 128-bit lane.
 inline __m512i per_output_bytes(__m128i both) {
   alignas(64) static constexpr int8_t kIndex[64] = {  // (VPSHUFB indexes within each 128-bit lane)
       0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
