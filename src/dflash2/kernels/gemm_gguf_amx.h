@@ -117,16 +117,13 @@ inline void widen_folded16_block(const Args& a, int64_t p, int64_t q, int64_t b,
     __m512i even, odd, offset;  // s_h at the even / odd byte of each word and 0 at the other; zero * s_h in each word
   };
   const __m512i zero_bytes = _mm512_set1_epi16(static_cast<int16_t>(zero_point));  // (zero, 0) in each word
+  const __m512i low_byte = _mm512_set1_epi16(0x00FF), high_byte = _mm512_set1_epi16(static_cast<int16_t>(0xFF00));
   auto half = [&](const int8_t* sp, const int8_t* sq) {  // the sub-scales of one half of the block, 8 per panel
     const __m512i s = per_output_bytes(_mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp)),
                                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sq))));
-    return Half{_mm512_and_si512(s, _mm512_set1_epi16(0x00FF)),
-                _mm512_and_si512(s, _mm512_set1_epi16(static_cast<int16_t>(0xFF00))),
-                _mm512_maddubs_epi16(zero_bytes, s)};
+    return Half{_mm512_and_si512(s, low_byte), _mm512_and_si512(s, high_byte), _mm512_maddubs_epi16(zero_bytes, s)};
   };
   const Half h0 = half(s0, s1), h1 = half(s0 + 8, s1 + 8);
-  const __m512i low_byte = _mm512_set1_epi16(0x00FF), high_byte = _mm512_set1_epi16(static_cast<int16_t>(0xFF00));
-  constexpr int kOrAnd = 0xF8;  // VPTERNLOGD: a | (b & c)
   auto put = [&](int t, __m512i codes, const Half& h) {
     const __m512i even = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, h.even), h.offset);
     const __m512i odd = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, h.odd), h.offset);

@@ -11,6 +11,9 @@ inline __m512i load_pair(const uint8_t* p0, const uint8_t* p1) {
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1)), 1);
 }
 
+// VPTERNLOGD's immediate for a | (b & c).
+constexpr int kOrAnd = 0xF8;
+
 // 8 int8 of each panel -> 16 int32 lanes.
 inline __m512i int8_pair(const int8_t* p0, const int8_t* p1) {
   const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p0)),
@@ -63,7 +66,6 @@ inline void pair_codes(const Args& a, int64_t p, int64_t q, int64_t b, Step&& st
     const int at = (t * HB) % 8;  // where they lie in the plane's bytes
     // A 16-bit shift: the bits it moves in from the word's other byte land outside bits 4 .. 4 + HB - 1.
     const __m512i moved = at <= 4 ? _mm512_slli_epi16(plane, 4 - at) : _mm512_srli_epi16(plane, at - 4);
-    constexpr int kOrAnd = 0xF8;  // VPTERNLOGD: a | (b & c)
     return _mm512_ternarylogic_epi32(codes, moved, _mm512_set1_epi8(((1 << HB) - 1) << 4), kOrAnd);
   };
 #pragma GCC unroll 4
