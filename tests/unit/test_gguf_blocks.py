@@ -112,11 +112,21 @@ def test_kernel_quantizes_rows_like_the_reference(backend):
     x[2, 256:512] = 0
     x[3, :32] = torch.linspace(-100, 100, 32)
     x[3, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # amax 127: d = 1, exact ties rounded to even (2, -4, 0)
+    x[4, :256] *= 1e-33  # scales outside the reciprocal's range [2^-100, 2^100]: every vector divides
+    x[4, 256:] *= 1e33
+    x[5, :4] = torch.tensor([127.0, 2.5 + 2**-20, -3.5 - 2**-20, 0.5])  # near ties: the quotient's division decides
+    x[6:8] = 0  # x = amax / 2, where x * (1 / d) and the quotient x / d lie on either side of 63.5
+    x[6, :3] = torch.tensor([1.125, 0.5625, -0.5625])  # x / d = 63.4999962 (x * (1 / d) = 63.5)
+    x[7, :3] = torch.tensor([1.1875, 0.59375, -0.59375])  # x / d = 63.5 (x * (1 / d) = 63.4999962)
+    many = torch.randn(64, 4096, generator=torch.Generator().manual_seed(3))
+    x = torch.cat([x, many[:, :512], many[:, 512:1024] * 1e-20])
     for block in (32, 256):
         for rows in (x, x.bfloat16()):  # bf16 rows as they are: their exact fp32 widening's result
             for a, b in zip(quantize(rows, block), gl.quantize_rows(rows.float(), block)):
                 assert torch.equal(a, b)
     assert quantize(x, 32)[0][3, :4].tolist() == [127, 2, -4, 0]
+    assert quantize(x, 32)[0][5, :4].tolist() == [127, 3, -4, 0]
+    assert quantize(x, 256)[0][6:8, :3].tolist() == [[127, 63, -63], [127, 64, -64]]
 
 
 @contextlib.contextmanager
