@@ -230,8 +230,15 @@ DFLASH2_AVX512 inline __m512 load_two8(const c10::BFloat16* a, const c10::BFloat
 DFLASH2_AVX512 inline __m512 load_two8(const c10::Half* a, const c10::Half* b) {
   return _mm512_cvtph_ps(two128(a, b));
 }
-template <typename T>
-DFLASH2_AVX512 inline __m512 load16(const T* p) { return load_two8(p, p + kLanes); }
+// 16 consecutive elements as fp32: load_two8(p, p + 8) in one 256-bit load (no lane insert).
+DFLASH2_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+DFLASH2_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+DFLASH2_AVX512 inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 // fold8 on both halves at once: lane 0 holds the fold of lanes 0-7, lane 8 the fold of lanes 8-15.
 DFLASH2_AVX512 inline __m512 fold8_halves(__m512 v) {
