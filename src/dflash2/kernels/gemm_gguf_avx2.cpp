@@ -225,6 +225,15 @@ inline __m256 rounded_quotient(__m256 x, const Divisor& div) {
   return _mm256_round_ps(_mm256_div_ps(x, _mm256_set1_ps(div.d)), kNearest);
 }
 
+// A scale group's d = amax / 127 into d_out; true for an all-zero group (amax 0), whose codes and sums are set here.
+inline bool all_zero(float amax, int64_t block, int8_t* dst, float* d_out, int32_t* sums) {
+  *d_out = amax / 127.0f;
+  if (amax != 0.0f) return false;
+  std::memset(dst, 0, block);
+  std::fill(sums, sums + block / 16, 0);
+  return true;
+}
+
 // One scale group of `block` inputs (a multiple of 16): amax, d = amax / 127, q = nearbyint(x / d) clamped to
 // [-127, 127] (0 where amax == 0), sums of q per 16. The rounded quotients are those of IEEE division
 // (rounded_quotient), rounded half to even, so the result is the reference's bit for bit (max / min keep the scalar
@@ -238,14 +247,8 @@ void quantize_group(const T* src, int64_t block, int8_t* dst, float* d_out, int3
   _mm256_store_ps(lane, vmax);
   float amax = 0.0f;
   for (float v : lane) amax = std::max(amax, v);
-  const float d = amax / 127.0f;
-  *d_out = d;
-  if (amax == 0.0f) {
-    std::memset(dst, 0, block);
-    for (int64_t h = 0; h < block / 16; ++h) sums[h] = 0;
-    return;
-  }
-  const Divisor div(d);
+  if (all_zero(amax, block, dst, d_out, sums)) return;
+  const Divisor div(*d_out);
   const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
   for (int64_t j = 0; j < block; j += 16) {
     __m256i q[2];
@@ -292,14 +295,8 @@ void quantize_group16(const T* src, int64_t block, int8_t* dst, float* d_out, in
   __m512 vmax = _mm512_setzero_ps();
   for (int64_t j = 0; j < block; j += 16) vmax = _mm512_max_ps(_mm512_and_ps(load_x16(src + j), abs_mask), vmax);
   const float amax = _mm512_reduce_max_ps(vmax);
-  const float d = amax / 127.0f;
-  *d_out = d;
-  if (amax == 0.0f) {
-    std::memset(dst, 0, block);
-    for (int64_t h = 0; h < block / 16; ++h) sums[h] = 0;
-    return;
-  }
-  const Divisor div(d);
+  if (all_zero(amax, block, dst, d_out, sums)) return;
+  const Divisor div(*d_out);
   const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
   for (int64_t j = 0; j < block; j += 16) {
     const __m512 r = rounded_quotient(load_x16(src + j), div);
