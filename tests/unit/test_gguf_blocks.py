@@ -112,10 +112,10 @@ def test_kernel_quantizes_rows_like_the_reference(backend):
     x[2, 256:512] = 0
     x[3, :32] = torch.linspace(-100, 100, 32)
     x[3, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # amax 127: d = 1, exact ties rounded to even (2, -4, 0)
-    x[4, :256] *= 1e-33  # scales outside the reciprocal's range [2^-100, 2^100]: every vector divides
+    x[4, :256] *= 1e-33  # tiny and huge scales
     x[4, 256:] *= 1e33
-    x[5, :4] = torch.tensor([127.0, 2.5 + 2**-20, -3.5 - 2**-20, 0.5])  # near ties: the quotient's division decides
-    x[6:8] = 0  # x = amax / 2, where x * (1 / d) and the quotient x / d lie on either side of 63.5
+    x[5, :4] = torch.tensor([127.0, 2.5 + 2**-20, -3.5 - 2**-20, 0.5])  # just past ties (3, -4)
+    x[6:8] = 0  # x = amax / 2: the IEEE quotient x / d, not x * (1 / d), on the other side of 63.5
     x[6, :3] = torch.tensor([1.125, 0.5625, -0.5625])  # x / d = 63.4999962 (x * (1 / d) = 63.5)
     x[7, :3] = torch.tensor([1.1875, 0.59375, -0.59375])  # x / d = 63.5 (x * (1 / d) = 63.4999962)
     many = torch.randn(64, 4096, generator=torch.Generator().manual_seed(3))
