@@ -28,7 +28,6 @@
 constexpr int kAmxRows = 4;
 constexpr int kTileRows = 16;
 constexpr int kMaxGroup = 8;  // blocks per scale group (K-quants: 8)
-constexpr int64_t kPrefetchBlocks = 8;  // how far ahead of the widening the codes are prefetched
 
 // Tiles 0 / 3: P (rows x 16 int32); 1 / 4: A (rows x 32 bytes); 2 / 5: B (8 rows x 64); 6: T (rows x 16 int32);
 // 7: O (as B). Even blocks use tiles 0-2 and odd ones 3-5, so two blocks' tile work can be in flight. Folded (k = 64,
@@ -306,11 +305,11 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
     } else {
       widen_pair_block<KIND>(a, p, q, b, zero_point != 0, zero, o.wide[j]);
     }
-    {  // the codes kPrefetchBlocks blocks ahead (past the panels' end: the next pair's, read next by this thread):
+    {  // the codes kTilesAhead blocks ahead (past the panels' end: the next pair's, read next by this thread):
        // the hardware prefetcher alone leaves the tiles waiting for memory. Written out here: the same prefetches
        // through prefetch_pair made the 4-row forward 16-26% slower (session 40, A/B runs)
       constexpr int64_t per_block = block_bytes(KIND);
-      const int64_t ahead = b + kPrefetchBlocks, next = ahead < a.B ? 0 : 2;
+      const int64_t ahead = b + kTilesAhead, next = ahead < a.B ? 0 : 2;
       const uint8_t* w0 = a.w + ((p + next) * a.B + ahead % a.B) * per_block;
       const uint8_t* w1 = a.w + ((q + next) * a.B + ahead % a.B) * per_block;
       for (int64_t off = 0; off < per_block; off += 64) {

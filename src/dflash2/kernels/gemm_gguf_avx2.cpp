@@ -95,10 +95,11 @@ constexpr int64_t block_bytes(int kind) { return kind == kSigned ? 256 : 128 + 3
 // first load). A forward of the 1.5B target at 1 / 4 / 9 rows (Intel Xeon (AMX, model 207), the kernel without and
 // with the prefetch in one process): 256-bit panels (gguf@avx2) 16 ahead 80 / 108 -> 53 / 80 ms (4 ahead: 88 / 122
 // -> 73 / 113; 32: 90 / 126 -> 60 / 107); 512-bit pairs (gguf@vnni) 16 ahead 50 / 61 / 77 -> 40 / 45 / 63 ms (8:
-// 52 / 63 / 85 -> 42 / 52 / 77; 32: 64 / 78 / 109 -> 56 / 64 / 104). The tiles prefetch 8 ahead (gemm_gguf_amx.h;
-// 16: 2 rows faster, 9 slower).
+// 52 / 63 / 85 -> 42 / 52 / 77; 32: 64 / 78 / 109 -> 56 / 64 / 104); tiles (gguf@amx) 8 ahead (16: 2 rows faster,
+// 9 slower).
 constexpr int64_t kPanelsAhead = 16;
 constexpr int64_t kPairsAhead = 16;
+constexpr int64_t kTilesAhead = 8;  // (gemm_gguf_amx.h)
 
 // The cache lines of one block's codes at `codes` into L1 (past the weights' end: a no-op, prefetches never fault).
 template <int KIND>
