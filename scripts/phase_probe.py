@@ -6,7 +6,8 @@ same forward can cost 1.5-2x more in a busy phase (kernels.md, sessions 39-42). 
 repeats, on --threads threads:
 
   compute  200 fp32 matmuls of 256^3 in cache (ms)
-  stream   the sum of 1 GiB of fp32 (ms and GB/s: the memory bandwidth decoding is bound by)
+  stream   GB/s summing 1 GiB of fp32 (dflash2.bench.roofline.measure_read_bandwidth, the bandwidth `dflash2
+           bench` puts its roofline at: what decoding is bound by)
   bf16     200 bf16 matmuls of 512^3 (ms and GFLOPS; oneDNN runs them on AMX tiles where the CPU has them: ~650-870
            GFLOPS on the Intel Xeon (AMX, model 207) when quiet, ~300-400 with a neighbour on the tile unit)
 
@@ -19,6 +20,8 @@ import argparse
 import time
 
 import torch
+
+from dflash2.bench.roofline import measure_read_bandwidth
 
 
 def best_ms(f, repeats: int) -> float:
@@ -38,13 +41,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     compute = best_ms(lambda: [torch.mm(a, b) for _ in range(200)], args.repeats)
-    big = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB
-    stream = best_ms(big.sum, args.repeats)
-    del big
+    stream = measure_read_bandwidth(1024, args.repeats)
     ab, bb = torch.randn(512, 512).bfloat16(), torch.randn(512, 512).bfloat16()
     bf16 = best_ms(lambda: [torch.mm(ab, bb) for _ in range(200)], args.repeats)
     print(f"{time.strftime('%H:%M:%S')} threads={args.threads}  compute {compute:.1f} ms  "
-          f"stream {stream:.1f} ms ({2**30 / stream / 1e6:.1f} GB/s)  "
+          f"stream {stream:.1f} GB/s  "
           f"bf16 {bf16:.1f} ms ({200 * 2 * 512**3 / bf16 / 1e6:.0f} GFLOPS)")
 
 
