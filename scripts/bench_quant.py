@@ -23,8 +23,10 @@ suite the pass rate, the responses identical to the first format's and where the
 per-prompt rows (texts included) go to --out/pass_rate.jsonl.  --rounds 0 skips the timing.
 
 Roofline: the bytes of linear-layer weights read per decoding step (packed bf16: 2 B per weight; int8: 1 B +
-4 B per output; int4: 0.5 B + 4 B per 32 weights; gguf: the packed blocks and their scales) over --bandwidth GB/s (scripts/bench_kernels.py measures the
-machine's read bandwidth); the plain decoding rate is compared with it.  Times are medians over rounds.
+4 B per output; int4: 0.5 B + 4 B per 32 weights; gguf: the packed blocks and their scales) over --bandwidth GB/s
+(scripts/bench_kernels.py measures the machine's read bandwidth); the plain decoding rate is compared with it.
+Times are medians over rounds; the row ratios are also given per round (each pass over the first --rows pass of
+its round, a few seconds apart), the steadier measure where the machine's speed drifts.
 """
 
 from __future__ import annotations
@@ -235,6 +237,12 @@ def report(formats, models, times, rates, shared, args) -> None:
         print(f"greedy agreement with {formats[0]}, {fmt}: identical {full}/{len(same)}, shared tokens {same}")
 
 
+def round_ratios(ms: list[float], base_ms: list[float]) -> list[float]:
+    """Each round's time over the base pass's time of the same round: on a shared machine whose speed drifts
+    (docs/benchmarking.md, "On a shared machine") the passes of one round see about the same machine."""
+    return [a / b for a, b in zip(ms, base_ms)]
+
+
 def timing_table(formats, models, times, rates, shared, args) -> None:
     print(f"\nthreads={torch.get_num_threads()} model={args.model} rounds={args.rounds} clock={clock.__name__} "
           "(medians; formats interleaved)")
@@ -252,9 +260,16 @@ def timing_table(formats, models, times, rates, shared, args) -> None:
                  *(f"{ms[r] / ms[base]:{len(f'{r}/{base}')}.2f}" for r in more), f"{rate:11.2f}", f"{roof:14.1f}",
                  f"{rate / roof:11.0%}"]
         print(" | ".join(cells))
+        per_round = {r: round_ratios(times[(fmt, r)], times[(fmt, base)]) for r in more}
         results.append({"weights": fmt, "gb_per_step": gb, "ms": ms, "plain_tokens_per_s": rate,
                         "roofline_tokens_per_s": roof, "all_ms": {r: times[(fmt, r)] for r in args.rows},
-                        "all_rates": rates[fmt], "agreement_shared_tokens": shared.get(fmt)})
+                        "ratio_per_round": per_round, "all_rates": rates[fmt],
+                        "agreement_shared_tokens": shared.get(fmt)})
+    print(f"\nper round (the {base}-row pass and each other pass of one round, a few seconds apart): median (range)")
+    for row in results:
+        ratios = row["ratio_per_round"].items()
+        print(f"{row['weights']:>9}: " + ", ".join(
+            f"{r}/{base} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for r, v in ratios))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
