@@ -9,7 +9,8 @@ from pathlib import Path
 
 
 def add_train_parser(commands) -> None:
-    p = commands.add_parser("train", help="drafter training: data generation with the target, DFlash training")
+    p = commands.add_parser("train", help="drafter training: data generation with the target, DFlash / DFlash2 "
+                                          "and PARD training")
     sub = p.add_subparsers(dest="train_command", required=True)
 
     data = sub.add_parser("data", help="regenerate responses with the target into resumable token shards")
