@@ -18,9 +18,11 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -51,7 +53,10 @@ def bad_requests(model: str) -> list[tuple[str, dict, bytes | None, dict]]:
 
 
 class Server:
-    def __init__(self, model: str, extra: list[str]) -> None:
+    """`dflash2 serve --model MODEL EXTRA...` on a free loopback port, or ``command(port)`` (another server that
+    answers GET /health with 200 once ready: scripts/bench_http.py's llama-server), started and waited for."""
+
+    def __init__(self, model: str, extra: list[str], command: Callable[[int], list[str]] | None = None) -> None:
         import socket
 
         with socket.socket() as s:
@@ -59,12 +64,18 @@ class Server:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": SRC}
-        command = [sys.executable, "-m", "dflash2.cli", "serve", "--model", model, "--port", str(self.port), *extra]
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if command is None:
+            argv = [sys.executable, "-m", "dflash2.cli", "serve", "--model", model, "--port", str(self.port), *extra]
+        else:
+            argv = command(self.port)
+        # (a file, not a pipe: a server that logs every request would fill a pipe nobody reads and stall)
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.process.stderr.read()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"the server exited: {self.log.read()[-2000:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
@@ -85,6 +96,7 @@ class Server:
             self.process.wait(20)
         except subprocess.TimeoutExpired:
             self.process.kill()
+        self.log.close()
 
 
 def good_client(server: Server, model: str, stop_at: float, seed: int, out: dict, lock: threading.Lock) -> None:

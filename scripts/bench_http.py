@@ -1,0 +1,213 @@
+"""Serving throughput over real HTTP: `dflash2 serve` (its default drafter, and plain decoding on the same server)
+against llama.cpp's `llama-server` on the same GGUF file, C closed-loop clients each.
+
+Every configuration gets the same requests (the first --requests prompts of the eval suites, greedy, --max-tokens
+new tokens at most), sent by C client threads that each post a request, wait for the reply and post the next; the
+client counts and configurations are interleaved round by round, so that a shared machine's drift hits them alike.
+The servers run side by side (an idle one costs no CPU): `dflash2 serve --model MODEL --weights W` and, with
+`llamacpp` in --configs, `llama-server -m <the store's GGUF> -np <most clients>` (built by
+scripts/build_llama_cpp.sh). Configurations: `dflash2` (the server's own drafter, `auto`), `dflash2-plain` (the
+same server, each request with `{"dflash2": {"drafter": "none"}}`), `llamacpp`.
+
+    .venv/bin/python scripts/bench_http.py --model qwen2.5-coder-1.5b-instruct --weights gguf --clients 1,4 \\
+        --requests 8 --max-tokens 128 --configs dflash2-plain,dflash2,llamacpp --out runs/http
+
+Reports per configuration and client count: requests, generated tokens, wall seconds, tokens/s over all clients,
+median latency, and tokens/s over the first configuration's at the same client count. Raw per-request rows go to
+--out/requests.jsonl, the table to --out/summary.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_serve import SRC, Server  # noqa: E402  (the servers' start and stop, shared with the load test)
+
+sys.path.insert(0, SRC)
+from dflash2.bench.datasets import load_suites  # noqa: E402
+
+CONFIGS = ("dflash2", "dflash2-plain", "llamacpp")
+
+
+@dataclass
+class RequestRow:
+    config: str
+    clients: int
+    round: int
+    prompt_id: str
+    ok: bool
+    completion_tokens: int
+    latency_s: float
+    error: str = ""
+
+
+def llama_command(model: str, slots: int, context: int) -> Callable[[int], list[str]]:
+    """llama-server's command line for a port: the store's GGUF of `model`, `slots` parallel sequences of `context`
+    tokens each, as many threads as dflash2 uses."""
+    from dflash2.models.store import canonical_name, gguf_path, resolve_model
+    from dflash2.peers.llamacpp import llama_cpp_bin_dir
+
+    binary = llama_cpp_bin_dir() / "llama-server"
+    if not binary.is_file():
+        raise SystemExit(f"llamacpp: {binary} is missing: build it with scripts/build_llama_cpp.sh")
+    name = canonical_name(model)
+    if name is None:
+        raise SystemExit(f"llamacpp: --model must be a model-store name (its GGUF feeds llama-server), got {model!r}")
+    resolve_model(name)  # (pulls the GGUF where it is missing)
+    gguf, threads = gguf_path(name), str(torch.get_num_threads())
+    return lambda port: [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+                         "-c", str(slots * context), "-t", threads, "-tb", threads]
+
+
+def request_body(config: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0.0}
+    if config == "dflash2-plain":
+        body["dflash2"] = {"drafter": "none"}
+    return body
+
+
+def run_clients(url: str, config: str, prompts: list[tuple[str, str]], clients: int, max_tokens: int,
+                round_index: int) -> tuple[list[RequestRow], float]:
+    """Closed loop: `clients` threads take the prompts from one queue until it is empty; (rows, wall seconds)."""
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]  # (the name the server answers to)
+    todo: queue.Queue = queue.Queue()
+    for item in prompts:
+        todo.put(item)
+    rows: list[RequestRow] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(base_url=url, timeout=1800) as http:
+            while True:
+                try:
+                    prompt_id, text = todo.get_nowait()
+                except queue.Empty:
+                    return
+                started = time.perf_counter()
+                try:
+                    response = http.post("/v1/chat/completions", json=request_body(config, model, text, max_tokens))
+                    reply = response.json()
+                    ok = response.status_code == 200 and "choices" in reply
+                    tokens = reply.get("usage", {}).get("completion_tokens", 0) if ok else 0
+                    error = "" if ok else f"{response.status_code}: {str(reply)[:200]}"
+                except (httpx.HTTPError, ValueError) as exc:
+                    ok, tokens, error = False, 0, f"{type(exc).__name__}: {exc}"
+                row = RequestRow(config, clients, round_index, prompt_id, ok, tokens,
+                                 round(time.perf_counter() - started, 3), error)
+                with lock:
+                    rows.append(row)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return rows, time.perf_counter() - started
+
+
+def summarize(rows: list[dict], walls: dict[tuple[str, int], float], configs: list[str]) -> list[dict]:
+    """One line per (configuration, client count): totals over rounds, tokens/s against the first configuration."""
+    lines = []
+    for clients in sorted({r["clients"] for r in rows}):
+        base = None
+        for config in configs:
+            mine = [r for r in rows if r["config"] == config and r["clients"] == clients]
+            if not mine:
+                continue
+            tokens = sum(r["completion_tokens"] for r in mine)
+            wall = walls[(config, clients)]
+            rate = tokens / wall if wall > 0 else 0.0
+            base = rate if base is None else base
+            lines.append({"config": config, "clients": clients, "requests": len(mine),
+                          "failed": sum(not r["ok"] for r in mine), "tokens": tokens, "wall_s": round(wall, 2),
+                          "tokens_per_s": round(rate, 2), "vs_first": round(rate / base, 3) if base else None,
+                          "latency_s_median": round(statistics.median(r["latency_s"] for r in mine), 2)})
+    return lines
+
+
+def table(lines: list[dict]) -> str:
+    header = "| config | clients | requests (failed) | tokens | wall s | tokens/s | vs first | median latency s |"
+    out = [header, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for x in lines:
+        out.append(f"| {x['config']} | {x['clients']} | {x['requests']} ({x['failed']}) | {x['tokens']} | "
+                   f"{x['wall_s']} | {x['tokens_per_s']} | {x['vs_first']}x | {x['latency_s_median']} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--weights", default="gguf", help="dflash2's weights (gguf: the same file llama-server reads)")
+    ap.add_argument("--configs", default="dflash2-plain,dflash2,llamacpp",
+                    help=f"from {', '.join(CONFIGS)}; ratios are against the first")
+    ap.add_argument("--clients", default="1,4", help="client counts, comma-separated")
+    ap.add_argument("--requests", type=int, default=8, help="requests per configuration, client count and round")
+    ap.add_argument("--suites", default="humaneval,gsm8k,mt_bench")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--context", type=int, default=2048, help="llama-server's tokens per parallel slot")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("serve_args", nargs="*", help="extra `dflash2 serve` arguments (after --)")
+    args = ap.parse_args()
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    clients = [int(c) for c in args.clients.split(",")]
+    if unknown or not configs:
+        ap.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    if min(clients) <= 0 or args.requests <= 0 or args.rounds <= 0 or args.max_tokens <= 0:
+        ap.error("--clients, --requests, --rounds and --max-tokens must be positive")
+    suites = load_suites(args.suites.split(","))
+    prompts = [(f"{p.suite}/{p.prompt_id}", p.text) for p in suites][:args.requests]
+    out = args.out or Path("runs") / time.strftime("http-%Y%m%d-%H%M%S")
+
+    servers: dict[str, Server] = {}
+    try:
+        if any(c.startswith("dflash2") for c in configs):
+            dflash2 = Server(args.model, ["--weights", args.weights, *args.serve_args])
+            servers.update({c: dflash2 for c in configs if c.startswith("dflash2")})
+        if "llamacpp" in configs:
+            servers["llamacpp"] = Server(args.model, [], llama_command(args.model, max(clients), args.context))
+        rows: list[dict] = []
+        walls: dict[tuple[str, int], float] = {}
+        for config in configs:  # a warm-up request each (kernel builds, first-touch of the weights)
+            run_clients(servers[config].url, config, prompts[:1], 1, 8, -1)
+        for round_index in range(args.rounds):
+            for n in clients:
+                for config in configs:
+                    got, wall = run_clients(servers[config].url, config, prompts, n, args.max_tokens, round_index)
+                    rows += [asdict(r) for r in got]
+                    walls[(config, n)] = walls.get((config, n), 0.0) + wall
+                    done = sum(r.completion_tokens for r in got)
+                    print(f"round {round_index + 1}/{args.rounds} clients {n} {config}: {done} tokens in {wall:.1f} s "
+                          f"({done / wall:.2f} tok/s)", flush=True)
+    finally:
+        for server in {id(s): s for s in servers.values()}.values():
+            server.stop()
+    lines = summarize(rows, walls, configs)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "requests.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    header = (f"model={args.model} weights={args.weights} requests={args.requests} max_tokens={args.max_tokens} "
+              f"rounds={args.rounds} (greedy; tokens/s over all clients; configurations interleaved)")
+    (out / "summary.md").write_text(header + "\n\n" + table(lines) + "\n")
+    print(f"\n{header}\n\n{table(lines)}\n\nrows: {out / 'requests.jsonl'}")
+    return 0 if all(line["failed"] == 0 for line in lines) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
