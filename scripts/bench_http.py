@@ -5,9 +5,10 @@ Every configuration gets the same requests (the first --requests prompts of the 
 new tokens at most), sent by C client threads that each post a request, wait for the reply and post the next; the
 client counts and configurations are interleaved round by round, so that a shared machine's drift hits them alike.
 The servers run side by side (an idle one costs no CPU): `dflash2 serve --model MODEL --weights W` and, with
-`llamacpp` in --configs, `llama-server -m <the store's GGUF> -np <most clients>` (built by
-scripts/build_llama_cpp.sh). Configurations: `dflash2` (the server's own drafter, `auto`), `dflash2-plain` (the
-same server, each request with `{"dflash2": {"drafter": "none"}}`), `llamacpp`.
+`llamacpp` in --configs, `llama-server -m <the store's GGUF> -np <most clients>` (built by `WITH_SERVER=1
+scripts/build_llama_cpp.sh`). Configurations: `dflash2` (the server's own drafter, `auto`), `dflash2-plain` (the
+same server, each request with `{"dflash2": {"drafter": "none"}}`), `dflash2@SPEC` (a server of its own started with
+`--drafter SPEC`, e.g. `dflash2@pard+ngram`), `llamacpp`.
 
     .venv/bin/python scripts/bench_http.py --model qwen2.5-coder-1.5b-instruct --weights gguf --clients 1,4 \\
         --requests 8 --max-tokens 128 --configs dflash2-plain,dflash2,llamacpp --out runs/http
@@ -62,7 +63,7 @@ def llama_command(model: str, slots: int, context: int) -> Callable[[int], list[
 
     binary = llama_cpp_bin_dir() / "llama-server"
     if not binary.is_file():
-        raise SystemExit(f"llamacpp: {binary} is missing: build it with scripts/build_llama_cpp.sh")
+        raise SystemExit(f"llamacpp: {binary} is missing: build it with WITH_SERVER=1 scripts/build_llama_cpp.sh")
     name = canonical_name(model)
     if name is None:
         raise SystemExit(f"llamacpp: --model must be a model-store name (its GGUF feeds llama-server), got {model!r}")
@@ -154,7 +155,7 @@ def main() -> int:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--weights", default="gguf", help="dflash2's weights (gguf: the same file llama-server reads)")
     ap.add_argument("--configs", default="dflash2-plain,dflash2,llamacpp",
-                    help=f"from {', '.join(CONFIGS)}; ratios are against the first")
+                    help=f"from {', '.join(CONFIGS)}, dflash2@SPEC; ratios are against the first")
     ap.add_argument("--clients", default="1,4", help="client counts, comma-separated")
     ap.add_argument("--requests", type=int, default=8, help="requests per configuration, client count and round")
     ap.add_argument("--suites", default="humaneval,gsm8k,mt_bench")
@@ -165,7 +166,7 @@ def main() -> int:
     ap.add_argument("serve_args", nargs="*", help="extra `dflash2 serve` arguments (after --)")
     args = ap.parse_args()
     configs = args.configs.split(",")
-    unknown = [c for c in configs if c not in CONFIGS]
+    unknown = [c for c in configs if c not in CONFIGS and not c.startswith("dflash2@")]
     clients = [int(c) for c in args.clients.split(",")]
     if unknown or not configs:
         ap.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
@@ -177,9 +178,12 @@ def main() -> int:
 
     servers: dict[str, Server] = {}
     try:
-        if any(c.startswith("dflash2") for c in configs):
+        if "dflash2" in configs or "dflash2-plain" in configs:
             dflash2 = Server(args.model, ["--weights", args.weights, *args.serve_args])
-            servers.update({c: dflash2 for c in configs if c.startswith("dflash2")})
+            servers.update({c: dflash2 for c in ("dflash2", "dflash2-plain") if c in configs})
+        for config in (c for c in configs if c.startswith("dflash2@")):  # a server per drafter spec
+            spec = config.split("@", 1)[1]
+            servers[config] = Server(args.model, ["--weights", args.weights, "--drafter", spec, *args.serve_args])
         if "llamacpp" in configs:
             servers["llamacpp"] = Server(args.model, [], llama_command(args.model, max(clients), args.context))
         rows: list[dict] = []

@@ -2,7 +2,8 @@
 # Build llama.cpp's shared library and its speculative-decoding tool from the sources vendored in the
 # llama-cpp-python sdist (PyPI), for `dflash2 bench --peers llamacpp,llamacpp-spec`. Installs the Python
 # package without compiling it a second time; the library is found through ~/.cache/dflash2/llama.cpp/bin.
-# About 15-40 min on 2 busy cores. Usage: scripts/build_llama_cpp.sh [PYTHON]
+# About 15-40 min on 2 busy cores. Usage: [WITH_SERVER=1] scripts/build_llama_cpp.sh [PYTHON]
+# WITH_SERVER=1 also builds llama-server (scripts/bench_http.py's `llamacpp`; ~15 min more).
 set -euo pipefail
 PY=${1:-.venv/bin/python}
 VERSION=0.3.36
@@ -22,11 +23,14 @@ if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
              -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF
              -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
 fi
+SERVER=OFF
+TARGETS=(llama llama-speculative-simple)
+if [ -n "${WITH_SERVER:-}" ]; then SERVER=ON; TARGETS+=(llama-server); fi
 CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$PY" -m pip install --no-deps "$SRC"
 "$PY" -m pip install "diskcache>=5.6"
 PATH="$(dirname "$PY"):$PATH" cmake -S "$SRC/vendor/llama.cpp" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+  -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=$SERVER \
   -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON "${ISA_FLAGS[@]}"
-PATH="$(dirname "$PY"):$PATH" nice -n 10 cmake --build "$WORK/build" -j2 --target llama llama-speculative-simple
+PATH="$(dirname "$PY"):$PATH" nice -n 10 cmake --build "$WORK/build" -j2 --target "${TARGETS[@]}"
 ln -sfn "$WORK/build/bin" "$WORK/bin"
-echo "llama.cpp library and llama-speculative-simple in $WORK/bin"
+echo "llama.cpp library and ${TARGETS[*]:1} in $WORK/bin"
