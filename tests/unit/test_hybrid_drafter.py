@@ -126,3 +126,29 @@ def test_tile_verification_is_true_only_for_linear_layers_on_whole_k_amx_tiles()
     from dflash2.kernels.gguf_linear import GgufLinear
 
     assert not GgufLinear.flat_on_tiles  # its AMX build's per-block steps grow with the rows
+
+
+def test_amx_verification_counts_every_layer_on_amx_tiles_the_gguf_build_too():
+    import pytest
+    import torch
+
+    from dflash2.kernels import gguf_linear, packed_linear
+    from dflash2.models.config import ModelConfig
+    from dflash2.models.decoder import Transformer
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+    model = Transformer(config)
+    ffn = model.layers[0].ffn
+    assert not packed_linear.amx_verification(model)  # nn.Linear
+    weight = torch.randn(128, 256)
+    ffn.w_gate_up = gguf_linear.GgufLinear.from_weight(weight, backend=gguf_linear.TORCH)
+    assert not packed_linear.amx_verification(model) and not packed_linear.tile_verification(model)
+    if not packed_linear.amx_usable() or not gguf_linear.gguf_kernels_available(gguf_linear.AMX):
+        pytest.skip("no AMX tiles on this CPU")
+    ffn.w_gate_up = gguf_linear.GgufLinear.from_weight(weight, backend=gguf_linear.AMX)
+    assert packed_linear.amx_verification(model)  # the server drafts with pard there
+    assert not packed_linear.tile_verification(model)  # one request: a chain, not a tree
+    ffn.w_gate_up = packed_linear.PackedLinear.from_linear(torch.nn.Linear(256, 128, bias=False),
+                                                           backend=packed_linear.AMX)
+    assert packed_linear.amx_verification(model) and packed_linear.tile_verification(model)

@@ -50,10 +50,11 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
     differently). ``serving``: ``auto`` means what it means in the batch server. Refuses a draft model whose
     tokenizer differs.
     """
-    from dflash2.kernels.packed_linear import tile_verification
+    from dflash2.kernels.packed_linear import amx_verification, tile_verification
 
+    on_tiles = (amx_verification if serving else tile_verification)(target.target)
     spec = DrafterSpec.parse(spec).merge(num_draft_tokens, num_candidates).resolved(
-        target.name, serving=serving, tile_verification=tile_verification(target.target))
+        target.name, serving=serving, tile_verification=on_tiles)
     if not spec.drafts:
         raise ValueError("drafter 'none' is plain decoding: there is no drafter to build")
     name, width = spec.name, spec.width

@@ -41,7 +41,9 @@ MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram"}
 MEASURED_SERVING_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash2+ngram"}
 # The server where the target verifies on AMX tiles (a step of 16 rows costs about one of 8): pard's shared pass pays
 # there, pard+ngram 1.13-1.26x over plain against dflash2+ngram's 1.07-1.09x (docs/serving.md, "Session 35" and
-# "Session 36"); elsewhere (AVX2, AVX-512 BF16) pard stayed below plain at 8 clients ("Session 29-30").
+# "Session 36"); with the GGUF's blocks on the gguf kernel's AMX build too, over HTTP (scripts/bench_http.py, one run,
+# 16 requests): 1.55x / 1.91x plain at 4 / 8 clients against 1.38x / 1.81x ("Session 43"); elsewhere (AVX2,
+# AVX-512 BF16) pard stayed below plain at 8 clients ("Session 29-30").
 MEASURED_TILE_SERVING_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram"}
 # Where the target's linear layers run on AMX tiles over the whole K (bf16, int8), a forward of up to 16 rows costs
 # about one of 4 (a tile product costs the same for 1-16 rows), so one request verifies a best-first tree of k * W
@@ -53,9 +55,11 @@ MEASURED_TILE_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram:4x3"}
 
 def default_drafter(target_name: str, serving: bool = False, tile_verification: bool = False) -> str:
     """What ``drafter="auto"`` means for a target (store name, alias or path), for one request at a time or for
-    the batch server (``serving``): a spec, ``name[:[L+]k[xW]]``. ``tile_verification``: the target's linear layers
-    run on AMX tiles over the whole K (:func:`dflash2.kernels.packed_linear.tile_verification`): one request then
-    verifies a tree, and the server drafts with pard (chains: its pard passes are shared by its requests)."""
+    the batch server (``serving``): a spec, ``name[:[L+]k[xW]]``. ``tile_verification``: for one request, the
+    target's linear layers run on AMX tiles over the whole K (:func:`dflash2.kernels.packed_linear.
+    tile_verification`): it then verifies a tree; for the server, on AMX tiles in any form, the GGUF kernel's AMX
+    build too (:func:`~dflash2.kernels.packed_linear.amx_verification`): it then drafts with pard (chains: its
+    pard passes are shared by its requests)."""
     from dflash2.models.store import canonical_name
 
     name = canonical_name(target_name) or target_name

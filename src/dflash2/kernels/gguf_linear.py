@@ -360,6 +360,10 @@ class GgufLinear(_bf16.CpuLinear):
     kernel_takes_bf16 = True  # the kernel quantizes bf16 rows as they are (widening to fp32 is exact)
 
     @property
+    def on_amx(self) -> bool:  # the AMX build (tiles from 4 rows; not flat: CpuLinear.flat_on_tiles stays False)
+        return self.backend == AMX
+
+    @property
     def row_kernel(self) -> bool:  # every build of the C++ file (avx2, avx512-vnni, amx-int8)
         return self.backend in _BUILDS
 

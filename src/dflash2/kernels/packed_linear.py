@@ -156,6 +156,11 @@ class CpuLinear(nn.Module):
     flat_on_tiles = False
 
     @property
+    def on_amx(self) -> bool:
+        """This layer's kernel runs on AMX tiles (flat or not: the gguf build counts, :func:`amx_verification`)."""
+        return self.backend == AMX
+
+    @property
     def row_kernel(self) -> bool:
         """True when :meth:`kernel_rows` (a JIT kernel over fp32 / bf16 rows) computes this layer's outputs."""
         return self.backend == KERNEL
@@ -300,6 +305,17 @@ def tile_verification(model: nn.Module) -> bool:
         return False
     gate_up = layers[0].ffn.w_gate_up
     return isinstance(gate_up, CpuLinear) and gate_up.flat_on_tiles and gate_up.backend == AMX
+
+
+def amx_verification(model: nn.Module) -> bool:
+    """Whether ``model``'s linear layers verify on AMX tiles in any form: flat (:func:`tile_verification`) or the
+    GGUF kernel's AMX build (from 4 rows; its fp32 steps per block grow with the rows, a forward of 9 rows costs
+    1.3-1.6x one on an Emerald Rapids Xeon). The batch server's ``auto`` drafts with pard there (drafters/spec.py)."""
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return False
+    gate_up = layers[0].ffn.w_gate_up
+    return isinstance(gate_up, CpuLinear) and gate_up.on_amx
 
 
 def dpbf16_usable() -> bool:
