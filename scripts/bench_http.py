@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -112,12 +113,10 @@ def run_clients(url: str, config: str, prompts: list[tuple[str, str]], clients: 
                 with lock:
                     rows.append(row)
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
     started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        for future in [pool.submit(client) for _ in range(clients)]:
+            future.result()  # (a client's own error, not a failed request, ends the run)
     return rows, time.perf_counter() - started
 
 
