@@ -296,26 +296,28 @@ class PackedLinear(CpuLinear):
         )
 
 
+def _kernel_linear(model: nn.Module) -> CpuLinear | None:
+    """The first layer's gate / up projection of ``model`` (a Transformer), standing for its linear layers, when it
+    is one of the CPU kernels' layers."""
+    layers = getattr(model, "layers", None)
+    gate_up = layers[0].ffn.w_gate_up if layers else None
+    return gate_up if isinstance(gate_up, CpuLinear) else None
+
+
 def tile_verification(model: nn.Module) -> bool:
     """Whether ``model``'s (a Transformer's) linear layers run on AMX tiles over the whole K (bf16, or int8 widened
     to bf16: ``CpuLinear.flat_on_tiles``), where a forward of 1-16 rows costs about the same (kernels/gemm_amx.cpp):
     verifying a tree of drafts costs about what a chain does."""
-    layers = getattr(model, "layers", None)
-    if not layers:
-        return False
-    gate_up = layers[0].ffn.w_gate_up
-    return isinstance(gate_up, CpuLinear) and gate_up.flat_on_tiles and gate_up.backend == AMX
+    linear = _kernel_linear(model)
+    return linear is not None and linear.flat_on_tiles and linear.on_amx
 
 
 def amx_verification(model: nn.Module) -> bool:
     """Whether ``model``'s linear layers verify on AMX tiles in any form: flat (:func:`tile_verification`) or the
     GGUF kernel's AMX build (from 4 rows; its fp32 steps per block grow with the rows, a forward of 9 rows costs
     1.3-1.6x one on an Emerald Rapids Xeon). The batch server's ``auto`` drafts with pard there (drafters/spec.py)."""
-    layers = getattr(model, "layers", None)
-    if not layers:
-        return False
-    gate_up = layers[0].ffn.w_gate_up
-    return isinstance(gate_up, CpuLinear) and gate_up.on_amx
+    linear = _kernel_linear(model)
+    return linear is not None and linear.on_amx
 
 
 def dpbf16_usable() -> bool:
