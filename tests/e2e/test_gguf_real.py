@@ -72,8 +72,9 @@ def test_smollm2_gguf_logits_close_to_the_bf16_conversion():
 @pytest.mark.parametrize("drafter", ["auto", "dflash2+ngram"])
 def test_qwen_gguf_default_drafters_give_plain_tokens(drafter):
     """The default target on its Q4_K_M blocks with `auto` (pard+ngram: the PARD drafter in q4_0 or int8, no GGUF
-    holds its merged weights) and with the server's default `dflash2+ngram` (the DFlash2 drafter over a draft vocabulary, whose
-    head is the target head's rows as they are: GgufLinear.select_rows) gives plain gguf decoding's tokens."""
+    holds its merged weights) and with `dflash2+ngram`, the server's default off AMX tiles (the DFlash2 drafter over a
+    draft vocabulary, whose head is the target head's rows as they are: GgufLinear.select_rows), gives plain gguf
+    decoding's tokens."""
     from tests.e2e.conftest import QWEN_TARGET, lean_engine
 
     lean_engine.cache_clear()
