@@ -11,10 +11,10 @@ slow calls are other jobs), in milliseconds per layer; multiply by 28 layers for
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from dflash2.bench.roofline import best_seconds
 from dflash2.kernels.attention import attention_kernel_status, invariant_attention
 from dflash2.models.attention import torch_attend
 
@@ -22,13 +22,8 @@ HEADS, KV_HEADS, HEAD_DIM = 12, 2, 128
 
 
 def best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    fn()  # (a warm-up call)
+    return best_seconds(fn, repeats) * 1e3
 
 
 def main() -> None:

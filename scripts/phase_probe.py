@@ -21,16 +21,11 @@ import time
 
 import torch
 
-from dflash2.bench.roofline import measure_read_bandwidth
+from dflash2.bench.roofline import best_seconds, measure_read_bandwidth
 
 
-def best_ms(f, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+def best_ms(fn, repeats: int) -> float:
+    return best_seconds(fn, repeats) * 1e3
 
 
 def main() -> None:

@@ -6,9 +6,21 @@ Batch-1 decoding reads every weight once per target pass, so tokens/s <= bandwid
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn``, in seconds (on a shared machine slow moments only lengthen
+    the other calls)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def measure_read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
@@ -17,12 +29,7 @@ def measure_read_bandwidth(megabytes: int = 1024, repeats: int = 5) -> float:
     fp32, not bf16: on CPUs without native bf16 a bf16 reduction is compute-bound and would understate it.
     """
     buffer = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return buffer.numel() * 4 / best / 1e9
+    return buffer.numel() * 4 / best_seconds(buffer.sum, repeats) / 1e9
 
 
 def weight_bytes_per_token(config, bytes_per_weight: int = 2) -> int:
