@@ -8,7 +8,10 @@ The servers run side by side (an idle one costs no CPU): `dflash2 serve --model 
 `llamacpp` in --configs, `llama-server -m <the store's GGUF> -np <most clients>` (built by `WITH_SERVER=1
 scripts/build_llama_cpp.sh`). Configurations: `dflash2` (the server's own drafter, `auto`), `dflash2-plain` (the
 same server, each request with `{"dflash2": {"drafter": "none"}}`), `dflash2@SPEC` (a server of its own started with
-`--drafter SPEC`, e.g. `dflash2@pard+ngram`), `llamacpp`.
+`--drafter SPEC`, e.g. `dflash2@pard+ngram`), `llamacpp` (plain), `llamacpp@TYPE` (llama-server's own speculative
+decoding, `--spec-type TYPE`: `llamacpp@draft-simple` drafts with --draft-model's GGUF, by default the store's 0.5B for
+the default target; `llamacpp@ngram-mod` and the other n-gram types need no model; --llama-draft-max sets
+`--spec-draft-n-max`, else llama.cpp's default).
 
     .venv/bin/python scripts/bench_http.py --model qwen2.5-coder-1.5b-instruct --weights gguf --clients 1,4 \\
         --requests 8 --max-tokens 128 --configs dflash2-plain,dflash2,llamacpp --out runs/http
@@ -54,24 +57,55 @@ class RequestRow:
     completion_tokens: int
     latency_s: float
     error: str = ""
+    drafted: int | None = None  # llama-server's speculative decoding: draft tokens proposed / accepted (its timings)
+    accepted: int | None = None
 
 
-def llama_command(model: str, slots: int, context: int) -> Callable[[int], list[str]]:
+def llama_command(model: str, slots: int, context: int, spec_type: str | None = None, draft_model: str | None = None,
+                  draft_max: int | None = None) -> Callable[[int], list[str]]:
     """llama-server's command line for a port: the store's GGUF of `model`, `slots` parallel sequences of `context`
-    tokens each, as many threads as dflash2 uses."""
-    from dflash2.models.store import canonical_name, gguf_path, resolve_model
+    tokens each, as many threads as dflash2 uses; with `spec_type` its speculative decoding of that type (`draft-*`
+    types draft with `draft_model`'s GGUF)."""
     from dflash2.peers.llamacpp import llama_cpp_bin_dir
 
     binary = llama_cpp_bin_dir() / "llama-server"
     if not binary.is_file():
         raise SystemExit(f"llamacpp: {binary} is missing: build it with WITH_SERVER=1 scripts/build_llama_cpp.sh")
-    name = canonical_name(model)
+    target = store_gguf(model, "--model")
+    draft = store_gguf(draft_model, "--draft-model") if spec_type and spec_type.startswith("draft") else None
+    threads = torch.get_num_threads()
+    return lambda port: llama_argv(binary, target, port, slots, context, threads, spec_type, draft, draft_max)
+
+
+def store_gguf(model: str | None, flag: str) -> Path:
+    """The GGUF file of a model-store name (pulled where it is missing)."""
+    from dflash2.models.store import canonical_name, gguf_path, resolve_model
+
+    name = canonical_name(model) if model else None
     if name is None:
-        raise SystemExit(f"llamacpp: --model must be a model-store name (its GGUF feeds llama-server), got {model!r}")
-    resolve_model(name)  # (pulls the GGUF where it is missing)
-    gguf, threads = gguf_path(name), str(torch.get_num_threads())
-    return lambda port: [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-                         "-c", str(slots * context), "-t", threads, "-tb", threads]
+        raise SystemExit(f"llamacpp: {flag} must be a model-store name (its GGUF feeds llama-server), got {model!r}")
+    resolve_model(name)
+    return gguf_path(name)
+
+
+def llama_argv(binary: Path, target: Path, port: int, slots: int, context: int, threads: int,
+               spec_type: str | None = None, draft: Path | None = None, draft_max: int | None = None) -> list[str]:
+    argv = [str(binary), "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+            "-c", str(slots * context), "-t", str(threads), "-tb", str(threads)]
+    if spec_type:
+        argv += ["--spec-type", spec_type]
+        if draft is not None:
+            argv += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
+        if draft_max is not None:
+            argv += ["--spec-draft-n-max", str(draft_max)]
+    return argv
+
+
+def default_draft(model: str) -> str | None:
+    """The store's draft model for the default target (same tokenizer), else none."""
+    from dflash2.models.store import DEFAULT_DRAFT, DEFAULT_TARGET, canonical_name
+
+    return DEFAULT_DRAFT if canonical_name(model) == DEFAULT_TARGET else None
 
 
 def request_body(config: str, model: str, prompt: str, max_tokens: int) -> dict:
@@ -106,10 +140,12 @@ def run_clients(url: str, config: str, prompts: list[tuple[str, str]], clients: 
                     ok = response.status_code == 200 and "choices" in reply
                     tokens = reply.get("usage", {}).get("completion_tokens", 0) if ok else 0
                     error = "" if ok else f"{response.status_code}: {str(reply)[:200]}"
+                    timings = reply.get("timings", {}) if ok else {}
                 except (httpx.HTTPError, ValueError) as exc:
-                    ok, tokens, error = False, 0, f"{type(exc).__name__}: {exc}"
+                    ok, tokens, error, timings = False, 0, f"{type(exc).__name__}: {exc}", {}
                 row = RequestRow(config, clients, round_index, prompt_id, ok, tokens,
-                                 round(time.perf_counter() - started, 3), error)
+                                 round(time.perf_counter() - started, 3), error, timings.get("draft_n"),
+                                 timings.get("draft_n_accepted"))
                 with lock:
                     rows.append(row)
 
@@ -136,16 +172,25 @@ def summarize(rows: list[dict], walls: dict[tuple[str, int], float], configs: li
             lines.append({"config": config, "clients": clients, "requests": len(mine),
                           "failed": sum(not r["ok"] for r in mine), "tokens": tokens, "wall_s": round(wall, 2),
                           "tokens_per_s": round(rate, 2), "vs_first": round(rate / base, 3) if base else None,
-                          "latency_s_median": round(statistics.median(r["latency_s"] for r in mine), 2)})
+                          "latency_s_median": round(statistics.median(r["latency_s"] for r in mine), 2),
+                          "draft_accepted": acceptance(mine)})
     return lines
 
 
+def acceptance(rows: list[dict]) -> float | None:
+    """Accepted over drafted tokens where the server reports them (llama-server), else None."""
+    drafted = sum(r.get("drafted") or 0 for r in rows)
+    return round(sum(r.get("accepted") or 0 for r in rows) / drafted, 3) if drafted else None
+
+
 def table(lines: list[dict]) -> str:
-    header = "| config | clients | requests (failed) | tokens | wall s | tokens/s | vs first | median latency s |"
-    out = [header, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    header = ("| config | clients | requests (failed) | tokens | wall s | tokens/s | vs first | median latency s | "
+              "draft accepted |")
+    out = [header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for x in lines:
+        accepted = "-" if x["draft_accepted"] is None else x["draft_accepted"]
         out.append(f"| {x['config']} | {x['clients']} | {x['requests']} ({x['failed']}) | {x['tokens']} | "
-                   f"{x['wall_s']} | {x['tokens_per_s']} | {x['vs_first']}x | {x['latency_s_median']} |")
+                   f"{x['wall_s']} | {x['tokens_per_s']} | {x['vs_first']}x | {x['latency_s_median']} | {accepted} |")
     return "\n".join(out)
 
 
@@ -154,21 +199,24 @@ def main() -> int:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--weights", default="gguf", help="dflash2's weights (gguf: the same file llama-server reads)")
     ap.add_argument("--configs", default="dflash2-plain,dflash2,llamacpp",
-                    help=f"from {', '.join(CONFIGS)}, dflash2@SPEC; ratios are against the first")
+                    help=f"from {', '.join(CONFIGS)}, dflash2@SPEC, llamacpp@TYPE; ratios are against the first")
     ap.add_argument("--clients", default="1,4", help="client counts, comma-separated")
     ap.add_argument("--requests", type=int, default=8, help="requests per configuration, client count and round")
     ap.add_argument("--suites", default="humaneval,gsm8k,mt_bench")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--context", type=int, default=2048, help="llama-server's tokens per parallel slot")
+    ap.add_argument("--draft-model", default=None,
+                    help="llamacpp@draft-*: the draft model (default: the store's 0.5B for the default target)")
+    ap.add_argument("--llama-draft-max", type=int, default=None, help="llamacpp@TYPE: --spec-draft-n-max")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("serve_args", nargs="*", help="extra `dflash2 serve` arguments (after --)")
     args = ap.parse_args()
     configs = args.configs.split(",")
-    unknown = [c for c in configs if c not in CONFIGS and not c.startswith("dflash2@")]
+    unknown = [c for c in configs if c not in CONFIGS and not c.startswith(("dflash2@", "llamacpp@"))]
     clients = [int(c) for c in args.clients.split(",")]
     if unknown or not configs:
-        ap.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+        ap.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}, dflash2@SPEC, llamacpp@TYPE")
     if min(clients) <= 0 or args.requests <= 0 or args.rounds <= 0 or args.max_tokens <= 0:
         ap.error("--clients, --requests, --rounds and --max-tokens must be positive")
     suites = load_suites(args.suites.split(","))
@@ -185,6 +233,10 @@ def main() -> int:
             servers[config] = Server(args.model, ["--weights", args.weights, "--drafter", spec, *args.serve_args])
         if "llamacpp" in configs:
             servers["llamacpp"] = Server(args.model, [], llama_command(args.model, max(clients), args.context))
+        for config in (c for c in configs if c.startswith("llamacpp@")):  # a llama-server per speculative type
+            command = llama_command(args.model, max(clients), args.context, config.split("@", 1)[1],
+                                    args.draft_model or default_draft(args.model), args.llama_draft_max)
+            servers[config] = Server(args.model, [], command)
         rows: list[dict] = []
         walls: dict[tuple[str, int], float] = {}
         for config in configs:  # a warm-up request each (kernel builds, first-touch of the weights)
