@@ -336,11 +336,12 @@ def _numpy_q4_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def test_float_quantizers_equal_their_numpy_definition_bit_for_bit():
     """quantize_q8_0 / quantize_q4_0 run in PyTorch by chunks of rows (seconds for the 0.5B drafter, not tens); their
     codes and scales are those of the same fp32 arithmetic in numpy: ties rounded to even, zero blocks, a largest
-    magnitude shared by two inputs (the first is taken), scales past fp16's range, more rows than one chunk."""
+    magnitude shared by two inputs (the first is taken), scales past fp16's range, more rows than one chunk; a bf16
+    weight quantizes as its exact fp32 widening does."""
     from dflash2.models import gguf_quantize as gq
 
     g = torch.Generator().manual_seed(11)
-    rows = gq._QUANTIZE_ROWS + 37
+    rows = gq._QUANTIZE_ELEMENTS // 96 + 37
     w = torch.randn(rows, 96, generator=g) * torch.logspace(-3, 2, rows)[:, None]
     w[0, :32] = 0
     w[1, :32] = torch.arange(32) * 0.25 - 4  # steps of a quarter: ties of w / d at 127 / 4 ... (exact halves)
@@ -352,6 +353,10 @@ def test_float_quantizers_equal_their_numpy_definition_bit_for_bit():
             codes, scale = reference(w.numpy())
             assert np.array_equal(t.codes.reshape(codes.shape).view(codes.dtype), codes), quantize.__name__
             assert np.array_equal(t.scale.view(np.uint32), scale.view(np.uint32)), quantize.__name__
+        half = w.to(torch.bfloat16)
+        t, (codes, scale) = quantize(half), reference(half.float().numpy())
+        assert np.array_equal(t.codes.reshape(codes.shape).view(codes.dtype), codes), quantize.__name__
+        assert np.array_equal(t.scale.view(np.uint32), scale.view(np.uint32)), quantize.__name__
 
 
 def _check_layer_over(t, w, backend, qtype, g, tolerance):

@@ -349,7 +349,7 @@ class GgufLinear(_bf16.CpuLinear):
         quantizers = {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0}
         if qtype not in quantizers:
             raise ValueError(f"GgufLinear.from_weight quantizes to {' or '.join(quantizers)}, not {qtype!r}")
-        blocks = quantizers[qtype](weight.detach().to("cpu", torch.float32).numpy())
+        blocks = quantizers[qtype](weight.detach().to("cpu"))  # (widened to fp32 by chunks, in cache)
         b = None if bias is None else bias.detach().to("cpu", torch.float32).contiguous()
         return cls([pack_blocks(blocks)], b, backend or gguf_backend())
 

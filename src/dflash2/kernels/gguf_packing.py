@@ -68,11 +68,10 @@ def pack_blocks(t: BlockTensor) -> PackedBlocks:
     """The kernel layout of ``t`` (exact; :func:`unpack_blocks` inverts it)."""
     n, k = t.shape
     p, b = -(-n // PANEL), k // BLOCK
-    codes = _panels(t.codes, p).reshape(p, PANEL, b, 32)  # [P, 8, B, 32]
+    steps = _steps(_panels(t.codes, p), p, b)  # [P, B, t, 32]
     if t.signed:
-        weight = codes.reshape(p, PANEL, b, 8, 4).transpose(0, 2, 3, 1, 4).reshape(p, b, 8, 32)
+        weight = steps
     else:
-        steps = codes.reshape(p, PANEL, b, 8, 4).transpose(0, 2, 3, 1, 4).reshape(p, b, 8, 32)  # [P, B, t, 32]
         nib = (steps[:, :, :4] & 0x0F) | ((steps[:, :, 4:] & 0x0F) << 4)  # [P, B, 4, 32]
         weight = np.concatenate([nib, _high_planes(steps >> 4, t.bits - 4)], axis=2)
     sub_scales = None
@@ -84,6 +83,13 @@ def pack_blocks(t: BlockTensor) -> PackedBlocks:
         scale=_per_panel(t.scale, p, np.float32), offset=_per_panel(t.offset, p, np.float32),
         sub_scales=sub_scales, offset_mult=_per_panel(t.offset_mult, p, np.int8),
         bits=t.bits, signed=t.signed, zero=t.zero, sub=t.sub, group=t.group, out_features=n, qtype=t.qtype)
+
+
+def _steps(codes: np.ndarray, p: int, b: int) -> np.ndarray:
+    """[P * 8, K] codes -> [P, B, 8 steps, 32]: step t of block b holds inputs 4t .. 4t + 3 of the panel's 8 outputs,
+    each output's 4 bytes moved as one 4-byte word (a quarter of the elements to permute: 4x faster)."""
+    words = np.ascontiguousarray(codes, dtype=np.uint8).view(np.uint32).reshape(p, PANEL, b, 8)
+    return words.transpose(0, 2, 3, 1).copy().view(np.uint8).reshape(p, b, 8, 32)
 
 
 def _high_planes(high: np.ndarray, hb: int) -> np.ndarray:

@@ -15,12 +15,15 @@ from dflash2.models.gguf_blocks import BLOCK, BlockTensor, GGUFBlockError
 
 __all__ = ["quantize_q4_0", "quantize_q8_0"]
 
-_QUANTIZE_ROWS = 4096  # rows per chunk when quantizing a float weight (bounds the fp32 temporaries)
+_QUANTIZE_ELEMENTS = 1 << 18  # weights per chunk when quantizing (its fp32 temporaries, ~1 MB each, stay in cache)
 
 
 def _float_blocks(weight: np.ndarray | torch.Tensor, qtype: str) -> torch.Tensor:
-    """fp32 [N, K / 32, 32] view of a float [N, K] weight (numpy or CPU torch), K a multiple of 32."""
-    w = torch.as_tensor(weight).detach().to("cpu", torch.float32).contiguous()
+    """[N, K / 32, 32] view of a float [N, K] weight (numpy or CPU torch, in its own dtype: each chunk is widened
+    to fp32 on its own, exactly), K a multiple of 32."""
+    w = torch.as_tensor(weight).detach().to("cpu").contiguous()
+    if not w.is_floating_point():
+        raise GGUFBlockError(f"{qtype} quantizes a float weight, got {w.dtype}")
     n, k = w.shape
     if k % BLOCK:
         raise GGUFBlockError(f"{qtype} needs K a multiple of {BLOCK}, got [{n}, {k}]")
@@ -34,12 +37,14 @@ def _fp16_rounded(x: torch.Tensor) -> torch.Tensor:
 
 def _by_row_chunks(blocks: torch.Tensor, dtype: torch.dtype, chunk) -> tuple[np.ndarray, np.ndarray]:
     """(codes [N, K] in dtype, scales fp32 [N, K / 32]) as numpy arrays: ``chunk(part) -> (codes, scales)`` over
-    fp32 [rows, K / 32, 32] chunks of ``blocks`` (bounds the temporaries to a chunk's)."""
+    fp32 [rows, K / 32, 32] chunks of ``blocks`` (bounds the temporaries to a chunk's; every operation is per block
+    of 32, so the chunking does not change a bit)."""
     n, nb, _ = blocks.shape
     codes = torch.empty(n, nb, BLOCK, dtype=dtype)
     scale = torch.empty(n, nb, dtype=torch.float32)
-    for r0 in range(0, n, _QUANTIZE_ROWS):
-        codes[r0 : r0 + _QUANTIZE_ROWS], scale[r0 : r0 + _QUANTIZE_ROWS] = chunk(blocks[r0 : r0 + _QUANTIZE_ROWS])
+    rows = max(1, _QUANTIZE_ELEMENTS // (nb * BLOCK))
+    for r0 in range(0, n, rows):
+        codes[r0 : r0 + rows], scale[r0 : r0 + rows] = chunk(blocks[r0 : r0 + rows].float())
     return codes.view(n, nb * BLOCK).numpy(), scale.numpy()
 
 
