@@ -59,6 +59,7 @@ class RequestRow:
     error: str = ""
     drafted: int | None = None  # llama-server's speculative decoding: draft tokens proposed / accepted (its timings)
     accepted: int | None = None
+    target_forwards: int | None = None  # dflash2's own count (its "dflash2" field); llama-server: tokens - accepted
 
 
 def llama_command(model: str, slots: int, context: int, spec_type: str | None = None, draft_model: str | None = None,
@@ -116,6 +117,16 @@ def request_body(config: str, model: str, prompt: str, max_tokens: int) -> dict:
     return body
 
 
+def target_forwards(reply: dict, tokens: int) -> int | None:
+    """The target passes a reply took: dflash2's own count, else llama-server's tokens less its accepted drafts
+    (each pass yields its accepted drafts and one token of its own; plain decoding: one pass per token)."""
+    if "dflash2" in reply:
+        return reply["dflash2"].get("target_forwards")
+    if "timings" in reply:
+        return tokens - (reply["timings"].get("draft_n_accepted") or 0)
+    return None
+
+
 def run_clients(url: str, config: str, prompts: list[tuple[str, str]], clients: int, max_tokens: int,
                 round_index: int) -> tuple[list[RequestRow], float]:
     """Closed loop: `clients` threads take the prompts from one queue until it is empty; (rows, wall seconds)."""
@@ -141,11 +152,12 @@ def run_clients(url: str, config: str, prompts: list[tuple[str, str]], clients: 
                     tokens = reply.get("usage", {}).get("completion_tokens", 0) if ok else 0
                     error = "" if ok else f"{response.status_code}: {str(reply)[:200]}"
                     timings = reply.get("timings", {}) if ok else {}
+                    forwards = target_forwards(reply, tokens) if ok else None
                 except (httpx.HTTPError, ValueError) as exc:
-                    ok, tokens, error, timings = False, 0, f"{type(exc).__name__}: {exc}", {}
+                    ok, tokens, error, timings, forwards = False, 0, f"{type(exc).__name__}: {exc}", {}, None
                 row = RequestRow(config, clients, round_index, prompt_id, ok, tokens,
                                  round(time.perf_counter() - started, 3), error, timings.get("draft_n"),
-                                 timings.get("draft_n_accepted"))
+                                 timings.get("draft_n_accepted"), forwards)
                 with lock:
                     rows.append(row)
 
@@ -173,7 +185,7 @@ def summarize(rows: list[dict], walls: dict[tuple[str, int], float], configs: li
                           "failed": sum(not r["ok"] for r in mine), "tokens": tokens, "wall_s": round(wall, 2),
                           "tokens_per_s": round(rate, 2), "vs_first": round(rate / base, 3) if base else None,
                           "latency_s_median": round(statistics.median(r["latency_s"] for r in mine), 2),
-                          "draft_accepted": acceptance(mine)})
+                          "draft_accepted": acceptance(mine), "tau": tau(mine)})
     return lines
 
 
@@ -183,14 +195,22 @@ def acceptance(rows: list[dict]) -> float | None:
     return round(sum(r.get("accepted") or 0 for r in rows) / drafted, 3) if drafted else None
 
 
+def tau(rows: list[dict]) -> float | None:
+    """Tokens per target pass over the rows whose passes are known, else None."""
+    known = [r for r in rows if r.get("target_forwards")]
+    return round(sum(r["completion_tokens"] for r in known) / sum(r["target_forwards"] for r in known), 2) if known \
+        else None
+
+
 def table(lines: list[dict]) -> str:
     header = ("| config | clients | requests (failed) | tokens | wall s | tokens/s | vs first | median latency s | "
-              "draft accepted |")
-    out = [header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "tau | draft accepted |")
+    out = [header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for x in lines:
-        accepted = "-" if x["draft_accepted"] is None else x["draft_accepted"]
+        tau_, accepted = ("-" if x[key] is None else x[key] for key in ("tau", "draft_accepted"))
         out.append(f"| {x['config']} | {x['clients']} | {x['requests']} ({x['failed']}) | {x['tokens']} | "
-                   f"{x['wall_s']} | {x['tokens_per_s']} | {x['vs_first']}x | {x['latency_s_median']} | {accepted} |")
+                   f"{x['wall_s']} | {x['tokens_per_s']} | {x['vs_first']}x | {x['latency_s_median']} | {tau_} | "
+                   f"{accepted} |")
     return "\n".join(out)
 
 

@@ -47,8 +47,10 @@ def test_ngram_speculation_needs_no_draft_model_and_keeps_llamas_default_length(
 
 def test_summary_reports_acceptance_only_where_the_server_counts_drafts():
     def row(config, drafted, accepted):
+        reply = {"timings": {"draft_n": drafted, "draft_n_accepted": accepted}}
         return {"config": config, "clients": 1, "round": 0, "prompt_id": "p", "ok": True, "completion_tokens": 10,
-                "latency_s": 1.0, "error": "", "drafted": drafted, "accepted": accepted}
+                "latency_s": 1.0, "error": "", "drafted": drafted, "accepted": accepted,
+                "target_forwards": bench_http.target_forwards(reply, 10)}
 
     rows = [row("llamacpp", None, None), row("llamacpp@draft-simple", 8, 6), row("llamacpp@draft-simple", 2, 1)]
     lines = bench_http.summarize(rows, {("llamacpp", 1): 2.0, ("llamacpp@draft-simple", 1): 1.0},
@@ -57,4 +59,12 @@ def test_summary_reports_acceptance_only_where_the_server_counts_drafts():
     assert by_config["llamacpp"]["draft_accepted"] is None
     assert by_config["llamacpp@draft-simple"]["draft_accepted"] == 0.7  # 7 of 10 drafted
     assert by_config["llamacpp@draft-simple"]["vs_first"] == 4.0  # 20 tokens in 1 s against 10 in 2 s
-    assert "| llamacpp | 1 | 1 (0) | 10 | 2.0 | 5.0 | 1.0x | 1.0 | - |" in bench_http.table(lines)
+    assert by_config["llamacpp"]["tau"] == 1.0 and by_config["llamacpp@draft-simple"]["tau"] == 1.54  # 20 / 13
+    assert "| llamacpp | 1 | 1 (0) | 10 | 2.0 | 5.0 | 1.0x | 1.0 | 1.0 | - |" in bench_http.table(lines)
+
+
+def test_target_passes_come_from_dflash2s_own_count_or_llamas_accepted_drafts():
+    assert bench_http.target_forwards({"dflash2": {"target_forwards": 7}}, 20) == 7
+    assert bench_http.target_forwards({"timings": {"draft_n": 12, "draft_n_accepted": 9}}, 20) == 11
+    assert bench_http.target_forwards({"timings": {}}, 20) == 20  # plain llama-server: one pass per token
+    assert bench_http.target_forwards({}, 20) is None
