@@ -32,9 +32,9 @@ class LoRALinear(nn.Module):
         return self.scale * (self.lora_b.float() @ self.lora_a.float())
 
     def merged(self) -> nn.Linear:
-        """A plain linear layer with the update added to the base weight (in the base's dtype): ``(W + delta)`` in
-        fp32, rounded, made by blocks of rows (~4 MB of fp32 each, in cache; the 0.5B's merge took 1.6 s in whole
-        tensors, ~3x less so, the same bits where compared: one product per block of rows instead of one for all)."""
+        """A plain linear layer with the update added to the base weight (in the base's dtype): ``W + delta`` in
+        fp32, rounded once, a block of rows at a time (~4 MB of fp32 each, in cache: the 0.5B's merge 1.6 -> 0.6 s;
+        one product per block instead of one for the whole weight gave the same bits where compared)."""
         weight = self.base.weight.detach()
         a, b = self.lora_a.detach().float(), self.lora_b.detach().float()
         merged = torch.empty_like(weight)
