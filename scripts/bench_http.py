@@ -72,8 +72,11 @@ def llama_command(model: str, slots: int, context: int, spec_type: str | None = 
     binary = llama_cpp_bin_dir() / "llama-server"
     if not binary.is_file():
         raise SystemExit(f"llamacpp: {binary} is missing: build it with WITH_SERVER=1 scripts/build_llama_cpp.sh")
+    drafting = bool(spec_type and spec_type.startswith("draft"))
+    if drafting and draft_model is None:
+        raise SystemExit(f"llamacpp@{spec_type}: pass --draft-model (no default draft model for {model!r})")
     target = store_gguf(model, "--model")
-    draft = store_gguf(draft_model, "--draft-model") if spec_type and spec_type.startswith("draft") else None
+    draft = store_gguf(draft_model, "--draft-model") if drafting else None
     threads = torch.get_num_threads()
     return lambda port: llama_argv(binary, target, port, slots, context, threads, spec_type, draft, draft_max)
 

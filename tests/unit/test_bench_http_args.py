@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_http.py"
 
 
@@ -68,3 +70,12 @@ def test_target_passes_come_from_dflash2s_own_count_or_llamas_accepted_drafts():
     assert bench_http.target_forwards({"timings": {"draft_n": 12, "draft_n_accepted": 9}}, 20) == 11
     assert bench_http.target_forwards({"timings": {}}, 20) == 20  # plain llama-server: one pass per token
     assert bench_http.target_forwards({}, 20) is None
+
+
+def test_draft_model_speculation_without_a_draft_model_is_refused_before_any_load(tmp_path, monkeypatch):
+    (tmp_path / "llama-server").write_text("")  # (the binary's presence is checked first)
+    monkeypatch.setattr("dflash2.peers.llamacpp.llama_cpp_bin_dir", lambda: tmp_path)
+    with pytest.raises(SystemExit, match="pass --draft-model"):
+        bench_http.llama_command("some-local-dir", 1, 512, "draft-simple", None)
+    assert bench_http.default_draft("qwen-1.5b") == "qwen2.5-coder-0.5b-instruct"
+    assert bench_http.default_draft("smollm2") is None
