@@ -201,8 +201,9 @@ def acceptance(rows: list[dict]) -> float | None:
 def tau(rows: list[dict]) -> float | None:
     """Tokens per target pass over the rows whose passes are known, else None."""
     known = [r for r in rows if r.get("target_forwards")]
-    return round(sum(r["completion_tokens"] for r in known) / sum(r["target_forwards"] for r in known), 2) if known \
-        else None
+    if not known:
+        return None
+    return round(sum(r["completion_tokens"] for r in known) / sum(r["target_forwards"] for r in known), 2)
 
 
 def table(lines: list[dict]) -> str:
