@@ -43,6 +43,7 @@ from load_serve import SRC, Server  # noqa: E402  (the servers' start and stop, 
 
 sys.path.insert(0, SRC)
 from dflash2.bench.datasets import load_suites  # noqa: E402
+from dflash2.models import store  # noqa: E402
 
 CONFIGS = ("dflash2", "dflash2-plain", "llamacpp")
 
@@ -83,13 +84,11 @@ def llama_command(model: str, slots: int, context: int, spec_type: str | None = 
 
 def store_gguf(model: str | None, flag: str) -> Path:
     """The GGUF file of a model-store name (pulled where it is missing)."""
-    from dflash2.models.store import canonical_name, gguf_path, resolve_model
-
-    name = canonical_name(model) if model else None
+    name = store.canonical_name(model) if model else None
     if name is None:
         raise SystemExit(f"llamacpp: {flag} must be a model-store name (its GGUF feeds llama-server), got {model!r}")
-    resolve_model(name)
-    return gguf_path(name)
+    store.resolve_model(name)
+    return store.gguf_path(name)
 
 
 def llama_argv(binary: Path, target: Path, port: int, slots: int, context: int, threads: int,
@@ -103,13 +102,6 @@ def llama_argv(binary: Path, target: Path, port: int, slots: int, context: int, 
         if draft_max is not None:
             argv += ["--spec-draft-n-max", str(draft_max)]
     return argv
-
-
-def default_draft(model: str) -> str | None:
-    """The store's draft model for the default target (same tokenizer), else none."""
-    from dflash2.models.store import DEFAULT_DRAFT, DEFAULT_TARGET, canonical_name
-
-    return DEFAULT_DRAFT if canonical_name(model) == DEFAULT_TARGET else None
 
 
 def request_body(config: str, model: str, prompt: str, max_tokens: int) -> dict:
@@ -259,7 +251,7 @@ def main() -> int:
             servers["llamacpp"] = Server(args.model, [], llama_command(args.model, max(clients), args.context))
         for config in (c for c in configs if c.startswith("llamacpp@")):  # a llama-server per speculative type
             command = llama_command(args.model, max(clients), args.context, config.split("@", 1)[1],
-                                    args.draft_model or default_draft(args.model), args.llama_draft_max)
+                                    args.draft_model or store.default_draft(args.model), args.llama_draft_max)
             servers[config] = Server(args.model, [], command)
         rows: list[dict] = []
         walls: dict[tuple[str, int], float] = {}

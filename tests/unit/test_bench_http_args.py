@@ -77,5 +77,5 @@ def test_draft_model_speculation_without_a_draft_model_is_refused_before_any_loa
     monkeypatch.setattr("dflash2.peers.llamacpp.llama_cpp_bin_dir", lambda: tmp_path)
     with pytest.raises(SystemExit, match="pass --draft-model"):
         bench_http.llama_command("some-local-dir", 1, 512, "draft-simple", None)
-    assert bench_http.default_draft("qwen-1.5b") == "qwen2.5-coder-0.5b-instruct"
-    assert bench_http.default_draft("smollm2") is None
+    assert bench_http.store.default_draft("qwen-1.5b") == "qwen2.5-coder-0.5b-instruct"
+    assert bench_http.store.default_draft("smollm2") is None

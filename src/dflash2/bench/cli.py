@@ -107,14 +107,13 @@ def _peers_and_roofline(args: argparse.Namespace, engine, prompts) -> tuple[list
 def _peer_setup(args: argparse.Namespace, engine, prompts):
     import torch
 
-    from dflash2.models.store import DEFAULT_DRAFT, DEFAULT_TARGET, canonical_name, gguf_path, resolve_model
+    from dflash2.models.store import canonical_name, default_draft, gguf_path, resolve_model
     from dflash2.peers import PeerSetup
 
     target = canonical_name(args.model)
     if target is None:
         raise CliError(f"--peers needs a model-store target (its GGUF file feeds llama.cpp), got {args.model!r}")
-    draft = canonical_name(args.draft_model) if args.draft_model else (DEFAULT_DRAFT if target == DEFAULT_TARGET
-                                                                       else None)
+    draft = canonical_name(args.draft_model) if args.draft_model else default_draft(target)
     if args.draft_model and draft is None:
         raise CliError(f"--peers needs a model-store draft model, got {args.draft_model!r}")
     longest = max(len(engine.encode_prompt(p.text)) for p in prompts)

@@ -69,10 +69,9 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
                              f"takes no tree width W")
         from dflash2.drafters.model import ModelDrafter
         from dflash2.models.loading import load_transformer
-        from dflash2.models.store import DEFAULT_DRAFT, DEFAULT_TARGET, canonical_name, resolve_model
+        from dflash2.models.store import default_draft, resolve_model
 
-        default = DEFAULT_DRAFT if canonical_name(target.name) == DEFAULT_TARGET else None  # same tokenizer
-        ref = draft_model or default
+        ref = draft_model or default_draft(target.name)
         if ref is None:
             raise ValueError(f"no default draft model for {target.name!r}; pass draft_model / --draft-model")
         draft_dir = resolve_model(ref, dtype, pull=pull)

@@ -151,6 +151,12 @@ def canonical_name(ref: str) -> str | None:
     return None
 
 
+def default_draft(target: str) -> str | None:
+    """The store's draft model for a target (store name, alias or path): Qwen2.5-Coder-0.5B-Instruct for the default
+    target (the same tokenizer), else None."""
+    return DEFAULT_DRAFT if canonical_name(target) == DEFAULT_TARGET else None
+
+
 def _known_names() -> str:
     return ", ".join(
         f"{spec.name} ({', '.join(spec.aliases)})" if spec.aliases else spec.name for spec in REGISTRY.values()
