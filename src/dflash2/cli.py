@@ -35,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash2", description="Lossless speculative decoding for LLMs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command")
     _add_generate(commands)
     _add_models(commands)
@@ -46,6 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(commands)
     add_serve_parser(commands)
     return parser
+
+
+def package_version() -> str:
+    """The installed distribution's version (its metadata, what pip shows); the source tree's when not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dflash2")
+    except PackageNotFoundError:
+        from dflash2 import __version__
+
+        return __version__
 
 
 def _add_generate(commands) -> None:
