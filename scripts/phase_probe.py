@@ -2,8 +2,8 @@
 """What a shared machine gives right now: run it before and after a benchmark and report the numbers with it.
 
 On a VM the cores, the memory bandwidth and (on Intel Xeons) the AMX tile unit are shared with neighbours, and the
-same forward can cost 1.5-2x more in a busy phase (kernels.md, sessions 39-42). Three probes, each the best of a few
-repeats, on --threads threads:
+same forward can cost 1.5-2x more in a busy phase (docs/kernels.md, Intel Xeon (AMX)). Three probes, each the best
+of a few repeats, on --threads threads:
 
   compute  200 fp32 matmuls of 256^3 in cache (ms)
   stream   GB/s summing 1 GiB of fp32 (dflash2.bench.roofline.measure_read_bandwidth, the bandwidth `dflash2

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The DFlash drafter recipe for the default target, Qwen2.5-Coder-1.5B-Instruct. A multi-hour job on 2 CPU cores:
-# every step resumes where it stopped (SIGTERM / Ctrl-C keep what is done), so run it again in each session.
+# every step resumes where it stopped (SIGTERM / Ctrl-C keep what is done), so run it again until it finishes.
 # The shipped drafter (src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct) came from two stages:
 #   NUM_SEQUENCES=224 STEPS=450 scripts/train_qwen_dflash.sh      (first 14 shards; 450 steps, 21 minutes)
 #   RUN=runs/dflash-qwen1.5b-stage2 INIT_FROM=runs/dflash-qwen1.5b/drafter NUM_SEQUENCES=608 STEPS=600 LR=4e-4 \
 #       scripts/train_qwen_dflash.sh                               (first 38 shards; 600 steps, 30 minutes)
-#   Stage 3 (the shipped drafter now) ran in a session that was cut off before it recorded its command. What its
-#   weights and the committed files say: a warm start from stage 2 with a draft vocabulary ranked anew
+#   Stage 3 (the shipped drafter now, commit 8e57b15, 2026-12-02) came from a run cut off before it recorded its
+#   command. What its weights and the committed files say: a warm start from stage 2 with a draft vocabulary ranked anew
 #   (REFRESH_VOCAB=1, the draft_vocab ids differ), on the code/math shards plus the chat directory
 #   (CHAT_SEQUENCES=704), i.e. most likely
 #   RUN=runs/dflash-qwen1.5b-stage3 INIT_FROM=runs/dflash-qwen1.5b-stage2/drafter REFRESH_VOCAB=1 NUM_SEQUENCES=704 \

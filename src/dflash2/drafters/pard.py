@@ -173,7 +173,7 @@ def reading_twin(model: Transformer) -> Transformer:
     """A twin of ``model`` (merged, not yet quantized) whose projections run the packed bf16 kernel: the same
     embedding, norms and buffers (shared), its own projections (the head: the caller's to share). On AMX tiles a
     prompt of 170 ids costs the 0.5B 115 ms in bf16 against 237 ms in Q8_0 blocks, whose tile products store and
-    scale every block of 32 inputs per row (docs/pard.md, "Session 36"); a few rows cost less in Q8_0 (half the
+    scale every block of 32 inputs per row (docs/pard.md, Intel Xeon (AMX)); a few rows cost less in Q8_0 (half the
     bytes), so the drafter keeps its blocks for its draft passes (:attr:`CachedModelDrafter.reader`)."""
     import copy
 
@@ -297,7 +297,7 @@ def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
     drafter), else for bf16 / fp16 / gguf on a CPU (``$DFLASH2_PARD_WEIGHTS`` = bf16 / int8 / int4 / q8_0 / q4_0
     overrides it), where the gguf kernel's AVX512-VNNI or AMX-INT8 build runs (its layers run as one C++ call
     each): :data:`Q4_0` under a gguf target (the target's own bytes per weight: a 3-row draft pass 22 vs 30 ms
-    in Q8_0, acceptance unchanged within noise, Zen 4, docs/pard.md "Session 28"), :data:`Q8_0` under a bf16 target
+    in Q8_0, acceptance unchanged within noise, AMD EPYC Zen 4, docs/pard.md), :data:`Q8_0` under a bf16 target
     (a 3-row pass 23-26 vs 28-33 ms in int8); else :data:`DEFAULT_PARD_WEIGHTS`. Not quantized elsewhere (fp32
     stays the unquantized reference, as ``load_transformer``). The blocks are quantized from the base merged with
     the adapter, which no GGUF file holds (int8 drafts faster than the 0.5B's own Q4_K_M blocks on AVX2 at 1-9
@@ -318,7 +318,7 @@ def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
 
 def _avx512_gguf_kernel(gguf_target: bool) -> bool:
     """The gguf kernel chosen here is its AVX512-VNNI or AMX-INT8 build (on Intel AMX a 5-row pass of the 0.5B
-    under a gguf target: Q4_0 29 ms, Q8_0 32 ms, int8 on AMX tiles 35 ms; docs/pard.md "Session 31"). Under a gguf
+    under a gguf target: Q4_0 29 ms, Q8_0 32 ms, int8 on AMX tiles 35 ms; 2026-12-04, docs/pard.md). Under a gguf
     target a kernel that cannot run is the target's error; under another target it only means the int8 default."""
     from dflash2.kernels import gguf_linear
 

@@ -40,16 +40,16 @@ DEFAULT_NUM_DRAFT_TOKENS: dict[str, int | None] = {
 MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram"}
 MEASURED_SERVING_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash2+ngram"}
 # The server where the target verifies on AMX tiles (a step of 16 rows costs about one of 8): pard's shared pass pays
-# there, pard+ngram 1.13-1.26x over plain against dflash2+ngram's 1.07-1.09x (docs/serving.md, "Session 35" and
-# "Session 36"); with the GGUF's blocks on the gguf kernel's AMX build too, over HTTP (scripts/bench_http.py, one run,
-# 16 requests): 1.55x / 1.91x plain at 4 / 8 clients against 1.38x / 1.81x ("Session 43"); elsewhere (AVX2,
-# AVX-512 BF16) pard stayed below plain at 8 clients ("Session 29-30").
+# there, pard+ngram 1.13-1.26x over plain against dflash2+ngram's 1.07-1.09x (docs/serving.md, Intel Xeon (AMX),
+# 2026-12-05); with the GGUF's blocks on the gguf kernel's AMX build too, over HTTP (scripts/bench_http.py, one run,
+# 16 requests): 1.55x / 1.91x plain at 4 / 8 clients against 1.38x / 1.81x (2026-12-06); elsewhere (AMD
+# EPYC Zen 3 AVX2 2026-12-03, Zen 4 AVX-512 BF16 2026-12-04) pard stayed below plain at 8 clients.
 MEASURED_TILE_SERVING_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram"}
 # Where the target's linear layers run on AMX tiles over the whole K (bf16, int8), a forward of up to 16 rows costs
 # about one of 4 (a tile product costs the same for 1-16 rows), so one request verifies a best-first tree of k * W
 # drafts from the same single pard pass for nearly the price of a chain: pard+ngram:4x3 (13 rows) measured fastest
-# there (docs/pard.md, "Session 34"; 4x4 = 17 rows crosses into a second block of rows and loses). Elsewhere more rows
-# cost more (AVX-512 BF16: 7 rows 1.45x 4 rows; the gguf AMX build: no gain), and the chain stays.
+# there (docs/pard.md, Intel Xeon (AMX), 2026-12-04; 4x4 = 17 rows crosses into a second block of rows and loses).
+# Elsewhere more rows cost more (AVX-512 BF16: 7 rows 1.45x 4 rows; the gguf AMX build: no gain), and the chain stays.
 MEASURED_TILE_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram:4x3"}
 
 

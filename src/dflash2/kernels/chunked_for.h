@@ -9,7 +9,7 @@
 //
 // Chunks shrink as the work runs out (guided): each take claims a 1 / (4 x threads) share of what is left, at least
 // the caller's minimum, so the last ones are small and the threads finish close together. Equal chunks of 1 / (8 x
-// threads) (until session 41) left a thread waiting for up to a chunk at the end of every call: whole 1.5B gguf
+// threads) (before commit 2376368) left a thread waiting for up to a chunk at the end of every call: whole 1.5B gguf
 // forwards on that VM, 1 / 4 / 9 rows 50.9 / 76.3 / 89.4 -> 50.0 / 74.2 / 84.1 ms in a busy phase, 9 rows 63.8 ->
 // 61.9 in a quiet one (interleaved builds, medians of 11).
 #pragma once

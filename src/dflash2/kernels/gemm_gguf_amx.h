@@ -21,7 +21,7 @@
 // as the VNNI and AVX2 builds (tested, and self-checked at load).
 
 // Rows from which gguf_matmul takes the tiles (fewer: the 256-bit panels or the VNNI pairs), every block kind. Q4_K
-// took them from 2 rows until session 41 (one [17920, 1536] layer, 2 / 3 rows: 0.83 / 0.85 ms on tiles against 0.97
+// took them from 2 rows until 2026-12-05 (one [17920, 1536] layer, 2 / 3 rows: 0.83 / 0.85 ms on tiles against 0.97
 // / 1.01 on the pairs, before the panels and pairs prefetched their codes); since, the panels are faster there:
 // whole 1.5B forwards (Emerald Rapids Xeon, 200 cached, alternating builds in one process) at 2 / 3 rows 52.2 / 54.4
 // -> 49.4 / 51.0 ms and 62.8 / 65.1 -> 52.4 / 52.3 in a phase where a neighbour shared the tile unit.
@@ -276,7 +276,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
   constexpr bool kFold16 = kFold && KIND == kNib6;  // (the folded bytes of 16-bit products: J = 256 C1 + C0)
   // By group: the tile operands modulo 2 (group g + 1's are made while group g's tiles run; group g - 1's tiles have
   // all been issued), the offsets modulo 3 (the sums of group g - 1 still read theirs). The tile operands are 8 KB
-  // a group, and with three of them (as until session 41) the working set of a 9-row Q4_K pass (operands, the rows'
+  // a group, and with three of them (as until 2026-12-05) the working set of a 9-row Q4_K pass (operands, the rows'
   // activation bytes, the products, the weights prefetched) outgrew the 48 KB L1: measured on the Emerald Rapids
   // Xeon, all 28 gate / up projections from memory, 9 rows 26.5 -> 22.1 ms, 4 rows 21.0 -> 20.1.
   GroupOperands ops[2];
@@ -307,7 +307,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
     }
     {  // the codes kTilesAhead blocks ahead (past the panels' end: the next pair's, read next by this thread):
        // the hardware prefetcher alone leaves the tiles waiting for memory. Written out here: the same prefetches
-       // through prefetch_pair made the 4-row forward 16-26% slower (session 40, A/B runs)
+       // through prefetch_pair made the 4-row forward 16-26% slower (Intel Xeon (AMX), 2026-12-05, A/B runs)
       constexpr int64_t per_block = block_bytes(KIND);
       const int64_t ahead = b + kTilesAhead, next = ahead < a.B ? 0 : 2;
       const uint8_t* w0 = a.w + ((p + next) * a.B + ahead % a.B) * per_block;

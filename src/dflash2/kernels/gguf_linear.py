@@ -217,7 +217,7 @@ def pair_min_rows() -> int:
     rows take the 256-bit micro-kernel (the AMX build's tiles start at 4 rows).  Measured, both kernels
     prefetching their codes: on the Intel Xeon (AMX, model 207) the 256-bit kernel is faster for 1-3 rows (a one-row
     forward of the 1.5B 62-66 -> 54-58 ms in six runs), even at 4, slower from 5 (split into two calls); on AMD Zen 4
-    (family 25), which runs a 512-bit operation as two 256-bit halves, it streamed 1-4 rows faster (session 29,
+    (family 25), which runs a 512-bit operation as two 256-bit halves, it streamed 1-4 rows faster (2026-12-04,
     before the prefetch), so the pairs start at 5 rows there.  ``DFLASH2_GGUF_PAIR_ROWS=<n>`` sets it.  Either
     choice gives the same bits."""
     raw = os.environ.get(PAIRS_ENV, "").strip()

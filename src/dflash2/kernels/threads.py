@@ -4,8 +4,8 @@ libgomp (PyTorch's OpenMP runtime on Linux) keeps a pool of worker threads for e
 parallel region. When it manages more threads than the process may run on (on 2 cores: the pool of the thread
 that loaded the models and the pool of the batch engine's loop thread), it throttles the idle workers' spin-wait
 to almost nothing, and every parallel region then waits for a sleeping worker to wake up. Measured on 2 cores of
-an Intel Xeon (AMX), one 16-row product per call (`/work`-local script, 50 calls each, docs/serving.md
-"Session 35"): Q8_0 [4864, 896] 0.29 ms on the main thread against 0.51 ms on a second thread, bf16 AMX
+an Intel Xeon (AMX), one 16-row product per call (`/work`-local script, 50 calls each, docs/serving.md,
+2026-12-05): Q8_0 [4864, 896] 0.29 ms on the main thread against 0.51 ms on a second thread, bf16 AMX
 [8960, 1536] 0.55 against 0.65 ms; with the main thread's pool released first, 0.25 and 0.56 ms. So a thread that
 hands all parallel work to another (the server's main thread, once the models are loaded) releases its pool.
 """

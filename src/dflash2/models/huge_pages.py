@@ -7,7 +7,7 @@ pages where the kernel's transparent huge pages are ``always`` or ``madvise`` (m
 target: a one-row step 43.0 -> 35.5 ms, interleaved; docs/kernels.md). Elsewhere, or when Linux refuses the advice,
 the copies are plain ones: the values are the same either way, only the pages differ.
 
-Faulting huge pages in is not always cheap: in the Firecracker VMs of the Intel Xeon (AMX) sessions a fresh 2 MiB
+Faulting huge pages in is not always cheap: in the Firecracker VMs of the Intel Xeon (AMX) a fresh 2 MiB
 page cost ~8 s per GB (4 KiB pages 0.2 s), so moving the 1.5B target and the pard drafter took ~25 s of a 40 s
 ``dflash2 generate``, for no measured gain in decoding there (bf16 and gguf one-row forwards the same within
 noise). So by default (``DFLASH2_HUGE_PAGES`` unset or ``auto``) the first buffer's fault-in is timed and, slower

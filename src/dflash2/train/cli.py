@@ -90,7 +90,7 @@ def _add_dflash_arguments(dflash) -> None:
     dflash.add_argument("--seed", type=int, default=0)
     dflash.add_argument("--eval-every", type=int, default=0)
     dflash.add_argument("--checkpoint-every", type=int, default=100)
-    dflash.add_argument("--stop-at-step", type=int, default=None, help="end this session here; a re-run resumes")
+    dflash.add_argument("--stop-at-step", type=int, default=None, help="stop the run at this step; a re-run resumes")
     dflash.add_argument("--no-resume", action="store_true")
     dflash.add_argument("--dtype", default="fp32", help="drafter weights and optimizer state")
     dflash.add_argument("--target-dtype", default="bf16")
@@ -275,7 +275,7 @@ def _add_pard_parser(sub) -> None:
                       help="warm start a fresh run from a shipped adapter directory (its LoRA weights and mask "
                            "embedding; the optimizer and schedule start over)")
     pard.add_argument("--checkpoint-every", type=int, default=10)
-    pard.add_argument("--stop-at-step", type=int, default=None, help="end this session here; a re-run resumes")
+    pard.add_argument("--stop-at-step", type=int, default=None, help="stop the run at this step; a re-run resumes")
     pard.add_argument("--no-resume", action="store_true")
     pard.add_argument("--seed", type=int, default=0)
     pard.add_argument("--threads", type=int, default=None)
