@@ -56,7 +56,7 @@ def test_a_split_prefill_gives_cold_logits_bitwise_smollm2(dtype):
     assert torch.equal(split, paged)  # the pool's cached prefix = the static cache's: the same rows, the same bits
     if dtype == "bf16":  # dflash2's own kernels: a row's result does not depend on the rows beside it
         assert torch.equal(cold, split)
-    else:  # fp32 runs on torch's GEMM, which on some CPUs blocks by row count (the Intel Xeon (AMX) of session 31:
+    else:  # fp32 runs on torch's GEMM, which on some CPUs blocks by row count (the Intel Xeon (AMX), 2026-12-04:
         # the 76-row prefill and the 12-row suffix differ by 1.9e-5 in the logits): the same argmax, within noise
         torch.testing.assert_close(split, cold, rtol=0, atol=1e-4)
         assert split.argmax() == cold.argmax()
