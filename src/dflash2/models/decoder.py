@@ -259,6 +259,7 @@ class Transformer(nn.Module):
         hidden_layers: Sequence[int] = (),  # return the output of these decoder layers (0-based)
         logits: LogitsSelection | torch.Tensor = "all",  # or [M] int64 token indices (batch of 1): [1, M, V]
         context: AttentionContext | None = None,  # default: CachedAttention(cache, attn_mask)
+        input_offsets: torch.Tensor | None = None,  # [B, T, D] added to the token embeddings (a drafter's conditioning)
     ) -> ForwardOutput:
         if context is None:
             context = CachedAttention(cache, attn_mask[:, None] if attn_mask is not None else None)  # [B, 1, T, S]
@@ -270,6 +271,8 @@ class Transformer(nn.Module):
         wanted = set(hidden_layers)
         taps: dict[int, torch.Tensor] = {}
         x = self.embed(input_ids)  # [B, T, D]
+        if input_offsets is not None:
+            x = x + input_offsets.to(x.dtype)
         fused = fused_layers(self, context, x)  # GGUF blocks: each layer in one C++ call (same bits), or None
         for index, layer in enumerate(self.layers):
             x = fused(x, cos, sin, index) if fused is not None else layer(x, cos, sin, index, context)

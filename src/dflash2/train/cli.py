@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 from pathlib import Path
 
 
@@ -57,6 +58,7 @@ def add_train_parser(commands) -> None:
     dflash2.add_argument("--conv-group", type=int, default=16, help="dynamic convolution channel group (0 = off)")
     dflash2.set_defaults(handler=run_train_dflash)
     _add_labels_parser(sub)
+    _add_features_parser(sub)
     _add_pard_parser(sub)
     _add_export_pard_parser(sub)
 
@@ -71,6 +73,8 @@ def _add_dflash_arguments(dflash) -> None:
     dflash.add_argument("--target-layers", default=None, help="comma-separated tapped layers (default: spread)")
     dflash.add_argument("--mask-token-id", type=int, default=None)
     dflash.add_argument("--intermediate-size", type=int, default=None)
+    dflash.add_argument("--qk-norm", action="store_true",
+                        help="Qwen3-style layers (q/k norms, no q/k/v biases): exportable to llama.cpp / vLLM / SGLang")
     dflash.add_argument("--init-from-target", action="store_true", help="warm start from the target's layers")
     dflash.add_argument("--init-from", default=None,
                         help="start from a trained drafter directory (e.g. a DFlash drafter for a DFlash2 run)")
@@ -182,7 +186,8 @@ def run_train_dflash(args: argparse.Namespace) -> int:
         mask_token_id=args.mask_token_id, intermediate_size=args.intermediate_size,
         init_from_target=args.init_from_target, draft_vocab_size=args.draft_vocab, gamma=args.gamma,
         selector_rank=args.selector_rank, selector_top_k=args.selector_top_k, conv_group=args.conv_group,
-        init_from=args.init_from, refresh_draft_vocab=args.refresh_draft_vocab, anchors_per_sequence=args.anchors,
+        qk_norm=args.qk_norm, init_from=args.init_from, refresh_draft_vocab=args.refresh_draft_vocab,
+        anchors_per_sequence=args.anchors,
         max_sequence_length=args.max_seq_len, sequences_per_step=args.sequences_per_step, num_steps=args.steps,
         learning_rate=args.lr, warmup_steps=args.warmup, heldout_sequences=args.heldout, seed=args.seed,
         eval_every=args.eval_every, checkpoint_every=args.checkpoint_every, stop_at_step=args.stop_at_step,
@@ -213,26 +218,69 @@ def _add_labels_parser(sub) -> None:
     labels.set_defaults(handler=run_train_labels)
 
 
-def run_train_labels(args: argparse.Namespace) -> int:
+def _teacher(args: argparse.Namespace):
+    """(the target for teacher-forced passes, its directory), with ``--threads`` applied and signals handled."""
     import torch
 
     from dflash2.models.loading import load_transformer
-    from dflash2.models.store import canonical_name, resolve_model
-    from dflash2.models.tokenizer import Tokenizer
-    from dflash2.train.labels import LabelConfig, generate_labels
+    from dflash2.models.store import resolve_model
 
     _stop_gracefully_on_signals()
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model, args.dtype)
-    # the packed bf16 kernel (default on a CPU): on this AVX2 machine torch's own bf16 matmul is ~4x slower at
+    # the packed bf16 kernel (default on a CPU): on an AVX2 machine torch's own bf16 matmul is ~4x slower at
     # hundreds of rows (no bf16 hardware), and an fp32 copy of the target would double its memory
-    target = load_transformer(model_dir, args.dtype)
+    return load_transformer(model_dir, args.dtype), model_dir
+
+
+def run_train_labels(args: argparse.Namespace) -> int:
+    from dflash2.models.store import canonical_name
+    from dflash2.models.tokenizer import Tokenizer
+    from dflash2.train.labels import LabelConfig, generate_labels
+
+    target, model_dir = _teacher(args)
     config = LabelConfig(args.out, tuple(s for s in args.sources.split(",") if s),
                          target_model=canonical_name(args.model) or args.model, top_k=args.top_k,
                          max_tokens=args.max_tokens, chunk_tokens=args.chunk_tokens, max_items=args.max_items,
                          shard_tokens=args.shard_tokens)
     print(generate_labels(config, target, Tokenizer(model_dir)))
+    return 0
+
+
+def _add_features_parser(sub) -> None:
+    features = sub.add_parser("features", help="soft labels AND tapped hidden states of the target over its "
+                                               "regenerated responses, for a target-conditioned drafter (resumable)")
+    features.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the target (default: %(default)s)")
+    features.add_argument("--data", required=True, help="token shard directories (`dflash2 train data`), comma-separated")
+    features.add_argument("--out", required=True, help="features directory (one file per sequence; not for git)")
+    features.add_argument("--layers", default="1,13,25", help="target layers to tap (default: %(default)s)")
+    features.add_argument("--sequences", type=int, default=None, help="training sequences, interleaved across --data")
+    features.add_argument("--heldout", type=int, default=12, help="last sequences of each directory held out")
+    features.add_argument("--mt-bench", type=int, default=0,
+                          help="also hold out the target's greedy answers to the last N MT-bench questions")
+    features.add_argument("--top-k", type=int, default=16)
+    features.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    features.add_argument("--threads", type=int, default=None)
+    features.set_defaults(handler=run_train_features)
+
+
+def run_train_features(args: argparse.Namespace) -> int:
+    import itertools
+
+    from dflash2.models.store import canonical_name
+    from dflash2.models.tokenizer import Tokenizer
+    from dflash2.train.target_features import build_features, mt_bench_items, regenerated_items
+
+    target, model_dir = _teacher(args)
+    layers = tuple(int(x) for x in args.layers.split(","))
+    regenerated = regenerated_items(args.data, args.heldout, args.sequences)
+    heldout = [item for item in regenerated if item.heldout]
+    train = [item for item in regenerated if not item.heldout]
+    # held-out sets first, so that a short run already measures; then training sequences
+    items = itertools.chain(heldout, mt_bench_items(target, Tokenizer(model_dir), args.mt_bench,
+                                                    out_dir=Path(args.out)), train)
+    print(build_features(args.out, target, items, layers, args.top_k, canonical_name(args.model) or args.model))
     return 0
 
 
@@ -274,6 +322,13 @@ def _add_pard_parser(sub) -> None:
     pard.add_argument("--init-adapter", default="",
                       help="warm start a fresh run from a shipped adapter directory (its LoRA weights and mask "
                            "embedding; the optimizer and schedule start over)")
+    pard.add_argument("--features", default="",
+                      help="`dflash2 train features` directory: soft labels and the target's taps (instead of "
+                           "--labels / --hard-labels); its held-out sequences are the held-out sets")
+    pard.add_argument("--train-sequences", type=int, default=None, help="with --features: its first N only")
+    pard.add_argument("--condition", action="store_true",
+                      help="condition the drafter on the target's hidden states (the `dflash2` drafter; needs --features)")
+    pard.add_argument("--conditioning-lr", type=float, default=5e-4)
     pard.add_argument("--checkpoint-every", type=int, default=10)
     pard.add_argument("--stop-at-step", type=int, default=None, help="stop the run at this step; a re-run resumes")
     pard.add_argument("--no-resume", action="store_true")
@@ -299,28 +354,31 @@ def run_train_pard(args: argparse.Namespace) -> int:
         mask_learning_rate=args.mask_lr, warmup_steps=args.warmup, eval_every=args.eval_every,
         eval_anchors=args.eval_anchors, checkpoint_every=args.checkpoint_every, stop_at_step=args.stop_at_step,
         resume=not args.no_resume, threads=args.threads, initial_eval=not args.no_initial_eval,
-        init_adapter=args.init_adapter,
+        init_adapter=args.init_adapter, features_dir=args.features, train_sequences=args.train_sequences,
+        condition=args.condition, conditioning_learning_rate=args.conditioning_lr,
     )
     print(train_pard(config))
     return 0
 
 
-# ---- `dflash2 train export-pard` (a plain Hugging Face directory of a PARD drafter) ----------------------------
+# ---- `dflash2 train export` (a drafter in the layout of the engine that serves it) ------------------------------
 
 
 def _add_export_pard_parser(sub) -> None:
-    export = sub.add_parser("export-pard", help="write a PARD drafter as a plain Hugging Face directory (merged "
-                                                "weights + config naming the mask token, block size and taps)")
+    export = sub.add_parser("export", help="write a trained drafter in the layout another engine loads: PARD for "
+                                           "vLLM's parallel drafting, DFlash for llama.cpp / vLLM / SGLang")
+    export.add_argument("--engine", required=True, choices=("llama.cpp", "vllm", "sglang"))
     export.add_argument("--out", required=True, help="the directory to write")
-    export.add_argument("--adapter", default="",
-                        help="a trained adapter directory (pard_config.json); default: the one shipped for --target; "
-                             "'untrained': the base with the mean embedding as mask embedding")
-    export.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="picks the shipped adapter")
-    export.add_argument("--base", default=None, help="the base network (default: the adapter's base_model, or the "
-                                                     "store's qwen2.5-coder-0.5b-instruct for 'untrained')")
+    export.add_argument("--drafter", default="pard",
+                        help="a trained drafter directory (a PARD adapter or a DFlash drafter), or 'pard' / 'dflash': "
+                             "the one shipped for --target (default: %(default)s); 'untrained': the PARD base with "
+                             "the mean embedding as mask embedding")
+    export.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="picks the shipped drafter")
+    export.add_argument("--base", default=None, help="PARD: the base network (default: the adapter's base_model, or "
+                                                     "the store's qwen2.5-coder-0.5b-instruct for 'untrained')")
     export.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
-    export.add_argument("--num-draft-tokens", type=int, default=None, help="block size (default: the adapter's)")
-    export.set_defaults(handler=run_export_pard)
+    export.add_argument("--num-draft-tokens", type=int, default=None, help="PARD block size (default: the adapter's)")
+    export.set_defaults(handler=run_export)
 
     adapter = sub.add_parser("pard-adapter", help="write the shippable adapter of a PARD run's checkpoint (the latest "
                                                   "or --step) without stopping the run")
@@ -347,16 +405,41 @@ def run_pard_vocab(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_export_pard(args: argparse.Namespace) -> int:
+def run_export(args: argparse.Namespace) -> int:
     from dflash2.drafters.pard import PardConfig
     from dflash2.models.store import resolve_model
+    from dflash2.train.export import ExportError, export_drafter
     from dflash2.train.pard_export import export_pard, shipped_or_given_adapter
 
-    adapter = shipped_or_given_adapter(args.adapter, args.target)
-    base = args.base or (PardConfig.load(adapter).base_model if adapter is not None else "qwen2.5-coder-0.5b-instruct")
-    print(export_pard(adapter, resolve_model(base, args.dtype), args.out, args.dtype,
-                      num_draft_tokens=args.num_draft_tokens))
+    try:
+        if args.drafter == "untrained" or (args.drafter == "pard" and args.base):
+            adapter = shipped_or_given_adapter("" if args.drafter == "pard" else args.drafter, args.target)
+            base = args.base or (PardConfig.load(adapter).base_model if adapter else "qwen2.5-coder-0.5b-instruct")
+            if args.engine != "vllm":
+                raise ExportError(f"{args.engine} has no parallel-drafting mode for a draft model: export PARD for vllm")
+            print(export_pard(adapter, resolve_model(base, args.dtype), args.out, args.dtype,
+                              num_draft_tokens=args.num_draft_tokens))
+            return 0
+        result = export_drafter(_shipped_drafter(args.drafter, args.target), args.engine, args.out,
+                                target=args.target, dtype=args.dtype, num_draft_tokens=args.num_draft_tokens)
+    except ExportError as error:
+        print(f"dflash2 train export: {error}", file=sys.stderr)
+        return 2
+    print(result.out_dir)
+    print(f"serve it with: {result.how_to_serve}")
     return 0
+
+
+def _shipped_drafter(drafter: str, target: str) -> str:
+    """'pard' / 'dflash' / 'dflash-llama.cpp' -> the directory shipped for ``target``; anything else is a path."""
+    from dflash2.drafters import shipped_dflash_drafter
+    from dflash2.train.pard_export import shipped_or_given_adapter
+
+    if drafter == "pard":
+        return str(shipped_or_given_adapter("", target))
+    if drafter == "dflash":
+        return str(shipped_dflash_drafter(target))
+    return drafter
 
 
 def run_pard_adapter(args: argparse.Namespace) -> int:

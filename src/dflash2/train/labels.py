@@ -207,6 +207,13 @@ def label_sequence(target: Transformer, item: LabelItem, top_k: int, logit_rows:
     last = target.config.num_layers - 1
     out = target(ids[None].to(target.device), hidden_layers=(last,), logits="none")
     hidden = out.hidden_states[0][0, item.label_start : len(item.ids) - 1]  # [R, D]
+    return LabelledSequence(item.source, ids, item.label_start, *topk_labels(target, hidden, top_k, logit_rows))
+
+
+def topk_labels(target: Transformer, hidden: torch.Tensor, top_k: int, logit_rows: int = 128
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's last-layer states hidden [R, D] -> (top-k ids int32 [R, K], their probabilities fp16 [R, K],
+    rest mass fp16 [R]), the head run ``logit_rows`` rows at a time (a [R, 151936] fp32 block is large)."""
     topk_ids, topk_probs, rests = [], [], []
     for begin in range(0, hidden.shape[0], logit_rows):
         logits = target.lm_head(target.norm(hidden[begin : begin + logit_rows])).float()  # [r, V]
@@ -215,8 +222,7 @@ def label_sequence(target: Transformer, item: LabelItem, top_k: int, logit_rows:
         topk_ids.append(indices.to(torch.int32).cpu())
         topk_probs.append(values.to(torch.float16).cpu())
         rests.append((1.0 - values.sum(-1)).clamp_min(0.0).to(torch.float16).cpu())
-    return LabelledSequence(item.source, ids, item.label_start, torch.cat(topk_ids), torch.cat(topk_probs),
-                            torch.cat(rests))
+    return torch.cat(topk_ids), torch.cat(topk_probs), torch.cat(rests)
 
 
 def write_label_shard(path: str | Path, sequences: Sequence[LabelledSequence]) -> None:
@@ -313,6 +319,7 @@ class LabelledText:
     topk_ids: torch.Tensor  # [N - 1 - label_start, K] int64
     topk_probs: torch.Tensor  # [N - 1 - label_start, K] float32
     rest: torch.Tensor  # [N - 1 - label_start] float32
+    taps: torch.Tensor | None = None  # [N, T * Dt] the target's tapped hidden states (train/target_features.py)
 
 
 class LabelShards:

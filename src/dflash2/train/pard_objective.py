@@ -89,8 +89,20 @@ class FrozenContext:
         pass
 
 
-def block_hidden(model: Transformer, ids: torch.Tensor, batch: PardBatch) -> torch.Tensor:
-    """[Q, D] final hidden states (before the norm) of every block row; gradients flow through the rows only."""
+def block_offsets(conditioning, text: LabelledText, batch: PardBatch) -> torch.Tensor | None:
+    """[Q, D] each block row's input offset: the conditioning of the target's taps at the position before the
+    block's anchor (the last position the target has verified when the anchor is the pending token); None
+    without conditioning (``drafters/conditioning.py``)."""
+    if conditioning is None:
+        return None
+    anchors = batch.positions - batch.depth  # [Q]
+    return conditioning(text.taps[(anchors - 1).clamp_min(0)])
+
+
+def block_hidden(model: Transformer, ids: torch.Tensor, batch: PardBatch,
+                 offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """[Q, D] final hidden states (before the norm) of every block row; gradients flow through the rows only.
+    ``offsets`` [Q, D]: added to the block rows' input embeddings (target conditioning)."""
     device, S = model.device, batch.context_length
     with torch.no_grad():
         cache = model.new_cache(max(S, 1))
@@ -99,7 +111,8 @@ def block_hidden(model: Transformer, ids: torch.Tensor, batch: PardBatch) -> tor
     context = FrozenContext(cache.keys[:, :, :, :S], cache.values[:, :, :, :S])
     last = model.config.num_layers - 1
     out = model(batch.input_ids[None].to(device), batch.positions[None].to(device), context,
-                batch.attn_mask.to(device), hidden_layers=(last,), logits="none")
+                batch.attn_mask.to(device), hidden_layers=(last,), logits="none",
+                input_offsets=None if offsets is None else offsets[None].to(device))
     return out.hidden_states[0][0]
 
 
@@ -134,11 +147,11 @@ def distill_loss(logits: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch
 
 
 def pard_loss(model: Transformer, text: LabelledText, batch: PardBatch, *, decay: float, ce_weight: float,
-              reach: bool = True) -> tuple[torch.Tensor, int]:
+              reach: bool = True, conditioning=None) -> tuple[torch.Tensor, int]:
     """(loss, rows scored) of one sequence's blocks; rows of zero weight skip the head."""
     weights = row_weights(text, batch, decay, reach)
     keep = weights > 0
-    hidden = block_hidden(model, text.ids, batch)
+    hidden = block_hidden(model, text.ids, batch, block_offsets(conditioning, text, batch))
     if not bool(keep.any()):
         return hidden.sum() * 0.0, 0
     rows = batch.label_rows[keep]
@@ -152,7 +165,7 @@ def pard_loss(model: Transformer, text: LabelledText, batch: PardBatch, *, decay
 
 @torch.no_grad()
 def heldout_acceptance(model: Transformer, texts, num_draft_tokens: int, mask_token_id: int,
-                       anchors_per_sequence: int = 8) -> tuple[float, list[float], int]:
+                       anchors_per_sequence: int = 8, conditioning=None) -> tuple[float, list[float], int]:
     """Greedy drafts vs the target's greedy choice on held-out labelled sequences: (tau, acceptance by position
     [k], blocks). Draft j of a block at anchor a is accepted while every draft before it was, it equals the
     target's argmax at position a + j, and so does the real token ``ids[a + j + 1]`` (the data follows the
@@ -170,7 +183,7 @@ def heldout_acceptance(model: Transformer, texts, num_draft_tokens: int, mask_to
         anchors = torch.linspace(text.label_start, high, steps=count).round().long().unique()
         depths = torch.full_like(anchors, k - 1)
         batch = build_pard_batch(text.label_start, text.ids, anchors, depths, mask_token_id)
-        hidden = block_hidden(model, text.ids, batch)
+        hidden = block_hidden(model, text.ids, batch, block_offsets(conditioning, text, batch))
         logits = model.lm_head(model.norm(hidden)).float()
         logits[:, mask_token_id] = float("-inf")
         drafts = logits.argmax(-1).cpu().view(-1, k)  # [A, k]

@@ -57,12 +57,16 @@ class PardTrainConfig:
     heldout_every: int = 40  # soft labels: sequence i is held out when i % heldout_every == 0 ...
     heldout_sequences: int = 24  # ... for the first this many such i; hard labels: the last this many
     init_adapter: str = ""  # warm start: a shipped adapter directory (LoRA + mask embedding; fresh optimizer)
+    features_dir: str = ""  # `dflash2 train features`: soft labels + target taps (replaces label_dirs / hard ones)
+    train_sequences: int | None = None  # with features_dir: train on its first this many sequences only
+    condition: bool = False  # read the target's taps (drafters/conditioning.py; needs features_dir)
     seed: int = 0
     anchors_per_sequence: int = 32  # blocks per sequence per step
     sequences_per_step: int = 4  # gradient accumulation
     num_steps: int = 2000  # optimizer steps of the whole run (sets the cosine schedule)
     learning_rate: float = 2e-4
     mask_learning_rate: float = 2e-3  # the mask embedding starts far from anything trained: a faster rate
+    conditioning_learning_rate: float = 5e-4  # the conditioning's projection (starts at zero)
     warmup_steps: int = 20
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -79,14 +83,22 @@ class PardTrainConfig:
 
     def recipe(self) -> dict:
         fields = asdict(self)
+        added = {"features_dir": "", "train_sequences": None, "condition": False}  # absent from older recipes
         return {key: fields[key] for key in list(fields)[: list(fields).index("seed") + 1]
-                if key not in ("base_dir", "label_dirs", "hard_label_dirs", "out_dir")}
+                if key not in ("base_dir", "label_dirs", "hard_label_dirs", "out_dir", "features_dir")
+                and not (key in added and fields[key] == added[key])}
 
 
 class TrainingData:
     """The soft-label and hard-label sets, their held-out splits, and the draw of a training sequence."""
 
     def __init__(self, config: PardTrainConfig) -> None:
+        self.features = None
+        if config.features_dir:
+            self._read_features(config)
+            return
+        if config.condition:
+            raise ValueError("a conditioned drafter trains on `dflash2 train features` data: give features_dir")
         self.soft = LabelShards(config.label_dirs) if config.label_dirs else None
         self.hard = HardLabels(config.hard_label_dirs) if config.hard_label_dirs else None
         if self.soft is None and self.hard is None:
@@ -106,7 +118,19 @@ class TrainingData:
             self.hard_train, held = self.hard.split_heldout(config.heldout_sequences)
             self.heldout["regenerated"] = [_truncate(self.hard[i], config.max_sequence_length) for i in held]
 
+    def _read_features(self, config: PardTrainConfig) -> None:
+        from dflash2.train.target_features import FeatureSet
+
+        self.features = FeatureSet(config.features_dir)
+        self.taps = config.condition
+        self.feature_train = self.features.train[: config.train_sequences]
+        self.heldout = {kind: [_truncate(self.features.read(n, self.taps), config.max_sequence_length) for n in names]
+                        for kind, names in self.features.heldout_groups().items()}
+
     def describe(self) -> str:
+        if self.features is not None:
+            held = ", ".join(f"{kind} {len(texts)}" for kind, texts in self.heldout.items())
+            return f"features {len(self.feature_train)} sequences + held out {held}"
         parts = []
         if self.soft is not None:
             parts.append(f"soft labels {len(self.soft_train)} + {len(self.heldout['labels'])} held out")
@@ -115,6 +139,11 @@ class TrainingData:
         return "; ".join(parts)
 
     def draw(self, generator: torch.Generator) -> LabelledText:
+        if self.features is not None:
+            if not self.feature_train:
+                raise ValueError(f"no training sequence in {self.features.directory} yet")
+            pick = int(torch.randint(len(self.feature_train), (1,), generator=generator))
+            return self.features.read(self.feature_train[pick], self.taps)
         soft = bool(torch.rand((1,), generator=generator) < self.soft_share) and bool(self.soft_train)
         pool, source = (self.soft_train, self.soft) if soft or not self.hard_train else (self.hard_train, self.hard)
         return source[pool[int(torch.randint(len(pool), (1,), generator=generator))]]
@@ -125,7 +154,8 @@ def _truncate(text: LabelledText, max_length: int) -> LabelledText:
         return text
     rows = max(0, max_length - 1 - text.label_start)
     return LabelledText(text.ids[:max_length], text.label_start, text.source, text.topk_ids[:rows],
-                        text.topk_probs[:rows], text.rest[:rows])
+                        text.topk_probs[:rows], text.rest[:rows],
+                        None if text.taps is None else text.taps[:max_length])
 
 
 def build_model(config: PardTrainConfig) -> tuple[Transformer, int, list[torch.nn.Parameter], torch.nn.Parameter]:
@@ -159,6 +189,16 @@ class MaskedEmbedding(torch.nn.Module):
         return torch.where((ids == self.mask_id)[..., None], self.mask_embedding.to(out.dtype), out)
 
 
+def build_conditioning(config: PardTrainConfig, data: TrainingData, model: Transformer):
+    """The zero-initialised target conditioning (fp32, trainable), or None when the run does not condition."""
+    if not config.condition:
+        return None
+    from dflash2.drafters.conditioning import ConditioningConfig, TargetConditioning
+
+    return TargetConditioning(ConditioningConfig(data.features.target_layers, data.features.target_hidden_size,
+                                                 model.config.hidden_size))
+
+
 def train_pard(config: PardTrainConfig) -> Path:
     """Run (or resume) training; returns the directory of the adapter written at the end."""
     from tqdm import tqdm
@@ -169,8 +209,11 @@ def train_pard(config: PardTrainConfig) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     data = TrainingData(config)
     model, mask_id, lora_params, mask_embedding = build_model(config)
+    conditioning = build_conditioning(config, data, model)
     groups = [{"params": lora_params, "lr": config.learning_rate},
               {"params": [mask_embedding], "lr": config.mask_learning_rate}]
+    if conditioning is not None:
+        groups.append({"params": list(conditioning.parameters()), "lr": config.conditioning_learning_rate})
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cosine_with_warmup(
@@ -178,14 +221,14 @@ def train_pard(config: PardTrainConfig) -> Path:
     step = 0
     latest = latest_checkpoint(out_dir) if config.resume else None
     if latest is not None:
-        step = _load_checkpoint(latest, config, model, mask_embedding, optimizer, scheduler)
+        step = _load_checkpoint(latest, config, model, mask_embedding, optimizer, scheduler, conditioning)
     elif config.init_adapter:
         _warm_start(Path(config.init_adapter), config, model, mask_embedding, mask_id)
     heldout = data.heldout
     print(f"data: {data.describe()}" + (f"; resuming at step {step}" if step else ""), flush=True)
     end = min(config.num_steps, config.stop_at_step or config.num_steps)
     if latest is None and config.initial_eval:  # the untrained drafter's acceptance, once
-        _report_eval(model, heldout, config, mask_id, 0, out_dir)
+        _report_eval(model, heldout, config, mask_id, 0, out_dir, conditioning=conditioning)
     bar = tqdm(total=config.num_steps, initial=step, desc="training pard", unit="step", disable=not config.progress,
                dynamic_ncols=True)
     model.train()
@@ -204,12 +247,12 @@ def train_pard(config: PardTrainConfig) -> Path:
                     continue
                 batch = build_pard_batch(text.label_start, text.ids, anchors, depths, mask_id)
                 loss, rows = pard_loss(model, text, batch, decay=config.decay, ce_weight=config.ce_weight,
-                                       reach=config.reach_weight)
+                                       reach=config.reach_weight, conditioning=conditioning)
                 (loss / config.sequences_per_step).backward()
                 total_loss += float(loss.detach()) / config.sequences_per_step
                 total_rows += rows
                 total_tokens += batch.context_length + len(batch.input_ids)
-            params = lora_params + [mask_embedding]
+            params = lora_params + [mask_embedding] + ([] if conditioning is None else list(conditioning.parameters()))
             if config.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
             lr = optimizer.param_groups[0]["lr"]
@@ -223,24 +266,26 @@ def train_pard(config: PardTrainConfig) -> Path:
                                                         "rows": total_rows, "tokens": total_tokens,
                                                         "seconds": round(seconds, 2)})
             if step % config.checkpoint_every == 0 or step == end:
-                save_checkpoint(out_dir, model, mask_embedding, optimizer, scheduler, step, config)
+                save_checkpoint(out_dir, model, mask_embedding, optimizer, scheduler, step, config, conditioning)
             if config.eval_every and step % config.eval_every == 0 and step != end:
-                _report_eval(model, heldout, config, mask_id, step, out_dir, bar)
+                _report_eval(model, heldout, config, mask_id, step, out_dir, bar, conditioning)
     except KeyboardInterrupt:  # stop quickly: checkpoint and adapter, no held-out check (a re-run resumes)
         interrupted = True
         bar.write(f"interrupted at step {step}: checkpoint and adapter saved; a re-run resumes")
     finally:
         bar.close()
-    save_checkpoint(out_dir, model, mask_embedding, optimizer, scheduler, step, config)
-    result = {} if interrupted else _report_eval(model, heldout, config, mask_id, step, out_dir)
+    save_checkpoint(out_dir, model, mask_embedding, optimizer, scheduler, step, config, conditioning)
+    result = {} if interrupted else _report_eval(model, heldout, config, mask_id, step, out_dir,
+                                                 conditioning=conditioning)
     return save_adapter(out_dir / FINAL_DRAFTER, model, mask_embedding, config, mask_id,
                         {"steps": step, "labels": config.label_dirs, "hard_labels": config.hard_label_dirs,
-                         "heldout": result})
+                         "features": config.features_dir, "heldout": result}, conditioning=conditioning)
 
 
 def save_adapter(directory: Path, model: Transformer, mask_embedding: torch.Tensor, config: PardTrainConfig,
-                 mask_id: int, record: dict | None = None, dtype: str | None = None) -> Path:
-    """``directory/{pard_config.json, adapter.safetensors}`` (what ships)."""
+                 mask_id: int, record: dict | None = None, dtype: str | None = None, conditioning=None) -> Path:
+    """``directory/{pard_config.json, adapter.safetensors}`` (what ships), and the conditioning's two files when
+    the run conditions on the target."""
     from dflash2.models.loading import parse_dtype
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -249,6 +294,8 @@ def save_adapter(directory: Path, model: Transformer, mask_embedding: torch.Tens
     PardConfig(base_model=config.base_model or config.base_dir, mask_token_id=mask_id,
                num_draft_tokens=config.num_draft_tokens, lora_rank=config.lora_rank, lora_alpha=config.lora_alpha,
                lora_targets=LORA_TARGETS, target_model=config.target_model, extra=record or {}).save(directory)
+    if conditioning is not None:
+        conditioning.save(directory, parse_dtype(dtype or config.save_dtype))
     return directory
 
 
@@ -290,6 +337,14 @@ def adapter_from_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int 
                extra={"steps": step, "checkpoint": str(path), "recipe": recipe,
                       "heldout": {k: v for k, v in heldout.items() if k != "step"} if heldout else None}
                ).save(out_dir)
+    if "conditioning" in state:  # a run conditioned on the target: its projection ships beside the adapter
+        from dflash2.drafters.conditioning import ConditioningConfig, TargetConditioning
+
+        conditioning = TargetConditioning(ConditioningConfig(**{**state["conditioning"], "target_layers": tuple(
+            state["conditioning"]["target_layers"])}))
+        with safe_open(str(path / STATE_TENSORS), framework="pt") as handle:
+            conditioning.proj.weight.data.copy_(handle.get_tensor("conditioning.proj.weight"))
+        conditioning.save(out_dir, parse_dtype(dtype))
     return out_dir
 
 
@@ -313,12 +368,12 @@ def write_draft_vocab(adapter_dir: str | Path, token_dirs: str, size: int, heldo
 
 
 def _report_eval(model, heldout: dict[str, list[LabelledText]], config: PardTrainConfig, mask_id: int, step: int,
-                 out_dir: Path, bar=None) -> dict:
+                 out_dir: Path, bar=None, conditioning=None) -> dict:
     """Held-out tau and acceptance by position per held-out set, printed and appended to eval.jsonl."""
     results = {}
     for name, texts in heldout.items():
         tau, by_position, blocks = heldout_acceptance(model, texts, config.num_draft_tokens, mask_id,
-                                                      config.eval_anchors)
+                                                      config.eval_anchors, conditioning)
         line = (f"step {step}: held-out {name} tau {tau:.3f} over {blocks} blocks; acceptance by position "
                 + " ".join(f"{p:.2f}" for p in by_position))
         if bar is None:
@@ -340,7 +395,7 @@ def _append_jsonl(path: Path, record: dict) -> None:
 
 
 def save_checkpoint(out_dir: Path, model, mask_embedding, optimizer, scheduler, step: int,
-                    config: PardTrainConfig) -> Path:
+                    config: PardTrainConfig, conditioning=None) -> Path:
     """``checkpoints/step_N`` (atomic: temp dir + rename); older ones pruned."""
     root = Path(out_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
@@ -350,11 +405,15 @@ def save_checkpoint(out_dir: Path, model, mask_embedding, optimizer, scheduler, 
     tmp = Path(tempfile.mkdtemp(prefix=".step.tmp-", dir=root))
     try:
         tensors = {f"adapter.{k}": v for k, v in adapter_state(model, mask_embedding, torch.float32).items()}
+        if conditioning is not None:
+            tensors["conditioning.proj.weight"] = conditioning.proj.weight.detach().float().contiguous()
         optimizer_state = optimizer.state_dict()
         scalars = split_optimizer_state(optimizer_state, tensors)
         save_file(tensors, str(tmp / STATE_TENSORS))
         state = {"step": step, "recipe": config.recipe(), "optimizer_param_groups": optimizer_state["param_groups"],
                  "optimizer_scalars": scalars, "scheduler": scheduler.state_dict()}
+        if conditioning is not None:
+            state["conditioning"] = {**asdict(conditioning.config), "target_layers": list(conditioning.config.target_layers)}
         (tmp / STATE_JSON).write_text(json.dumps(state, indent=1) + "\n")
         tmp.rename(destination)
     except BaseException:
@@ -389,7 +448,8 @@ def _warm_start(adapter_dir: Path, config: PardTrainConfig, model, mask_embeddin
     print(f"warm start from {adapter_dir} ({shipped.extra.get('steps', '?')} steps{grown})", flush=True)
 
 
-def _load_checkpoint(path: Path, config: PardTrainConfig, model, mask_embedding, optimizer, scheduler) -> int:
+def _load_checkpoint(path: Path, config: PardTrainConfig, model, mask_embedding, optimizer, scheduler,
+                     conditioning=None) -> int:
     state = json.loads((path / STATE_JSON).read_text())
     if state["recipe"] != json.loads(json.dumps(config.recipe())):
         raise ValueError(f"{path} was written by a different training recipe; use another out_dir or --no-resume")
@@ -398,6 +458,8 @@ def _load_checkpoint(path: Path, config: PardTrainConfig, model, mask_embedding,
     adapter = {name.removeprefix("adapter."): t for name, t in tensors.items() if name.startswith("adapter.")}
     load_adapter_state(model, adapter)
     mask_embedding.data.copy_(adapter["mask_embedding"])
+    if conditioning is not None:
+        conditioning.proj.weight.data.copy_(tensors["conditioning.proj.weight"])
     load_optimizer_state(optimizer, state, tensors)
     scheduler.load_state_dict(state["scheduler"])
     return int(state["step"])

@@ -1,0 +1,117 @@
+"""The ``dflash2`` drafter: a pretrained small model of the target's family (the PARD drafter: LoRA adapters and a
+learned mask embedding, k drafts in ONE pass) that also reads the target's hidden states of the last verified
+position from a few of its layers (``drafters/conditioning.py``), added to the inputs of the pass's drafting rows.
+
+Everything else is the PARD drafter's (drafters/pard.py): its own KV cache of the committed ids, rollback, the
+context window, trees (``dflash2:kxW``), the draft vocabulary and Q8_0 / Q4_0 weights. What it adds:
+
+- ``hidden_layers`` = the conditioning's target layers: the engine then hands it, after prefill and after every
+  verification, the target's states of the positions just committed (``observe``); the drafter keeps the
+  conditioning of the LAST one (position ``len(sequence) - 2``: the pending token has no state yet).
+- a draft pass adds that offset to the input embeddings of the pending row and the mask rows; ids read as
+  context get none (as in training: ``train/pard_objective.block_offsets``).
+
+Lossless as every drafter: the conditioning changes which tokens are drafted, never what is verified. At T > 0
+each position is sampled from its own ``q_draft`` (given the same inputs whatever the drafts before it). Where the
+offset does not match the sequence (a draft after steps the drafter did not observe), the pass drafts without it.
+Lead tokens (``pard:L+k``) are not offered: a lead token has no target state for the pass after it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dflash2.drafters.conditioning import TargetConditioning, fuse_taps, has_conditioning
+from dflash2.drafters.pard import PARD_CONFIG, PardDrafter
+from dflash2.models.decoder import Transformer
+
+
+class ConditionedPardDrafter(PardDrafter):
+    """PARD drafting with the target's hidden states of the last verified position (module docstring)."""
+
+    name = "dflash2"
+
+    def __init__(self, model: Transformer, mask_token_id: int, conditioning: TargetConditioning,
+                 num_draft_tokens: int = 8, target_vocab_size: int | None = None, num_paths: int = 1,
+                 context_window: tuple[int, int] | None = None, catch_up: int | None = None,
+                 reader: Transformer | None = None) -> None:
+        super().__init__(model, mask_token_id, num_draft_tokens, target_vocab_size, num_paths, context_window,
+                         catch_up, 0, reader)
+        self.conditioning = conditioning
+        self.hidden_layers = conditioning.config.target_layers
+        self._offset: torch.Tensor | None = None  # [D] in the drafter's dtype
+        self._offset_position = -1  # the position whose target state made it
+
+    def for_request(self) -> ConditionedPardDrafter:
+        """The same networks (weights shared), its own cache and offset."""
+        return ConditionedPardDrafter(self.model, self.mask_token_id, self.conditioning, self.num_draft_tokens,
+                                      self.target_vocab_size, self.num_paths, self.context_window, self.catch_up,
+                                      self.reader)
+
+    def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> None:
+        """Each request's pass carries its own offset: drafted one by one (``propose``)."""
+        return None
+
+    def reset(self, capacity: int) -> None:
+        super().reset(capacity)
+        self._offset, self._offset_position = None, -1
+
+    @torch.inference_mode()
+    def observe(self, sequence: list[int], num_accepted: int, target_hidden: tuple[torch.Tensor, ...]) -> None:
+        """Keep the conditioning of the last committed position's target state (each tap [1, n, Dt])."""
+        if not target_hidden or target_hidden[0].shape[1] == 0:
+            return
+        last = fuse_taps(tuple(h[0, -1:] for h in target_hidden))  # [1, T * Dt]
+        self._offset = self.conditioning(last)[0].to(self.model.dtype)  # [D]
+        self._offset_position = len(sequence) - 2
+
+    def _pass_hidden(self, sequence: list[int], num_draft_tokens: int) -> torch.Tensor:
+        """One draft pass with the offset on its drafting rows -> [k, D] (before the final norm)."""
+        feed = self._prepare_pass(sequence, num_draft_tokens)
+        device = self.model.device
+        offsets = None
+        if self._offset is not None and self._offset_position == len(sequence) - 2:
+            offsets = torch.zeros(1, len(feed.ids), self.model.config.hidden_size, dtype=self.model.dtype,
+                                  device=device)  # [1, T, D]
+            offsets[0, feed.draft_rows] = self._offset.to(device)
+        out = self.model(torch.tensor([feed.ids], device=device), torch.tensor([feed.positions], device=device),
+                         cache=self.cache, hidden_layers=(self.model.config.num_layers - 1,), logits="none",
+                         input_offsets=offsets)
+        hidden = out.hidden_states[0][0, feed.draft_rows]  # [k, D]
+        self._finish_pass(sequence, feed)
+        return hidden
+
+
+def build_conditioned_drafter(target, draft_model: str | Path | None, num_draft_tokens: int | None, *,
+                              dtype: str = "bf16", weights: str | None = None, pull: bool = True,
+                              num_paths: int = 1) -> ConditionedPardDrafter:
+    """The ``dflash2`` drafter for ``target`` (a :class:`~dflash2.drafters.DraftTarget`): ``draft_model`` is a
+    trained adapter directory with its conditioning (``pard_config.json`` + ``conditioning.json``); None = the one
+    shipped for the target (``drafters/trained/<target>-dflash2``)."""
+    from dflash2.drafters.pard import (SHIPPED_DIR, load_pard_networks, pard_catch_up, pard_context_window,
+                                       pard_reader, pard_weights)
+    from dflash2.models.store import canonical_name, resolve_model
+    from dflash2.drafters.pard import PardConfig
+
+    if draft_model is None:
+        draft_model = SHIPPED_DIR / f"{canonical_name(target.name) or target.name}-dflash2"
+    directory = Path(draft_model)
+    if not ((directory / PARD_CONFIG).exists() and has_conditioning(directory)):
+        raise ValueError(f"no target-conditioned drafter in {directory}: train one with `dflash2 train pard "
+                         f"--features DIR --condition` and pass its drafter/ directory as --draft-model")
+    base_dir = resolve_model(PardConfig.load(directory).base_model, dtype, pull=pull)
+    if not target.tokenizer.same_vocabulary(base_dir):
+        raise ValueError(f"the drafter's base in {directory} has a different tokenizer from the target")
+    device = str(target.target.device)
+    model, config, reader = load_pard_networks(directory, base_dir, dtype, device,
+                                               weights=pard_weights(weights, device, dtype), reader=pard_reader())
+    conditioning = TargetConditioning.load(directory).to(device)
+    if conditioning.config.target_hidden_size != target.target.config.hidden_size:
+        raise ValueError(f"{directory} reads a target of width {conditioning.config.target_hidden_size}, not "
+                         f"{target.target.config.hidden_size}")
+    k = num_draft_tokens or config.default_num_draft_tokens or config.num_draft_tokens
+    return ConditionedPardDrafter(model, config.mask_token_id, conditioning, k,
+                                  target_vocab_size=target.target.config.vocab_size, num_paths=num_paths,
+                                  context_window=pard_context_window(), catch_up=pard_catch_up(), reader=reader)

@@ -1,0 +1,120 @@
+"""The target-conditioned PARD drafter (``dflash2``): the training blocks with conditioning compute what a draft pass
+computes; greedy identity with plain decoding through every pipeline; the features + conditioned training run
+(zero-initialised conditioning = the unconditioned drafter at step 0, it learns, it resumes, it ships)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from dflash2.decode.plain import plain_decode
+from dflash2.decode.stats import DecodeStats
+from dflash2.drafters.conditioned import ConditionedPardDrafter
+from dflash2.drafters.conditioning import ConditioningConfig, TargetConditioning
+from dflash2.models.loading import load_transformer
+from dflash2.train.data import TrainingSequence, write_token_shards
+from dflash2.train.labels import LabelledText
+from dflash2.train.pard_objective import block_hidden, block_offsets, build_pard_batch
+from dflash2.verify.sampling import GREEDY
+from tests.pipelines import PIPELINES, speculative_steps
+
+MASK = 255
+LAYERS = (0, 2)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dirs):
+    return {key: load_transformer(path, "fp32") for key, path in tiny_model_dirs.items()}
+
+
+def random_conditioning(target, drafter, seed: int = 0) -> TargetConditioning:
+    conditioning = TargetConditioning(ConditioningConfig(LAYERS, target.config.hidden_size,
+                                                         drafter.config.hidden_size))
+    conditioning.proj.weight.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
+    return conditioning.requires_grad_(False)
+
+
+def target_taps(target, ids: torch.Tensor) -> torch.Tensor:
+    """[N, T * Dt] the target's tapped states at every position of ids [N]."""
+    out = target(ids[None], hidden_layers=LAYERS, logits="none")
+    return torch.cat([h[0] for h in out.hidden_states], dim=-1)
+
+
+def test_training_blocks_with_conditioning_equal_the_draft_pass(models):
+    """A block of the training batch, offset by the target's taps before its anchor, computes what the drafter's
+    pass computes after observing the target's states of the sequence up to that anchor."""
+    target, model = models["qwen2"], models["qwen2_other"]
+    conditioning = random_conditioning(target, model)
+    ids = torch.randint(0, 250, (30,), generator=torch.Generator().manual_seed(1))
+    text = LabelledText(ids, 4, 0, torch.zeros(25, 1, dtype=torch.int64), torch.ones(25, 1), torch.zeros(25),
+                        taps=target_taps(target, ids))
+    anchors, depths = torch.tensor([6, 11, 20]), torch.tensor([3, 0, 2])
+    batch = build_pard_batch(4, ids, anchors, depths, MASK)
+    with torch.no_grad():
+        logits = model.lm_head(model.norm(block_hidden(model, ids, batch, block_offsets(conditioning, text, batch))))
+        plain = model.lm_head(model.norm(block_hidden(model, ids, batch)))
+    assert not torch.allclose(logits, plain, atol=1e-3)  # the conditioning is read
+    for anchor, depth, first in ((6, 3, 0), (11, 0, 4), (20, 2, 5)):
+        drafter = ConditionedPardDrafter(model, MASK, conditioning, depth + 1)
+        drafter.reset(64)
+        sequence = ids[: anchor + 1].tolist()
+        with torch.no_grad():  # the target has verified positions 0 .. anchor - 1; the anchor is pending
+            taps = target(ids[None, :anchor], hidden_layers=LAYERS, logits="none").hidden_states
+        drafter.observe(sequence, -1, taps)
+        expected = drafter.draft_logits(sequence, depth + 1)
+        got = logits[first : first + depth + 1].clone()
+        got[:, MASK] = float("-inf")
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_identity(models, k, pipeline):
+    target, ids = models["qwen2"], torch.randint(0, 250, (13,), generator=torch.Generator().manual_seed(5))
+    capacity = len(ids) + 40 + k + 1
+    plain = list(itertools.islice(itertools.chain.from_iterable(
+        plain_decode(target, ids, GREEDY, None, capacity, DecodeStats())), 40))
+    drafter = ConditionedPardDrafter(models["qwen2_other"], MASK, random_conditioning(target, models["qwen2_other"]), k)
+    stats = DecodeStats()
+    spec = list(itertools.islice(itertools.chain.from_iterable(
+        speculative_steps(pipeline, target, drafter, ids, GREEDY, None, capacity, stats)), 40))
+    assert spec == plain
+    assert drafter._offset is not None  # the engine fed it the target's states
+
+
+def test_features_and_conditioned_training(tiny_model_dirs, tmp_path):
+    from dflash2.drafters.conditioning import has_conditioning
+    from dflash2.train.pard_trainer import PardTrainConfig, latest_checkpoint, train_pard
+    from dflash2.train.target_features import FeatureSet, build_features, regenerated_items
+
+    target = load_transformer(tiny_model_dirs["qwen2"], "fp32")
+    gen = torch.Generator().manual_seed(2)
+    sequences = []
+    for _ in range(20):  # the target's own greedy continuations
+        ids = torch.randint(0, 250, (6,), generator=gen).tolist()
+        for _ in range(24):
+            ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
+        sequences.append(TrainingSequence(torch.tensor(ids), prompt_length=6))
+    regen = write_token_shards(tmp_path / "regen", sequences, shard_size=8)
+    features = tmp_path / "features"
+    build_features(features, target, regenerated_items(str(regen), heldout=4), LAYERS, top_k=4)
+    assert len(FeatureSet(features).train) == 16 and len(FeatureSet(features).heldout) == 4
+    common = dict(base_dir=tiny_model_dirs["qwen2_other"], label_dirs="", features_dir=str(features),
+                  num_draft_tokens=4, lora_rank=4, mask_token_id=MASK, anchors_per_sequence=8,
+                  sequences_per_step=2, num_steps=20, learning_rate=1e-2, mask_learning_rate=5e-2,
+                  conditioning_learning_rate=1e-2, warmup_steps=2, eval_every=0, checkpoint_every=5, progress=False)
+    train_pard(PardTrainConfig(out_dir=str(tmp_path / "plain"), **common))
+    train_pard(PardTrainConfig(out_dir=str(tmp_path / "cond"), condition=True, stop_at_step=10, **common))
+    assert latest_checkpoint(tmp_path / "cond").name == "step_0000010"
+    drafter_dir = train_pard(PardTrainConfig(out_dir=str(tmp_path / "cond"), condition=True, **common))
+    plain_evals = [json.loads(line) for line in (tmp_path / "plain" / "eval.jsonl").read_text().splitlines()]
+    cond_evals = [json.loads(line) for line in (tmp_path / "cond" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in cond_evals] == [0, 10, 20]
+    assert cond_evals[0]["code"] == plain_evals[0]["code"]  # zero-initialised: step 0 drafts as without it
+    assert cond_evals[-1]["code"]["tau"] > cond_evals[0]["code"]["tau"]
+    assert has_conditioning(drafter_dir)
+    loaded = TargetConditioning.load(drafter_dir)
+    assert loaded.config.target_layers == LAYERS and loaded.proj.weight.abs().max() > 0
