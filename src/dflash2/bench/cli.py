@@ -36,7 +36,11 @@ def add_bench_parser(commands) -> None:
     p.add_argument("--out", type=Path, default=None, help="run directory (default: runs/bench-<time>)")
     p.add_argument("--peers", default=None,
                    help="other tools on the same prompts, comma-separated or all: transformers, transformers-assisted, "
-                        "transformers-pld, llamacpp, llamacpp-spec (needs the peers extra)")
+                        "transformers-pld, llamacpp, llamacpp-spec, llamacpp-dflash, llamacpp-ngram (needs the "
+                        "peers extra)")
+    p.add_argument("--peer-dflash-drafter", default=None,
+                   help="llamacpp-dflash: a DFlash drafter in llama.cpp's layout (default: the one shipped for the "
+                        "target, where it has that layout)")
     p.set_defaults(handler=run_bench_command)
 
 
@@ -122,7 +126,22 @@ def _peer_setup(args: argparse.Namespace, engine, prompts):
         target_dir=resolve_model(target, args.dtype), target_gguf=gguf_path(target),
         draft_dir=resolve_model(draft, args.dtype) if draft else None, draft_gguf=gguf_path(draft) if draft else None,
         dtype=args.dtype, threads=torch.get_num_threads(), eos_ids=frozenset(engine.tokenizer.eos_token_ids),
-        n_ctx=n_ctx, num_draft_tokens=args.num_draft_tokens)
+        n_ctx=n_ctx, num_draft_tokens=args.num_draft_tokens,
+        dflash_drafter=Path(args.peer_dflash_drafter) if args.peer_dflash_drafter else _llama_cpp_dflash(target))
+
+
+def _llama_cpp_dflash(target: str):
+    """The DFlash drafter shipped for ``target`` if llama.cpp can load its layout, else None."""
+    from dflash2.drafters import shipped_dflash_drafter
+    from dflash2.drafters.dflash_model import DFlashDraftModel
+    from dflash2.train.export import dflash_layout_problems
+
+    try:
+        directory = shipped_dflash_drafter(target)
+    except ValueError:
+        return None
+    config = DFlashDraftModel.from_pretrained(directory, "bf16").config
+    return None if dflash_layout_problems(config) else directory
 
 
 def _report_command(args: argparse.Namespace) -> int:

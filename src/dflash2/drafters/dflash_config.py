@@ -69,6 +69,7 @@ class DFlashConfig:
     rope_theta: float = 10000.0  # the target's, so that context and block positions rotate alike
     rope_scaling: dict[str, Any] | None = None  # the target's rope scaling (None | linear | llama3)
     attention_bias: bool = False  # biases on q/k/v (set when warm-starting from a Qwen2 target)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3 layers: the layout other engines' loaders build)
     num_target_layers: int = 0  # the target's depth (recorded in config.json; 0 = unknown)
     target_model: str = ""  # the target's name, recorded in config.json
     draft_vocab_size: int = 0  # > 0: the head scores only this many frequent ids (``draft_vocab``); 0 = all V
@@ -111,6 +112,7 @@ class DFlashConfig:
         mask_token_id: int | None = None,
         intermediate_size: int | None = None,
         attention_bias: bool | None = None,
+        qk_norm: bool = False,
         target_model: str = "",
         draft_vocab_size: int = 0,
         selector_rank: int = 0,
@@ -138,6 +140,7 @@ class DFlashConfig:
             rope_theta=target.rope_theta,
             rope_scaling=target.rope_scaling,
             attention_bias=target.qkv_bias if attention_bias is None else attention_bias,
+            qk_norm=qk_norm,
             num_target_layers=target.num_layers,
             target_model=target_model,
             draft_vocab_size=draft_vocab_size,
@@ -174,6 +177,7 @@ class DFlashConfig:
             "rope_scaling": self.rope_scaling,
             "vocab_size": self.vocab_size,
             "attention_bias": self.attention_bias,
+            "qk_norm": self.qk_norm,
             "hidden_act": "silu",
             "tie_word_embeddings": False,
             "num_target_layers": self.num_target_layers,
@@ -199,7 +203,7 @@ class DFlashConfig:
         num_heads = raw["num_attention_heads"]
         known = {"architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
-                 "rope_scaling", "vocab_size", "attention_bias", "hidden_act", "tie_word_embeddings",
+                 "rope_scaling", "vocab_size", "attention_bias", "qk_norm", "hidden_act", "tie_word_embeddings",
                  "num_target_layers", "target_model", "draft_vocab_size", "selector_rank",
                  "selector_top_k", "conv_group", "block_size", "target_layer_ids",
                  "mask_token_id",
@@ -219,6 +223,7 @@ class DFlashConfig:
             rope_theta=raw.get("rope_theta", 10000.0),
             rope_scaling=raw.get("rope_scaling"),
             attention_bias=bool(raw.get("attention_bias", False)),
+            qk_norm=bool(raw.get("qk_norm", False)),
             num_target_layers=int(raw.get("num_target_layers") or 0),
             target_model=raw.get("target_model") or "",
             draft_vocab_size=int(raw.get("draft_vocab_size") or 0),

@@ -27,7 +27,7 @@ from dflash2.models.decoder import FeedForward, RMSNorm, Transformer, rope_inver
 class DFlashAttention(nn.Module):
     """Block queries over [context K/V ; block K/V]. Parameter names match the decoder's attention."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -37,6 +37,10 @@ class DFlashAttention(nn.Module):
         self.wqkv = nn.Linear(config.hidden_size, self.q_width + 2 * self.kv_width, bias=config.qkv_bias)
         self.wo = nn.Linear(self.q_width, config.hidden_size, bias=False)
         self.wkv_context: nn.Module | None = None  # set by DFlashDraftModel.pack(): the k/v rows of wqkv, packed
+        # Qwen3-style per-head RMSNorm on q and k before rotation: the layer layout llama.cpp's, vLLM's and
+        # SGLang's DFlash loaders build (docs/serving-elsewhere.md); None = the Llama / Qwen2 layout
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:  # [B, T, H * Dh] -> [B, H, T, Dh]
         return x.view(x.shape[0], x.shape[1], num_heads, self.head_dim).transpose(1, 2)
@@ -54,8 +58,12 @@ class DFlashAttention(nn.Module):
             bias = None if self.wqkv.bias is None else self.wqkv.bias[self.q_width :]
             kv = F.linear(context, self.wqkv.weight[self.q_width :], bias)
         k, v = kv.split(self.kv_width, dim=-1)
-        k = self._heads(k, self.num_kv_heads)
+        k = self._norm_heads(self._heads(k, self.num_kv_heads), self.k_norm)
         return apply_rope(k, cos, sin), self._heads(v, self.num_kv_heads)
+
+    @staticmethod
+    def _norm_heads(x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:  # [B, H, T, Dh], normed over Dh
+        return x if norm is None else norm(x)
 
     def forward(
         self,
@@ -68,6 +76,7 @@ class DFlashAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.wqkv(x).split((self.q_width, self.kv_width, self.kv_width), dim=-1)
         q, k, v = self._heads(q, self.num_heads), self._heads(k, self.num_kv_heads), self._heads(v, self.num_kv_heads)
+        q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys = torch.cat([context_k.to(k.dtype), k], dim=2)  # [B, H_kv, S + T, Dh]
         values = torch.cat([context_v.to(v.dtype), v], dim=2)  # [B, H_kv, S + T, Dh]
@@ -78,10 +87,10 @@ class DFlashAttention(nn.Module):
 class DFlashLayer(nn.Module):
     """An ordinary pre-norm decoder layer (RMSNorm, attention, SwiGLU) whose attention takes the context K/V."""
 
-    def __init__(self, config: ModelConfig, conv_group: int = 0, block_size: int = 16) -> None:
+    def __init__(self, config: ModelConfig, conv_group: int = 0, block_size: int = 16, qk_norm: bool = False) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = DFlashAttention(config)
+        self.attn = DFlashAttention(config, qk_norm)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn = FeedForward(config)
         # DFlash2: a dynamic convolution on the normed input of each sublayer (None = plain DFlash)
@@ -124,7 +133,7 @@ class DFlashDraftModel(nn.Module):
         self.config = config
         layer_config = config.layer_config()
         width = config.hidden_size
-        self.layers = nn.ModuleList(DFlashLayer(layer_config, config.conv_group, config.block_size)
+        self.layers = nn.ModuleList(DFlashLayer(layer_config, config.conv_group, config.block_size, config.qk_norm)
                                     for _ in range(config.num_layers))
         self.fc = nn.Linear(len(config.target_layer_ids) * width, width, bias=False)
         self.hidden_norm = RMSNorm(width, config.rms_norm_eps)  # on the projected context
@@ -359,6 +368,11 @@ _LAYER_NAMES = {  # this module's per-layer names -> DFlash / HF names (q/k/v an
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn.w_down.weight": "mlp.down_proj.weight",
 }
+_QK_NORM_NAMES = {"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"}
+
+
+def _layer_names(config: DFlashConfig) -> dict[str, str]:
+    return {**_LAYER_NAMES, **_QK_NORM_NAMES} if config.qk_norm else _LAYER_NAMES
 
 
 def _is_dflash2_weight(name: str) -> bool:
@@ -377,7 +391,7 @@ def to_hf_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
     out.update({name: tensor for name, tensor in state.items() if _is_dflash2_weight(name)})
     for i in range(config.num_layers):
         src, dst = f"layers.{i}.", f"layers.{i}."
-        for ours, theirs in _LAYER_NAMES.items():
+        for ours, theirs in _layer_names(config).items():
             out[dst + theirs] = state[src + ours]
         for kind in ("weight", "bias") if config.attention_bias else ("weight",):
             q, k, v = state[src + f"attn.wqkv.{kind}"].split((q_width, kv_width, kv_width))
@@ -401,7 +415,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: DFlashConfig) -> dic
     used = set(state)
     for i in range(config.num_layers):
         src = f"layers.{i}."
-        for ours, theirs in _LAYER_NAMES.items():
+        for ours, theirs in _layer_names(config).items():
             state[src + ours] = hf[src + theirs]
             used.add(src + theirs)
         for kind in ("weight", "bias") if config.attention_bias else ("weight",):

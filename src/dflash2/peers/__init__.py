@@ -10,7 +10,7 @@ from typing import Sequence
 from dflash2.peers.base import Peer, PeerError, PeerResult, PeerSetup
 
 TRANSFORMERS_PEERS = ("transformers", "transformers-assisted", "transformers-pld")
-LLAMA_CPP_PEERS = ("llamacpp", "llamacpp-spec")
+LLAMA_CPP_PEERS = ("llamacpp", "llamacpp-spec", "llamacpp-dflash", "llamacpp-ngram")
 PEER_NAMES = TRANSFORMERS_PEERS + LLAMA_CPP_PEERS
 
 __all__ = ["PEER_NAMES", "Peer", "PeerError", "PeerResult", "PeerSetup", "build_peers", "parse_peer_names"]
@@ -39,8 +39,11 @@ def build_peers(names: Sequence[str], setup: PeerSetup) -> list[Peer]:
         from dflash2.peers.llamacpp import LlamaCppPlainPeer
 
         built["llamacpp"] = LlamaCppPlainPeer(setup)
-    if "llamacpp-spec" in names:
-        from dflash2.peers.llamacpp import LlamaCppSpeculativePeer
+    speculative = {"llamacpp-spec": "LlamaCppSpeculativePeer", "llamacpp-dflash": "LlamaCppDFlashPeer",
+                   "llamacpp-ngram": "LlamaCppNgramPeer"}
+    for name, class_name in speculative.items():
+        if name in names:
+            from dflash2.peers import llamacpp
 
-        built["llamacpp-spec"] = LlamaCppSpeculativePeer(setup)
+            built[name] = getattr(llamacpp, class_name)(setup, name)
     return [built[name] for name in names]

@@ -24,6 +24,7 @@ class PeerSetup:
     eos_ids: frozenset[int]
     n_ctx: int = 4096  # llama.cpp context (prompt + new tokens must fit)
     num_draft_tokens: int | None = None  # assisted / speculative draft length; None = the tool's default
+    dflash_drafter: Path | None = None  # a DFlash drafter in the layout llama.cpp loads (llamacpp-dflash)
 
 
 def require_draft(setup: PeerSetup, peer: str) -> tuple[Path, Path]:

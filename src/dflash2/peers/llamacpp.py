@@ -1,14 +1,18 @@
-"""llama.cpp peers on the store's 4-bit GGUF files: plain greedy decoding through llama-cpp-python, speculative
-decoding with the small draft model through llama.cpp's ``llama-speculative-simple`` tool (the Python API has no
-draft-model speculation). ``scripts/build_llama_cpp.sh`` builds both from the sources vendored in the
-llama-cpp-python sdist into ``~/.cache/dflash2/llama.cpp/bin``.
+"""llama.cpp peers on the store's 4-bit GGUF files: plain greedy decoding through llama-cpp-python; speculative
+decoding through llama.cpp's ``llama-speculative-simple`` tool (the Python API has none) with the small draft model
+(``llamacpp-spec``), with llama.cpp's own DFlash and a dflash2 drafter exported and converted by llama.cpp's own
+converter (``llamacpp-dflash``), and with its n-gram lookup (``llamacpp-ngram``). ``scripts/build_llama_cpp.sh``
+builds the library and the tool from the sources vendored in the llama-cpp-python sdist into
+``~/.cache/dflash2/llama.cpp/bin``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
+import sys
 import subprocess
 import time
 from pathlib import Path
@@ -96,6 +100,7 @@ class LlamaCppSpeculativePeer:
     """
 
     plain_sibling = "llamacpp"
+    spec_type = "draft-simple"
 
     def __init__(self, setup: PeerSetup, name: str = "llamacpp-spec") -> None:
         from transformers import AutoTokenizer
@@ -110,14 +115,17 @@ class LlamaCppSpeculativePeer:
                                 "scripts/build_llama_cpp.sh")
             self.tool = Path(found)
         _require_file(setup.target_gguf, "target GGUF")
-        self.draft_gguf = _require_file(require_draft(setup, name)[1], "draft GGUF")
+        self.draft_gguf = self.find_draft_gguf(setup, name)
         self.tokenizer = AutoTokenizer.from_pretrained(str(setup.target_dir))
+
+    def find_draft_gguf(self, setup: PeerSetup, name: str) -> Path | None:
+        return _require_file(require_draft(setup, name)[1], "draft GGUF")
 
     def command(self, prompt_text: str, max_new_tokens: int) -> list[str]:
         """The prompt goes in as an argument: ``-f`` would drop its final newline (the chat template's)."""
         s = self.setup
-        cmd = [str(self.tool), "-m", str(s.target_gguf), "-md", str(self.draft_gguf), "--spec-type", "draft-simple",
-               "-p", prompt_text,
+        draft = ["-md", str(self.draft_gguf)] if self.draft_gguf is not None else []
+        cmd = [str(self.tool), "-m", str(s.target_gguf), *draft, "--spec-type", self.spec_type, "-p", prompt_text,
                "-n", str(max_new_tokens), "--temp", "0", "--top-k", "1", "-s", "0", "-c", str(s.n_ctx),
                "-b", str(s.n_ctx), "-ub", "512", "-t", str(s.threads), "-tb", str(s.threads)]
         if s.num_draft_tokens is not None:
@@ -156,3 +164,60 @@ class LlamaCppSpeculativePeer:
 
     def close(self) -> None:
         self.tokenizer = None
+
+
+class LlamaCppDFlashPeer(LlamaCppSpeculativePeer):
+    """llama.cpp's own DFlash (``--spec-type draft-dflash``) with a dflash2 DFlash drafter, exported by
+    ``dflash2 train export --engine llama.cpp`` and converted by llama.cpp's own ``convert_hf_to_gguf.py``."""
+
+    spec_type = "draft-dflash"
+
+    def find_draft_gguf(self, setup: PeerSetup, name: str) -> Path:
+        if setup.dflash_drafter is None:
+            raise PeerError(f"peer {name} needs a DFlash drafter in llama.cpp's layout (q/k norms, no draft "
+                            "vocabulary): pass --peer-dflash-drafter DIR")
+        return converted_dflash_gguf(setup.dflash_drafter, setup.target_dir)
+
+
+class LlamaCppNgramPeer(LlamaCppSpeculativePeer):
+    """llama.cpp's n-gram lookup over the context (``--spec-type ngram-simple``): no draft model."""
+
+    spec_type = "ngram-simple"
+
+    def find_draft_gguf(self, setup: PeerSetup, name: str) -> None:
+        return None
+
+
+def llama_cpp_source_dir() -> Path:
+    """The llama.cpp sources scripts/build_llama_cpp.sh unpacked (its converter and gguf-py live there)."""
+    root = llama_cpp_bin_dir().resolve().parent.parent  # <home>/llama.cpp/build/bin -> <home>/llama.cpp
+    found = sorted(root.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    if not found:
+        raise PeerError(f"llama.cpp's sources (convert_hf_to_gguf.py) not found under {root}; run "
+                        "scripts/build_llama_cpp.sh")
+    return found[-1].parent
+
+
+def converted_dflash_gguf(drafter: Path, target_dir: Path) -> Path:
+    """``drafter`` exported for llama.cpp and converted by its converter, cached by the drafter's bytes."""
+    from dflash2.train.export import export_drafter
+
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        digest.update((Path(drafter) / name).read_bytes())
+    out = llama_cpp_bin_dir().resolve().parent.parent / "drafters" / f"dflash-{digest.hexdigest()[:16]}.gguf"
+    if out.is_file():
+        return out
+    source = llama_cpp_source_dir()
+    exported = out.with_suffix(".hf")
+    export_drafter(drafter, "llama.cpp", exported, target=str(target_dir), dtype="bf16")
+    env = dict(os.environ, PYTHONPATH=str(source / "gguf-py"))
+    partial = out.with_suffix(".part")
+    done = subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(exported), "--target-model-dir",
+                           str(target_dir), "--outtype", "bf16", "--outfile", str(partial)],
+                          capture_output=True, text=True, env=env, errors="replace")
+    if done.returncode != 0:
+        raise PeerError(f"llama.cpp's converter refused the exported drafter: {done.stderr.strip()[-800:]}")
+    os.replace(partial, out)
+    shutil.rmtree(exported, ignore_errors=True)
+    return out

@@ -56,6 +56,7 @@ class TrainConfig:
     selector_rank: int = 0  # DFlash2 path selector rank (0 = none)
     selector_top_k: int = 16  # DFlash2 candidates per position
     conv_group: int = 0  # DFlash2 dynamic convolution channel group (0 = none)
+    qk_norm: bool = False  # Qwen3-style layers (q/k norms, no q/k/v biases): the layout llama.cpp / vLLM load
     init_from: str | None = None  # start from a trained drafter's weights (e.g. DFlash -> DFlash2); new parts fresh
     refresh_draft_vocab: bool = False  # with init_from: rank the draft vocabulary on this run's data instead of
     # keeping the source's (the head rows are the target's own, so only the selection changes)
@@ -178,7 +179,8 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
         target_layer_ids=config.target_layer_ids, mask_token_id=config.mask_token_id,
         intermediate_size=config.intermediate_size, target_model=config.target_model,
         draft_vocab_size=config.draft_vocab_size, selector_rank=config.selector_rank,
-        selector_top_k=config.selector_top_k, conv_group=config.conv_group,
+        selector_top_k=config.selector_top_k, conv_group=config.conv_group, qk_norm=config.qk_norm,
+        attention_bias=False if config.qk_norm else None,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
@@ -265,25 +267,31 @@ def _init_from_drafter(model: DFlashDraftModel, directory: str, keep_draft_vocab
     DFlash2's parts start as the identity (convolutions) and a zero gate (selector), so the copy drafts exactly
     like the drafter it came from until training moves them. ``keep_draft_vocab=False`` keeps ``model``'s own
     draft vocabulary (ranked on this run's data): allowed unless the source has a path selector, whose codebooks
-    belong to its vocabulary.
+    belong to its vocabulary. A ``model`` with q/k norms (the layout other engines load) started from one without
+    takes every weight but the q/k/v biases; its norms start at 1, so it drafts differently until trained.
     """
     source = DFlashDraftModel.from_pretrained(directory, model.dtype, model.device)
-    if not keep_draft_vocab and source.selector is not None:
+    relayout = model.config.qk_norm and not source.config.qk_norm
+    if (not keep_draft_vocab or relayout) and source.selector is not None:
         raise ValueError(f"{directory} has a path selector tied to its draft vocabulary: keep that vocabulary")
     own_vocab = None if model.draft_vocab is None else model.draft_vocab.clone()
-    if (source.config.num_layers, source.config.target_layer_ids, source.config.block_size,
-            source.config.draft_vocab_size) != (model.config.num_layers, model.config.target_layer_ids,
-                                                model.config.block_size, model.config.draft_vocab_size):
+    shape = (source.config.num_layers, source.config.target_layer_ids, source.config.block_size)
+    if shape != (model.config.num_layers, model.config.target_layer_ids, model.config.block_size) or (
+            not relayout and source.config.draft_vocab_size != model.config.draft_vocab_size):
         raise ValueError(f"{directory}: layers, taps, block size or draft vocabulary differ from this run's")
-    missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
+    state = source.state_dict()
+    if relayout:  # the head rows are the target's own: only the weights of the layers carry over
+        state = {name: t for name, t in state.items() if name != "draft_vocab" and not name.endswith("wqkv.bias")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or any(not _is_new_part(name) for name in missing):
         raise ValueError(f"{directory}: weights do not fit ({unexpected[:3]} unexpected, {missing[:3]} missing)")
-    if not keep_draft_vocab and own_vocab is not None:
+    if (not keep_draft_vocab or relayout) and own_vocab is not None:
         model.set_draft_vocab(own_vocab)
 
 
 def _is_new_part(name: str) -> bool:
-    return name.startswith("selector.") or "_conv." in name
+    return name.startswith("selector.") or "_conv." in name or ".q_norm." in name or ".k_norm." in name \
+        or name == "draft_vocab"
 
 
 def _truncate(sequence: TrainingSequence, max_length: int) -> TrainingSequence:

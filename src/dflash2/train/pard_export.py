@@ -6,7 +6,8 @@ embedding is written into row ``mask_token_id`` of the embedding table, and the 
 split back into the Hugging Face tensors. ``config.json`` is the base's with a ``pard`` section (and the same keys
 at its top level) naming what an engine serving parallel drafters needs:
 
-- ``mask_token_id``: the id fed at the mask positions (for Qwen2.5: 151935, an embedding row the tokenizer never
+- ``mask_token_id`` (also as ``pard_token`` and ``ptd_token_id``, the names vLLM's parallel drafting reads): the id
+  fed at the mask positions (for Qwen2.5: 151935, an embedding row the tokenizer never
   produces, so it has no token string); its logit must be ignored (dflash2 sets it to -inf);
 - ``block_size`` / ``num_draft_tokens``: k, the drafts of one forward: input ``[pending ids..., MASK x (k - 1)]``,
   drafts = the argmax (or samples) of the last k rows' logits;
@@ -90,7 +91,9 @@ def export_pard(adapter_dir: str | Path | None, base_dir: str | Path, out_dir: s
             "training": config.extra}
     hf_config = json.loads((base_dir / "config.json").read_text())
     hf_config["torch_dtype"] = hf_config["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
-    hf_config.update({"mask_token_id": config.mask_token_id, "block_size": k, "pard": pard})
+    # vLLM's parallel drafting reads the mask id as ``pard_token`` or ``ptd_token_id`` (docs/serving-elsewhere.md)
+    hf_config.update({"mask_token_id": config.mask_token_id, "pard_token": config.mask_token_id,
+                      "ptd_token_id": config.mask_token_id, "block_size": k, "pard": pard})
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     if adapter_dir is not None:  # what the export was made from (dflash2 can reload the adapter itself)
         shutil.copy2(Path(adapter_dir) / PARD_CONFIG, out_dir / PARD_CONFIG)
