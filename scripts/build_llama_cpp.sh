@@ -27,7 +27,7 @@ SERVER=OFF
 TARGETS=(llama llama-speculative-simple)
 if [ -n "${WITH_SERVER:-}" ]; then SERVER=ON; TARGETS+=(llama-server); fi
 CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$PY" -m pip install --no-deps "$SRC"
-"$PY" -m pip install "diskcache>=5.6"
+"$PY" -m pip install "diskcache>=5.6" sentencepiece  # sentencepiece: convert_hf_to_gguf.py imports it for every model
 PATH="$(dirname "$PY"):$PATH" cmake -S "$SRC/vendor/llama.cpp" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=$SERVER \
   -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON "${ISA_FLAGS[@]}"

@@ -188,9 +188,14 @@ class LlamaCppNgramPeer(LlamaCppSpeculativePeer):
         return None
 
 
+def _llama_cpp_work_dir() -> Path:
+    """Where scripts/build_llama_cpp.sh works: the folder holding ``bin`` (a link to ``build/bin``)."""
+    return llama_cpp_bin_dir().parent
+
+
 def llama_cpp_source_dir() -> Path:
     """The llama.cpp sources scripts/build_llama_cpp.sh unpacked (its converter and gguf-py live there)."""
-    root = llama_cpp_bin_dir().resolve().parent.parent  # <home>/llama.cpp/build/bin -> <home>/llama.cpp
+    root = _llama_cpp_work_dir()
     found = sorted(root.glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
     if not found:
         raise PeerError(f"llama.cpp's sources (convert_hf_to_gguf.py) not found under {root}; run "
@@ -205,10 +210,11 @@ def converted_dflash_gguf(drafter: Path, target_dir: Path) -> Path:
     digest = hashlib.sha256()
     for name in ("config.json", "model.safetensors"):
         digest.update((Path(drafter) / name).read_bytes())
-    out = llama_cpp_bin_dir().resolve().parent.parent / "drafters" / f"dflash-{digest.hexdigest()[:16]}.gguf"
+    out = _llama_cpp_work_dir() / "drafters" / f"dflash-{digest.hexdigest()[:16]}.gguf"
     if out.is_file():
         return out
     source = llama_cpp_source_dir()
+    out.parent.mkdir(parents=True, exist_ok=True)
     exported = out.with_suffix(".hf")
     export_drafter(drafter, "llama.cpp", exported, target=str(target_dir), dtype="bf16")
     env = dict(os.environ, PYTHONPATH=str(source / "gguf-py"))

@@ -191,7 +191,7 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
     if config.draft_vocab_size:
         model.set_draft_vocab(frequent_ids(shards, train_ids, config.draft_vocab_size, target.config.eos_token_ids))
     if config.init_from:
-        _init_from_drafter(model, config.init_from, keep_draft_vocab=not config.refresh_draft_vocab)
+        init_from_drafter(model, config.init_from, keep_draft_vocab=not config.refresh_draft_vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cosine_with_warmup(
@@ -261,7 +261,7 @@ def train_dflash(config: TrainConfig, target: Transformer | None = None) -> Path
     return latest_checkpoint(out_dir) / FINAL_DRAFTER
 
 
-def _init_from_drafter(model: DFlashDraftModel, directory: str, keep_draft_vocab: bool = True) -> None:
+def init_from_drafter(model: DFlashDraftModel, directory: str, keep_draft_vocab: bool = True) -> None:
     """Copy a trained drafter's weights (and draft vocabulary) into ``model``; parts it lacks keep their init.
 
     DFlash2's parts start as the identity (convolutions) and a zero gate (selector), so the copy drafts exactly
