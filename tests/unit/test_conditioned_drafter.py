@@ -118,3 +118,41 @@ def test_features_and_conditioned_training(tiny_model_dirs, tmp_path):
     assert has_conditioning(drafter_dir)
     loaded = TargetConditioning.load(drafter_dir)
     assert loaded.config.target_layers == LAYERS and loaded.proj.weight.abs().max() > 0
+
+
+def test_distil_on_a_prompt_file_reports_the_held_out_gain(tiny_model_dirs, tmp_path):
+    """`dflash2 train distil`'s function: a prompt file (prompts and chats), the target's answers, a conditioned
+    run from a shipped adapter, the held-out tau before and after."""
+    from dflash2.train.distil import distil, read_prompt_file
+    from dflash2.train.pard_trainer import PardTrainConfig, build_model, save_adapter
+
+    rows = [{"prompt": f"question {i}"} for i in range(9)]
+    rows += [{"messages": [{"role": "user", "content": f"hello {i}"}, {"role": "assistant", "content": "hi"},
+                           {"role": "user", "content": f"more {i}"}]} for i in range(3)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    chats = read_prompt_file(path)
+    assert len(chats) == 12 and chats[9][-1]["content"] == "more 0"
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match="user"):
+        read_prompt_file(tmp_path / "bad.jsonl")
+
+    base = tiny_model_dirs["qwen2_other"]
+    shipped = PardTrainConfig(base_dir=base, label_dirs="", out_dir=str(tmp_path / "unused"), lora_rank=4,
+                              num_draft_tokens=4, mask_token_id=MASK)
+    model, mask_id, _, mask_embedding = build_model(shipped)
+    init = save_adapter(tmp_path / "shipped", model, mask_embedding, shipped, mask_id)
+
+    def encode(messages):  # a stand-in chat template: ids from the text
+        text = " ".join(m["content"] for m in messages)
+        return [sum(map(ord, word)) % 250 for word in text.split()] + [7]
+
+    target = load_transformer(tiny_model_dirs["qwen2"], "fp32")
+    common = dict(base_dir=base, init_adapter=str(init), layers=LAYERS, steps=20, heldout_share=0.25,
+                  max_new_tokens=24, learning_rate=1e-2, mask_learning_rate=5e-2, conditioning_learning_rate=1e-2,
+                  progress=False)
+    report = distil(target, chats, encode, [], tmp_path / "mine", **common)
+    assert set(report.before) == {"heldout"} and report.before["heldout"]["blocks"] > 0
+    assert report.after["heldout"]["tau"] > report.before["heldout"]["tau"]
+    assert (report.drafter_dir / "conditioning.json").exists()
+    assert any("tau" in line for line in report.lines())

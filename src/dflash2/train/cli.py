@@ -59,6 +59,7 @@ def add_train_parser(commands) -> None:
     dflash2.set_defaults(handler=run_train_dflash)
     _add_labels_parser(sub)
     _add_features_parser(sub)
+    _add_distil_parser(sub)
     _add_pard_parser(sub)
     _add_export_pard_parser(sub)
 
@@ -281,6 +282,52 @@ def run_train_features(args: argparse.Namespace) -> int:
     items = itertools.chain(heldout, mt_bench_items(target, Tokenizer(model_dir), args.mt_bench,
                                                     out_dir=Path(args.out)), train)
     print(build_features(args.out, target, items, layers, args.top_k, canonical_name(args.model) or args.model))
+    return 0
+
+
+def _add_distil_parser(sub) -> None:
+    distil = sub.add_parser("distil", help="distil the shipped drafter further on your own prompts (JSONL of "
+                                           "{\"prompt\"} or {\"messages\"}) and report the held-out gain (resumable)")
+    distil.add_argument("--prompts", required=True, help="JSONL: one {\"prompt\": ...} or {\"messages\": [...]} a line")
+    distil.add_argument("--out", required=True, help="work directory: features/, run/ (run/drafter: the result)")
+    distil.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the target (default: %(default)s)")
+    distil.add_argument("--draft-model", default=None,
+                        help="the adapter to start from (default: the shipped conditioned drafter, else the shipped "
+                             "pard adapter)")
+    distil.add_argument("--steps", type=int, default=100)
+    distil.add_argument("--heldout-share", type=float, default=0.2, help="last share of the prompts held out")
+    distil.add_argument("--max-new-tokens", type=int, default=256, help="length of the target's answers")
+    distil.add_argument("--layers", default="1,13,25", help="target layers (when the start has no conditioning)")
+    distil.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    distil.add_argument("--threads", type=int, default=None)
+    distil.set_defaults(handler=run_train_distil)
+
+
+def run_train_distil(args: argparse.Namespace) -> int:
+    from dflash2.drafters import TRAINED_DIR
+    from dflash2.drafters.conditioning import has_conditioning
+    from dflash2.drafters.pard import PardConfig
+    from dflash2.models.store import canonical_name, resolve_model
+    from dflash2.models.tokenizer import Tokenizer
+    from dflash2.train.distil import distil, read_prompt_file
+
+    chats = read_prompt_file(args.prompts)
+    name = canonical_name(args.model) or args.model
+    start = args.draft_model
+    if start is None:
+        candidates = [TRAINED_DIR / f"{name}-dflash2", TRAINED_DIR / f"{name}-pard"]
+        start = next((str(c) for c in candidates if (c / "pard_config.json").exists()), None)
+        if start is None:
+            raise SystemExit(f"no shipped pard / dflash2 adapter for {name}; pass --draft-model")
+    target, model_dir = _teacher(args)
+    tokenizer = Tokenizer(model_dir)
+    report = distil(target, chats, tokenizer.apply_chat_template, tokenizer.eos_token_ids, args.out,
+                    base_dir=str(resolve_model(PardConfig.load(start).base_model, "bf16")), init_adapter=start,
+                    layers=tuple(int(x) for x in args.layers.split(",")), steps=args.steps,
+                    heldout_share=args.heldout_share, max_new_tokens=args.max_new_tokens, threads=args.threads)
+    print(f"started from {start}" + (" (conditioned)" if has_conditioning(start) else " (conditioning added)"))
+    print("\n".join(report.lines()))
+    print(f"drafter: {report.drafter_dir} (use: --drafter dflash2 --draft-model {report.drafter_dir})")
     return 0
 
 

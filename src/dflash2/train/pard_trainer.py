@@ -224,6 +224,7 @@ def train_pard(config: PardTrainConfig) -> Path:
         step = _load_checkpoint(latest, config, model, mask_embedding, optimizer, scheduler, conditioning)
     elif config.init_adapter:
         _warm_start(Path(config.init_adapter), config, model, mask_embedding, mask_id)
+        _warm_start_conditioning(Path(config.init_adapter), conditioning)
     heldout = data.heldout
     print(f"data: {data.describe()}" + (f"; resuming at step {step}" if step else ""), flush=True)
     end = min(config.num_steps, config.stop_at_step or config.num_steps)
@@ -446,6 +447,18 @@ def _warm_start(adapter_dir: Path, config: PardTrainConfig, model, mask_embeddin
     mask_embedding.data.copy_(adapter["mask_embedding"])
     grown = f", rank {shipped.lora_rank} -> {config.lora_rank}" if config.lora_rank > shipped.lora_rank else ""
     print(f"warm start from {adapter_dir} ({shipped.extra.get('steps', '?')} steps{grown})", flush=True)
+
+
+def _warm_start_conditioning(adapter_dir: Path, conditioning) -> None:
+    """A conditioned run from a conditioned adapter starts from its projection too (else at zero)."""
+    from dflash2.drafters.conditioning import TargetConditioning, has_conditioning
+
+    if conditioning is None or not has_conditioning(adapter_dir):
+        return
+    shipped = TargetConditioning.load(adapter_dir)
+    if shipped.config != conditioning.config:
+        raise ValueError(f"{adapter_dir} conditions on {shipped.config}, this run on {conditioning.config}")
+    conditioning.proj.weight.data.copy_(shipped.proj.weight)
 
 
 def _load_checkpoint(path: Path, config: PardTrainConfig, model, mask_embedding, optimizer, scheduler,
