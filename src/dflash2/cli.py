@@ -1,4 +1,4 @@
-"""``dflash2`` command line: generate | models | bench | train | serve. A thin layer over the Python API.
+"""``dflash2`` command line: generate | chat | models | bench | train | serve. A thin layer over the Python API.
 
 The options and helpers the commands share are in :mod:`dflash2.cli_common` (below this module and the bench and
 serve CLIs); ``CliError``, ``add_model_options`` and ``load_engine`` are also importable from here."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from dflash2.cli_common import CliError, add_model_options, load_engine
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command")
     _add_generate(commands)
+    from dflash2.cli_chat import add_chat_parser
+
+    add_chat_parser(commands)
     _add_models(commands)
     from dflash2.bench.cli import add_bench_parser
     from dflash2.serve.cli import add_serve_parser
@@ -63,7 +67,7 @@ def package_version() -> str:
 
 def _add_generate(commands) -> None:
     p = commands.add_parser("generate", help="generate a completion", description="Generate a completion.")
-    p.add_argument("prompt", help=f'the prompt, e.g. "{DEFAULT_PROMPT_HINT}"')
+    p.add_argument("prompt", help=f'the prompt, e.g. "{DEFAULT_PROMPT_HINT}"; - reads it from standard input')
     add_model_options(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -77,9 +81,18 @@ def _add_generate(commands) -> None:
 
 
 def _add_models(commands) -> None:
-    p = commands.add_parser("models", help="the model store: list | pull | verify")
+    p = commands.add_parser("models", help="the model store: list | show | pull | verify | rm")
     sub = p.add_subparsers(dest="models_command", required=True)
-    sub.add_parser("list", help="known models and what is in the cache").set_defaults(handler=run_models_list)
+    listing = sub.add_parser("list", help="known and stored models, with disk use")
+    listing.add_argument("--json", action="store_true", help="one JSON document: the models and the store's disk use")
+    listing.set_defaults(handler=run_models_list)
+    show = sub.add_parser("show", help="what is stored for a model: files, sizes, formats, hashes, origin")
+    show.add_argument("name", help="store name or alias, gguf-<sha12> (a converted .gguf), or a .gguf path")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(handler=run_models_show)
+    rm = sub.add_parser("rm", help="delete everything stored for models (GGUF, conversions, caches)")
+    rm.add_argument("names", nargs="+", help="store names or aliases, gguf-<sha12> names, or .gguf paths")
+    rm.set_defaults(handler=run_models_rm)
     pull = sub.add_parser("pull", help="download, assemble, verify and convert models")
     pull.add_argument("names", nargs="*", help="models to pull (default: the default target and its draft model)")
     pull.add_argument("--dtype", action="append", default=None, help="dtypes to convert to (default: bf16)")
@@ -92,6 +105,8 @@ def _add_models(commands) -> None:
 
 
 def validate_generation_args(args: argparse.Namespace) -> None:
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
     if not args.prompt.strip():
         raise CliError("the prompt is empty")
     if args.max_new_tokens <= 0:
@@ -165,20 +180,63 @@ def generation_json(result) -> dict:
 
 
 def run_models_list(args: argparse.Namespace) -> int:
-    from dflash2.models import store
+    from dflash2.models import inventory, store
 
-    for status in store.list_models():
-        print(_format_status(status))
+    models = inventory.stored_models()
+    usage = inventory.store_usage()
+    if args.json:
+        print(json.dumps({"home": str(store.home()), "models": [m.summary() for m in models],
+                          "disk_bytes": usage}, indent=1))
+        return 0
+    print(f"{'NAME':30s} {'SIZE':>9s}  FORMATS")
+    for model in models:
+        aliases = f" ({', '.join(model.aliases)})" if model.aliases else ""
+        formats = ", ".join(model.formats) or "not pulled"
+        print(f"{model.name:30s} {human_bytes(model.size):>9s}  {formats}  -- {model.description}{aliases}")
+    others = ", ".join(f"{name} {human_bytes(size)}" for name, size in usage.items() if name not in ("models", "gguf"))
+    print(f"store {store.home()}: {human_bytes(sum(usage.values()))} in all" + (f" ({others})" if others else ""))
     return 0
 
 
-def _format_status(status) -> str:
+def run_models_show(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    fields = asdict(status)  # a store.ModelStatus
-    name = fields.pop("name")
-    parts = [f"{k}={v}" for k, v in fields.items()]
-    return f"{name:32s} " + "  ".join(parts)
+    from dflash2.models import inventory, store
+
+    model = inventory.find(args.name)
+    if args.json:
+        print(json.dumps({**asdict(model), "size_bytes": model.size}, indent=1))
+        return 0
+    print(f"{model.name} ({model.kind}): {model.description}")
+    if model.aliases:
+        print(f"aliases: {', '.join(model.aliases)}")
+    for key, value in model.source.items():
+        print(f"{key}: {', '.join(value) if isinstance(value, list) else value}")
+    print(f"stored under {store.home()}: {human_bytes(model.size)}" if model.parts else
+          f"not stored; `dflash2 models pull {model.name}` fetches it")
+    for part in model.parts:
+        print(f"  {part.path}  [{part.format}]  {human_bytes(part.size)}")
+        for file in part.files:
+            digest = f"  sha256 {file.sha256}" if file.sha256 else ""
+            print(f"    {Path(file.path).name:32s} {human_bytes(file.size):>9s}{digest}")
+    return 0
+
+
+def run_models_rm(args: argparse.Namespace) -> int:
+    from dflash2.models import inventory
+
+    for name in args.names:
+        model, freed = inventory.remove(name)
+        print(f"removed {model.name}: {human_bytes(freed)} freed ({', '.join(p.path for p in model.parts)})")
+    return 0
+
+
+def human_bytes(size: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} GB"
 
 
 def run_models_pull(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""--weights gguf: the GGUF's own blocks (models/gguf_blocks.py), their kernel (kernels/gguf_linear.py,
+"""--weights gguf: the GGUF's own blocks (kernels/gguf_blocks.py), their kernel (kernels/gguf_linear.py,
 gemm_gguf_avx2.cpp) and the model store's cache of them (models/gguf_cache.py)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dflash2.kernels import gguf_linear as gl
-from dflash2.models.gguf_blocks import (SUPPORTED_TYPES, GGUFBlockError, concat_rows, decode_blocks, dequantize,
-                                        random_blocks, random_raw, take_rows)
+from dflash2.kernels.gguf_blocks import (SUPPORTED_TYPES, GGUFBlockError, concat_rows, decode_blocks, dequantize,
+                                         random_blocks, random_raw, take_rows)
 
 gguf_quants = pytest.importorskip("gguf.quants")
 GGML = pytest.importorskip("gguf").GGMLQuantizationType
@@ -297,7 +297,7 @@ def test_selected_rows_give_those_outputs_bitwise(backend):
 def test_q8_0_from_a_float_weight(backend):
     """quantize_q8_0: fp16 scales per 32 inputs, codes within half a step of w / d; the layer over them equals the
     reference on those blocks and is close to the float product."""
-    from dflash2.models.gguf_quantize import quantize_q8_0
+    from dflash2.kernels.gguf_quantize import quantize_q8_0
 
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 256, generator=g) * torch.logspace(-2, 1, 40)[:, None]
@@ -338,7 +338,7 @@ def test_float_quantizers_equal_their_numpy_definition_bit_for_bit():
     codes and scales are those of the same fp32 arithmetic in numpy: ties rounded to even, zero blocks, a largest
     magnitude shared by two inputs (the first is taken), scales past fp16's range, more rows than one chunk; a bf16
     weight quantizes as its exact fp32 widening does."""
-    from dflash2.models import gguf_quantize as gq
+    from dflash2.kernels import gguf_quantize as gq
 
     g = torch.Generator().manual_seed(11)
     rows = gq._QUANTIZE_ELEMENTS // 96 + 37
@@ -375,7 +375,7 @@ def test_q4_0_from_a_float_weight(backend):
     """quantize_q4_0: fp16 scales per 32 inputs (the largest magnitude at code 0), codes in [0, 15] within half a
     step of w / d + 8 (a step at 15: the side opposite the largest has 7 steps); the layer over them equals the
     reference on those blocks and is near the float product."""
-    from dflash2.models.gguf_quantize import quantize_q4_0
+    from dflash2.kernels.gguf_quantize import quantize_q4_0
 
     g = torch.Generator().manual_seed(4)
     w = torch.randn(40, 256, generator=g) * torch.logspace(-2, 1, 40)[:, None]

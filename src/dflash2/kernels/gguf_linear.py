@@ -7,7 +7,7 @@ What the layer computes (the *quantized target*; the same for every row count, b
    256 of a K-quant super-block): ``dx = max|x| / 127`` (fp32 division), ``xq = round_half_even(x / dx)`` (int8;
    0 where the group is 0), ``bsum`` = the sums of xq per 16;
 2. per row m, output n and scale group g in order, from y = 0, with the weight's integer form
-   (:mod:`dflash2.models.gguf_blocks`: ``w = A * s * (u - zero) + C * c``)::
+   (:mod:`dflash2.kernels.gguf_blocks`: ``w = A * s * (u - zero) + C * c``)::
 
        J = sum_{k in g} s * (u - zero) * xq                  (int32, exact)
        y = y + (A * dx) * float(J)                           (fp32, separate roundings)
@@ -44,9 +44,9 @@ import torch
 from dflash2.kernels import jit
 from dflash2.kernels import packed_linear as _bf16
 from dflash2.kernels.gguf_packing import PANEL, PackedBlocks, pack_blocks, unpack_blocks
-from dflash2.models.gguf_blocks import (BLOCK, SUPPORTED_TYPES, BlockTensor, dequantize, integer_weights,
-                                        random_blocks, take_rows)
-from dflash2.models.gguf_quantize import quantize_q4_0, quantize_q8_0
+from dflash2.kernels.gguf_blocks import (BLOCK, SUPPORTED_TYPES, BlockTensor, dequantize, integer_weights,
+                                         random_blocks, take_rows)
+from dflash2.kernels.gguf_quantize import quantize_q4_0, quantize_q8_0
 
 __all__ = ["AMX", "ENV", "PAIRS_ENV", "VNNI", "GgufLinear", "PackedBlocks", "activation_block", "build_namespace",
            "gguf_backend", "gguf_kernel_status", "gguf_kernels_available", "kernel_backends", "kernel_ops",
@@ -343,7 +343,7 @@ class GgufLinear(_bf16.CpuLinear):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     backend: str | None = None, qtype: str = "Q8_0") -> "GgufLinear":
-        """A float [N, K] weight quantized to Q8_0 or Q4_0 blocks (``qtype``; :func:`~dflash2.models.gguf_blocks.
+        """A float [N, K] weight quantized to Q8_0 or Q4_0 blocks (``qtype``; :func:`~dflash2.kernels.gguf_blocks.
         quantize_q8_0` / ``quantize_q4_0``) on the kernel ``backend`` (None: :func:`gguf_backend`): for weights no
         GGUF file holds (a merged drafter)."""
         quantizers = {"Q8_0": quantize_q8_0, "Q4_0": quantize_q4_0}

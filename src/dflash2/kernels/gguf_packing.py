@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash2.models.gguf_blocks import BLOCK, BlockTensor
+from dflash2.kernels.gguf_blocks import BLOCK, BlockTensor
 
 PANEL = 8  # outputs per packed panel (kPanel in gemm_gguf_avx2.cpp)
 

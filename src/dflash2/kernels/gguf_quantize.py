@@ -1,8 +1,8 @@
 """Float weights quantized to GGUF block types (Q8_0, Q4_0): for weights no GGUF file holds, e.g. the merged pard
-drafter (``q8_0`` / ``q4_0``). The result is a :class:`~dflash2.models.gguf_blocks.BlockTensor`, run by the same
+drafter (``q8_0`` / ``q4_0``). The result is a :class:`~dflash2.kernels.gguf_blocks.BlockTensor`, run by the same
 kernels as a file's own blocks.
 
-Kept apart from :mod:`dflash2.models.gguf_blocks`, whose source keys the model store's cache of packed GGUF layers
+Kept apart from :mod:`dflash2.kernels.gguf_blocks`, whose source keys the model store's cache of packed GGUF layers
 (:func:`dflash2.models.gguf_cache.layout_tag`): changing how float weights are quantized does not re-decode files.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dflash2.models.gguf_blocks import BLOCK, BlockTensor, GGUFBlockError
+from dflash2.kernels.gguf_blocks import BLOCK, BlockTensor, GGUFBlockError
 
 __all__ = ["quantize_q4_0", "quantize_q8_0"]
 

@@ -28,9 +28,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dflash2.kernels import gguf_packing
+from dflash2.kernels import gguf_blocks, gguf_packing
 from dflash2.kernels.gguf_packing import PackedBlocks
-from dflash2.models import gguf_blocks
 from dflash2.models.config import ModelConfig
 from dflash2.models.quant_cache import QuantCacheError, _write_safetensors, cache_enabled
 from dflash2.models.store import home

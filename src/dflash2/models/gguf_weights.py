@@ -3,7 +3,7 @@
 The converted directory (``models/<name>/<dtype>/``, from the store) gives the configuration, the embedding and the
 norms; its ``dflash2_source.json`` names the GGUF it was converted from, whose quantized tensors become
 :class:`~dflash2.kernels.gguf_linear.GgufLinear` layers as they are (Q4_K, Q6_K, Q5_0, Q8_0, Q4_1, Q4_0: see
-:mod:`dflash2.models.gguf_blocks`; any other type is a clear error) and whose fp32 q/k/v biases are used unrounded.
+:mod:`dflash2.kernels.gguf_blocks`; any other type is a clear error) and whose fp32 q/k/v biases are used unrounded.
 Fused projections (q/k/v, gate/up) keep one run of rows per block type.  Llama GGUFs' permuted q/k rows are put
 back in Hugging Face order (rows are whole blocks, so this is exact).  The packed layers are cached in the store
 (:mod:`dflash2.models.gguf_cache`).
@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash2.kernels.gguf_blocks import BlockTensor, GGUFBlockError, concat_rows, decode_blocks, take_rows
 from dflash2.kernels.gguf_packing import PackedBlocks, pack_blocks
 from dflash2.models.config import ModelConfig
-from dflash2.models.gguf_blocks import BlockTensor, GGUFBlockError, concat_rows, decode_blocks, take_rows
 
 __all__ = ["gguf_file_of", "layer_sources", "load_gguf_transformer", "read_gguf_layers"]
 
