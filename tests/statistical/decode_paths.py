@@ -194,12 +194,11 @@ def assert_caught(samples: torch.Tensor, joint: torch.Tensor) -> None:
 @contextlib.contextmanager
 def broken(attribute: str, replacement: Callable) -> Iterator[None]:
     """Replace ``attribute`` (``verify_chain``, ``verify_tree``, ``logits_to_probs``) in every decode module that
-    verifies with it: the single-request step, and the batch engine where it still has its own copy."""
-    import dflash2.decode.batch as batch
-    import dflash2.decode.speculative as speculative
+    verifies with it: ``decode/step.py``, whose verdict every loop (single request, overlap, batch) uses."""
+    import dflash2.decode.step as step
 
     with contextlib.ExitStack() as stack:
-        for module in (speculative, batch):
+        for module in (step,):
             if hasattr(module, attribute):
                 stack.enter_context(mock.patch.object(module, attribute, replacement))
         yield

@@ -10,7 +10,7 @@ import torch
 
 from dflash2.decode.overlap import SpeculationCache, overlap_decode
 from dflash2.decode.plain import plain_decode
-from dflash2.decode.speculative import StepOutcome
+from dflash2.decode.step import StepOutcome
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft
 from dflash2.drafters.dflash import DFlashConfig, DFlashDraftModel, DFlashDrafter

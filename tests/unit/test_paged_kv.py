@@ -61,7 +61,7 @@ def test_a_block_table_commits_like_the_static_cache():
     keys/values per committed slot as the static cache: one commit rule for every loop."""
     import torch
 
-    from dflash2.decode.speculative import commit_kept
+    from dflash2.decode.step import commit_kept
     from dflash2.kv import StaticKVCache
     from dflash2.kv.paged import PagedKVPool
 

@@ -20,14 +20,14 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from dflash2.decode.batch_types import (  # noqa: F401  (re-exported: the batch engine's public names)
     BatchConfig,
     BatchRequest,
+    BatchRow,
     BatchSnapshot,
     DeadlineError,
     DrafterFactory,
@@ -36,6 +36,7 @@ from dflash2.decode.batch_types import (  # noqa: F401  (re-exported: the batch 
     PrefixCacheSnapshot,
     QueueFullError,
     RequestHandle,
+    RowDraft,
     Sink,
 )
 from dflash2.decode.engine import Engine
@@ -44,52 +45,13 @@ from dflash2.decode.ragged import RaggedRow, ragged_forward
 from dflash2.decode.batch_drafting import BatchDrafting
 from dflash2.decode.cost_model import Acceptance, ForwardCost
 from dflash2.decode.stats import DecodeStats
-from dflash2.drafters.base import Draft, Drafter
+from dflash2.decode.step import Hidden, empty_draft, prompt_observation, select_taps, settle
+from dflash2.drafters.base import Draft
 from dflash2.kernels.threads import release_openmp_pool
-from dflash2.kv.paged import BlockTable, KVBudgetError, PagedKVPool
-from dflash2.decode.speculative import chain_outcome, commit_kept, empty_draft, record_step, tree_outcome
-from dflash2.verify import choose_token, compile_tree
+from dflash2.kv.paged import KVBudgetError, PagedKVPool
+from dflash2.verify import choose_token
 
 log = logging.getLogger("dflash2.batch")
-
-
-@dataclass
-class _Sequence:
-    """One request inside the loop."""
-
-    request: BatchRequest
-    handle: RequestHandle
-    sink: Sink
-    submitted: float
-    drafter: Drafter | None
-    generator: torch.Generator | None
-    output: OutputTracker  # generated ids and text; the finish rule (EOS, stop strings, max_new_tokens)
-    stats: DecodeStats
-    table: BlockTable | None = None
-    max_slots: int = 0  # KV slots the request may fill (within the context; the table may round up to blocks)
-    state_bytes: int = 0  # drafter memory reserved for it while admitted
-    sequence: list[int] = field(default_factory=list)  # prompt + committed ids; the last one is pending
-    finish_reason: str | None = None
-    # acceptance by position of the drafts its drafter's network made, and of its lookup drafts (a hybrid drafter
-    # makes both; their acceptance differs, and only the network's cost a pass)
-    acceptance: Acceptance = field(default_factory=Acceptance)
-    lookup_acceptance: Acceptance = field(default_factory=Acceptance)
-    drafted_by_lookup: bool = False  # where this step's draft came from
-
-    def send(self, event: Event) -> None:
-        """Hand an event to the request's sink; a sink that fails (its client is gone) cancels the request."""
-        try:
-            self.sink(event)
-        except Exception:
-            self.handle.cancel()
-
-    @property
-    def prefilled(self) -> bool:
-        return len(self.sequence) > len(self.request.prompt_ids)
-
-    def past_deadline(self, now: float) -> bool:
-        return self.request.timeout_s is not None and now - self.submitted > self.request.timeout_s
-
 
 
 class BatchEngine:
@@ -108,9 +70,9 @@ class BatchEngine:
                                 tap_layers=taps, tap_width=c.hidden_size)
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._incoming: list[_Sequence] = []
-        self._waiting: deque[_Sequence] = deque()  # FIFO: only the head is admitted or timed out
-        self._running: list[_Sequence] = []
+        self._incoming: list[BatchRow] = []
+        self._waiting: deque[BatchRow] = deque()  # FIFO: only the head is admitted or timed out
+        self._running: list[BatchRow] = []
         self._next_id = 0
         self._drafter_bytes = 0  # reserved by admitted requests' drafters
         self._thread: threading.Thread | None = None
@@ -137,7 +99,7 @@ class BatchEngine:
                 raise QueueFullError(f"{self.config.max_queue} requests are already waiting; retry later")
             handle = RequestHandle(self._next_id)
             self._next_id += 1
-            seq = self._new_sequence(request, handle, sink)
+            seq = self._new_row(request, handle, sink)
             self._check_drafter_memory(seq)
             self._incoming.append(seq)
         self._wake.set()
@@ -167,7 +129,7 @@ class BatchEngine:
         if need > self.pool.num_blocks:
             raise ValueError(f"the request needs {need} KV blocks; the server's budget is {self.pool.num_blocks}")
 
-    def _check_drafter_memory(self, seq: _Sequence) -> None:
+    def _check_drafter_memory(self, seq: BatchRow) -> None:
         """Refuse a request whose drafter state alone exceeds the whole drafter memory budget."""
         budget = self.config.drafter_memory_bytes
         if seq.drafter is None or budget is None:
@@ -177,12 +139,12 @@ class BatchEngine:
             raise ValueError(f"the request's drafter needs {need / 2**20:.1f} MiB for its caches; the server's "
                              f"drafter memory budget is {budget / 2**20:.1f} MiB")
 
-    def _new_sequence(self, request: BatchRequest, handle: RequestHandle, sink: Sink) -> _Sequence:
+    def _new_row(self, request: BatchRequest, handle: RequestHandle, sink: Sink) -> BatchRow:
         drafter = None
         if request.num_draft_tokens:
             drafter = self.drafters[request.drafter]()
         generator = None if request.params.greedy else request.params.make_generator(self.engine.target.device)
-        return _Sequence(request, handle, sink, time.perf_counter(), drafter, generator,
+        return BatchRow(request, handle, sink, time.perf_counter(), drafter, generator,
                          OutputTracker(self.engine.tokenizer, request.max_new_tokens, request.stop),
                          DecodeStats(prompt_tokens=len(request.prompt_ids)),
                          acceptance=Acceptance(pool=self.drafting.pooled(request.drafter, "network")),
@@ -275,7 +237,7 @@ class BatchEngine:
                 f"not admitted within {self.config.queue_timeout_s:.0f} s: the KV cache (or the drafter memory) "
                 "stayed full"))
 
-    def _can_reuse(self, seq: _Sequence) -> bool:
+    def _can_reuse(self, seq: BatchRow) -> bool:
         """A cached prefix can start the request unless its drafter reads hidden states the pool does not keep
         (only a drafter factory given by hand, not one of ``request_drafters``, can: it then prefills in full)."""
         layers = () if seq.drafter is None else seq.drafter.hidden_layers
@@ -292,7 +254,7 @@ class BatchEngine:
                 self._retire(seq, "timeout", DeadlineError(f"not started within {seq.request.timeout_s:g} s")
                              if late else None)
 
-    def _admit(self, seq: _Sequence) -> bool:
+    def _admit(self, seq: BatchRow) -> bool:
         """Move the head of the queue into the batch if its KV blocks and drafter memory can be reserved; a
         cached prefix of its prompt is taken over (its KV, and the hidden states a block drafter reads)."""
         try:
@@ -321,12 +283,12 @@ class BatchEngine:
                                         seq.table.read_taps(cached, seq.drafter.hidden_layers))
         return True
 
-    def _forward_and_advance(self, running: list[_Sequence]) -> None:
+    def _forward_and_advance(self, running: list[BatchRow]) -> None:
         chunks = self._prefill_chunks(running)
         fed = [(seq, chunk) for seq, chunk in zip(running, chunks) if chunk != 0]  # rows out of budget wait
         running, chunks = [seq for seq, _ in fed], [chunk for _, chunk in fed]
         drafts = self.drafting.drafts(running, self.drafting.lengths(running, chunks))
-        planned = [(seq, drafts[i], self._row(seq, drafts[i], chunk))
+        planned = [(seq, drafts[i], self._row(seq, drafts[i].draft, chunk))
                    for i, (seq, chunk) in enumerate(zip(running, chunks)) if i in drafts]
         if not planned:
             return
@@ -335,11 +297,13 @@ class BatchEngine:
             if out is None:
                 continue  # its row failed alone: already retired
             with self._guard(seq, "verification"):
-                emitted = self._verify(seq, draft, row, *out)
+                logits, hidden = out
+                emitted = self._read_prompt(seq, row, logits, hidden) if not seq.prefilled else \
+                    self._verify(seq, draft, logits, hidden)
                 if emitted:
                     self._emit(seq, emitted)
 
-    def _target_forward(self, planned: list[tuple[_Sequence, Draft | None, RaggedRow]]
+    def _target_forward(self, planned: list[tuple[BatchRow, RowDraft, RaggedRow]]
                         ) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]] | None]:
         """One ragged forward over the planned rows -> per row (logits, hidden). If the batched forward fails,
         each row runs alone, so that only a row that fails by itself fails its request (that row's entry is None).
@@ -365,19 +329,19 @@ class BatchEngine:
         return list(zip(out.logits, out.hidden))
 
     @contextlib.contextmanager
-    def _guard(self, seq: _Sequence, stage: str) -> Iterator[None]:
+    def _guard(self, seq: BatchRow, stage: str) -> Iterator[None]:
         """Run one request's part of a step: an exception fails (retires) that request and is not raised."""
         try:
             yield
         except Exception as error:
             self._fail(seq, stage, error)
 
-    def _fail(self, seq: _Sequence, stage: str, error: Exception) -> None:
+    def _fail(self, seq: BatchRow, stage: str, error: Exception) -> None:
         log.error("request %d failed in %s", seq.handle.id, stage, exc_info=error)
         if seq in self._running or seq in self._waiting:
             self._retire(seq, "error", error)
 
-    def _prefill_chunks(self, running: list[_Sequence]) -> list[int | None]:
+    def _prefill_chunks(self, running: list[BatchRow]) -> list[int | None]:
         """Prompt tokens each prefilling row feeds this step (None for decode rows), first come first served
         within ``max_prefill_tokens``; the first prefilling row always gets at least one."""
         budget = self.config.max_prefill_tokens
@@ -392,65 +356,64 @@ class BatchEngine:
         return chunks
 
     @staticmethod
-    def _row(seq: _Sequence, draft: Draft | None, chunk: int | None) -> RaggedRow:
+    def _row(seq: BatchRow, draft: Draft | None, chunk: int | None) -> RaggedRow:
         if chunk is not None:
             start = seq.table.length
             return RaggedRow(seq.table, seq.sequence[start : start + chunk], all_logits=False)
         tokens = [seq.sequence[-1]] + ([] if draft is None else draft.tokens.tolist())
         return RaggedRow(seq.table, tokens, all_logits=True, parents=None if draft is None else draft.parents)
 
-    def _verify(self, seq: _Sequence, draft: Draft | None, row: RaggedRow, logits: torch.Tensor,
-                hidden: dict[int, torch.Tensor]) -> list[int]:
-        """logits [1 or k + 1, V] -> the committed tokens (none while the prompt is still being fed); the table
-        keeps the KV of the tokens fed and kept. A drafter that reads the target's hidden states gets those of
-        every position committed by this forward (``hidden``: layer -> [1, T, D] over the row's tokens)."""
-        params, generator = seq.request.params, seq.generator
-        if not seq.prefilled:
-            start = seq.table.length
-            seq.table.rollback(start + len(row.tokens))
-            self._keep(seq, start, hidden, len(row.tokens), lambda: seq.sequence)
-            emitted = [] if seq.table.length < len(seq.sequence) else [int(choose_token(logits[-1], params, generator))]
-            if seq.drafter is not None and seq.drafter.hidden_layers:
-                # A prompt chunk [start, end): observe() expects the id after the tapped positions to be pending.
-                seq.drafter.observe(seq.sequence[: seq.table.length + 1] + emitted, -1 if start == 0 else 0,
-                                    _kept_taps(seq.drafter, hidden, len(row.tokens)))
-            if seq.drafter is not None and not self.config.adaptive_drafts:
-                # a draft model reads the prompt's chunks with it (prefill, not a step); with adaptive drafts it reads
-                # them at its first draft, if the planner ever grants one (a 0.5B drafter's prompt pass is ~1/4 of the
-                # target's prefill, lost on a loaded server where drafting does not pay; the planner charges each
-                # remaining step its share of that read)
-                seq.drafter.prefill(seq.sequence[: seq.table.length], len(seq.sequence))
-            return emitted
-        draft = draft or empty_draft()
-        if draft.parents is None:
-            outcome = chain_outcome(draft.tokens, draft.q_draft, logits, params, generator)
-        else:
-            outcome = tree_outcome(compile_tree(draft.parents), draft.tokens, logits, params, generator)
-        start = seq.table.length
-        commit_kept(seq.table, start, outcome.kept_positions)  # the pending token + accepted drafts
-        self._keep(seq, start, hidden, outcome.kept_positions, lambda: seq.sequence + outcome.emitted)
-        record_step(seq.stats, None, draft, outcome)
-        accepted = len(outcome.emitted) - 1
-        (seq.lookup_acceptance if seq.drafted_by_lookup else seq.acceptance).update(draft.depth, accepted)
-        if seq.drafter is not None:
-            seq.drafter.observe(seq.sequence + outcome.emitted, accepted,
-                                _kept_taps(seq.drafter, hidden, outcome.kept_positions))
-        return outcome.emitted
+    def _read_prompt(self, seq: BatchRow, row: RaggedRow, logits: torch.Tensor, hidden: Hidden) -> list[int]:
+        """A prompt chunk was fed (logits [1, V] of its last id): the table keeps it; the first token once the whole
+        prompt is read. A drafter that reads hidden states observes the chunk's (``hidden``: layer -> [1, T, D])."""
+        start, drafter = seq.table.length, seq.drafter
+        seq.table.rollback(start + len(row.tokens))
+        self._keep(seq, start, hidden, len(row.tokens), seq.sequence)
+        done = seq.table.length >= len(seq.sequence)
+        constraint = seq.request.constraint
+        if done and constraint is not None:  # the first token obeys the request's grammar too
+            logits = constraint.constrain(empty_draft(), logits[-1:])
+        emitted = [int(choose_token(logits[-1], seq.request.params, seq.generator))] if done else []
+        if emitted and constraint is not None:
+            constraint.advance(emitted)
+        if drafter is not None and drafter.hidden_layers:
+            taps = select_taps(drafter.hidden_layers, hidden, len(row.tokens))
+            prompt_observation(seq.sequence[: seq.table.length + 1] + emitted, start, taps).tell(drafter)
+        if drafter is not None and not self.config.adaptive_drafts:
+            # a draft model reads the prompt's chunks with it (prefill, not a step); with adaptive drafts it reads
+            # them at its first draft, if the planner ever grants one (a 0.5B drafter's prompt pass is ~1/4 of the
+            # target's prefill, lost on a loaded server where drafting does not pay; the planner charges each
+            # remaining step its share of that read)
+            drafter.prefill(seq.sequence[: seq.table.length], len(seq.sequence))
+        return emitted
 
-    def _keep(self, seq: _Sequence, start: int, hidden: dict[int, torch.Tensor], kept: int | list[int],
-              ids: Callable[[], list[int]]) -> None:
+    def _verify(self, seq: BatchRow, planned: RowDraft, logits: torch.Tensor, hidden: Hidden) -> list[int]:
+        """logits [k + 1, V] over [pending, drafts...] -> the committed tokens; the table keeps the KV of the pending
+        token and the accepted drafts, whose hidden states the drafter observes (``hidden``: layer -> [1, T, D])."""
+        draft = planned.draft or empty_draft()
+        layers = () if seq.drafter is None else seq.drafter.hidden_layers
+        step = settle(draft, logits, hidden, cache=seq.table, start=seq.table.length, sequence=seq.sequence,
+                      layers=layers, params=seq.request.params, generator=seq.generator, stats=seq.stats,
+                      constraint=seq.request.constraint)
+        self._keep(seq, step.start, hidden, step.outcome.kept_positions, step.observation.sequence)
+        seq.acceptance_of(planned).update(draft.depth, step.observation.num_accepted)
+        if seq.drafter is not None:
+            step.observation.tell(seq.drafter)
+        return step.outcome.emitted
+
+    def _keep(self, seq: BatchRow, start: int, hidden: Hidden, kept: int | list[int], ids: list[int]) -> None:
         """After a commit from ``start``: store the kept positions' hidden states the pool keeps (for a later
-        request's block drafter) and offer the newly full blocks (``ids()``: the ids of the committed slots at
+        request's block drafter) and offer the newly full blocks (``ids``: the ids of the committed slots at
         least) to the prefix cache."""
         table = self.pool.cache is not None and seq.table
         if not table:
             return
         if self.pool.taps is not None:
-            table.write_taps(start, _select_taps(self.pool.tap_layers, hidden, kept))
-        if table.length - table.frozen >= self.pool.block_size:  # a block was filled: build the ids only then
-            table.publish(ids())
+            table.write_taps(start, select_taps(self.pool.tap_layers, hidden, kept))
+        if table.length - table.frozen >= self.pool.block_size:
+            table.publish(ids)
 
-    def _emit(self, seq: _Sequence, emitted: list[int]) -> None:
+    def _emit(self, seq: BatchRow, emitted: list[int]) -> None:
         """Append committed tokens, send the new text, finish on EOS / stop string / max tokens / full context."""
         if not seq.output.generated:
             seq.stats.prefill_seconds = time.perf_counter() - seq.submitted
@@ -463,7 +426,7 @@ class BatchEngine:
         elif seq.table.length >= seq.max_slots:
             self._retire(seq, "length", None)
 
-    def _retire(self, seq: _Sequence, reason: str, error: Exception | None) -> None:
+    def _retire(self, seq: BatchRow, reason: str, error: Exception | None) -> None:
         """Leave the batch: free the KV blocks, count, and send the final event (none when cancelled)."""
         for group in (self._waiting, self._running):
             if seq in group:
@@ -485,37 +448,11 @@ class BatchEngine:
                 seq.send(last)
             seq.send(result)
 
-    def _count(self, seq: _Sequence, reason: str) -> None:
+    def _count(self, seq: BatchRow, reason: str) -> None:
         with self._lock:
             self._finished[reason] = self._finished.get(reason, 0) + 1
-            totals, stats = self._totals, seq.stats
-            totals.prompt_tokens += stats.prompt_tokens if seq.table is not None else 0
-            totals.new_tokens += stats.new_tokens
-            totals.target_forwards += stats.target_forwards
-            totals.committed_tokens += stats.committed_tokens
-            grow = len(stats.drafted_by_position) - len(totals.drafted_by_position)
-            totals.drafted_by_position.extend([0] * grow)
-            totals.accepted_by_position.extend([0] * grow)
-            for position, (d, a) in enumerate(zip(stats.drafted_by_position, stats.accepted_by_position)):
-                totals.drafted_by_position[position] += d
-                totals.accepted_by_position[position] += a
-
-
-def _kept_taps(drafter: Drafter, hidden: dict[int, torch.Tensor], kept: int | list[int]
-               ) -> tuple[torch.Tensor, ...]:
-    """The drafter's tapped layers over the kept tokens of its row (the first ``kept``, or the row positions
-    ``kept`` of a tree's accepted branch), each [1, n, D]; empty for a drafter that reads no hidden states."""
-    return _select_taps(drafter.hidden_layers, hidden, kept)
-
-
-def _select_taps(layers: tuple[int, ...], hidden: dict[int, torch.Tensor], kept: int | list[int]
-                 ) -> tuple[torch.Tensor, ...]:
-    """``layers`` of ``hidden`` (layer -> [1, T, D]) over the first ``kept`` row positions or the positions
-    ``kept``: [1, n, D] each."""
-    if isinstance(kept, int):
-        return tuple(hidden[layer][:, :kept] for layer in layers)
-    index = torch.tensor(kept)
-    return tuple(hidden[layer][:, index.to(hidden[layer].device)] for layer in layers)
+            self._totals.prompt_tokens += seq.stats.prompt_tokens if seq.table is not None else 0
+            self._totals.add_decoding(seq.stats)
 
 
 def prefix_tap_layers(engine: Engine) -> tuple[int, ...]:

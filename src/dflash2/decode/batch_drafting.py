@@ -9,15 +9,14 @@ import logging
 import time
 from contextlib import AbstractContextManager
 from collections.abc import Hashable
-from typing import Any, Callable
+from typing import Callable
 
+from dflash2.decode.batch_types import BatchRow, RowDraft
 from dflash2.decode.cost_model import Acceptance, DraftCost, ForwardCost
 from dflash2.decode.scheduler import RowDrafts, plan_draft_lengths
-from dflash2.decode.speculative import fit_draft
+from dflash2.decode.step import fit_draft
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.verify import SamplingParams
-
-_Sequence = Any  # a running request: ``decode.batch._Sequence`` (not imported: batch.py imports this module)
 
 log = logging.getLogger("dflash2.batch")
 
@@ -29,7 +28,7 @@ class BatchDrafting:
     only."""
 
     def __init__(self, adaptive: bool, forward_cost: ForwardCost,
-                 guard: Callable[[_Sequence, str], AbstractContextManager[None]]) -> None:
+                 guard: Callable[[BatchRow, str], AbstractContextManager[None]]) -> None:
         self.adaptive = adaptive
         self.cost = forward_cost
         self.guard = guard
@@ -42,7 +41,7 @@ class BatchDrafting:
         the prior of each new request's own (decaying slowly: it describes the drafter, not one request)."""
         return self.pools.setdefault((drafter, kind), Acceptance(decay=0.98))
 
-    def lengths(self, running: list[_Sequence], chunks: list[int | None]) -> list[int]:
+    def lengths(self, running: list[BatchRow], chunks: list[int | None]) -> list[int]:
         """Drafts per row this step: the request's draft length within its KV room, lowered by the scheduler."""
         wanted = [min(seq.request.num_draft_tokens, seq.max_slots - len(seq.sequence))
                   if seq.prefilled and seq.drafter is not None else 0 for seq in running]
@@ -56,7 +55,7 @@ class BatchDrafting:
         # whatever else is in the batch.
         return [k if _seeded(seq.request.params) else p for seq, k, p in zip(running, wanted, plan)]
 
-    def _row_drafts(self, seq: _Sequence, k: int) -> RowDrafts:
+    def _row_drafts(self, seq: BatchRow, k: int) -> RowDrafts:
         if k <= 0:
             return RowDrafts(0, [])
         if not seq.drafter.runs_a_pass(seq.sequence, k):  # a lookup draft: only its verification rows cost
@@ -80,23 +79,23 @@ class BatchDrafting:
     def _record_network(self, key: Hashable, ids: int, seconds: float) -> None:
         self.network_costs.setdefault(key, ForwardCost()).record(ids, seconds)
 
-    def _cost_of(self, seq: _Sequence) -> DraftCost:
+    def _cost_of(self, seq: BatchRow) -> DraftCost:
         name = seq.request.drafter
         if name not in self.costs:
             self.costs[name] = DraftCost(per_pass=seq.drafter.cost_per_pass)
         return self.costs[name]
 
-    def drafts(self, running: list[_Sequence], lengths: list[int]) -> dict[int, Draft | None]:
-        """Each row's draft (None: no draft), by index in ``running``; a row whose drafting failed is left out (its
-        request is retired). Drafts that are passes of one network shared by several requests (their pard
+    def drafts(self, running: list[BatchRow], lengths: list[int]) -> dict[int, RowDraft]:
+        """Each row's draft, by index in ``running``; a row whose drafting failed is left out (its request is
+        retired). Drafts that are passes of one network shared by several requests (their pard
         drafters) run as ONE forward: the network's weights are read once per step, not once per request."""
-        drafts: dict[int, Draft | None] = {}
+        drafts: dict[int, RowDraft] = {}
         shared: dict[Hashable, list[tuple[int, Drafter, int, int]]] = {}
         for index, (seq, k) in enumerate(zip(running, lengths)):
             with self.guard(seq, "drafting"):
                 network = seq.drafter.shared_pass(seq.sequence, k) if seq.prefilled and seq.drafter and k > 0 else None
                 if network is None:
-                    drafts[index] = self._propose(seq, k) if seq.prefilled else None
+                    drafts[index] = self._propose(seq, k) if seq.prefilled else RowDraft(None)
                 else:
                     drafter, drafter_k = network
                     shared.setdefault(_network_key(drafter), []).append((index, drafter, drafter_k, k))
@@ -104,8 +103,8 @@ class BatchDrafting:
             self._propose_shared(running, key, members, drafts)
         return drafts
 
-    def _propose_shared(self, running: list[_Sequence], key: Hashable, members: list[tuple[int, Drafter, int, int]],
-                        drafts: dict[int, Draft | None]) -> None:
+    def _propose_shared(self, running: list[BatchRow], key: Hashable, members: list[tuple[int, Drafter, int, int]],
+                        drafts: dict[int, RowDraft]) -> None:
         """One batched pass of network ``key`` for ``members`` (index in ``running``, network drafter, its k, the
         row's k), its time recorded by the ids it was fed. If the batched pass fails, each request drafts alone
         (only its own failure fails it)."""
@@ -124,34 +123,32 @@ class BatchDrafting:
                 seconds = time.perf_counter() - started
                 self._record_network(key, sum(unread) + sum(len(draft.tokens) for draft in batch), seconds)
                 for seq, (index, *_), draft in zip(seqs, members, batch):
-                    seq.drafted_by_lookup = False
                     seq.drafter.drafted_by_shared_pass()
-                    drafts[index] = self._fit(seq, draft)
+                    drafts[index] = RowDraft(self._fit(seq, draft))
                 return
         for seq, (index, _, _, k) in zip(seqs, members):
             with self.guard(seq, "drafting"):
                 drafts[index] = self._propose(seq, k, network=key)
 
-    def _propose(self, seq: _Sequence, k: int, network: Hashable | None = None) -> Draft | None:
+    def _propose(self, seq: BatchRow, k: int, network: Hashable | None = None) -> RowDraft:
         """One request's draft alone; ``network``: the shared network whose pass this is (its time joins that
         network's cost curve), None for a drafter that drafts alone."""
         if seq.drafter is None or k <= 0:
-            return None
+            return RowDraft(None)
         timed = seq.drafter.runs_a_pass(seq.sequence, k)  # a lookup's ~0 s would blur the network's cost
-        seq.drafted_by_lookup = not timed
         unread, started = seq.drafter.unread(seq.sequence), time.perf_counter()
         draft = seq.drafter.propose(seq.sequence, k, seq.request.params, seq.generator)
         if not timed:
-            return self._fit(seq, draft)
+            return RowDraft(self._fit(seq, draft), by_lookup=True)
         seconds = time.perf_counter() - started
         if network is None:
             self._cost_of(seq).record(len(draft.tokens), unread, seconds)
         else:
             self._record_network(network, unread + len(draft.tokens), seconds)
-        return self._fit(seq, draft)
+        return RowDraft(self._fit(seq, draft))
 
     @staticmethod
-    def _fit(seq: _Sequence, draft: Draft) -> Draft | None:
+    def _fit(seq: BatchRow, draft: Draft) -> Draft | None:
         room = seq.max_slots - len(seq.sequence)  # a tree of k * W nodes may not fit where k drafts do
         draft = fit_draft(draft, room)
         return draft if len(draft.tokens) else None
@@ -162,20 +159,20 @@ def _network_key(drafter: Drafter) -> Hashable:
     return type(drafter), id(getattr(drafter, "model", drafter))
 
 
-def _network(seq: _Sequence, k: int) -> Hashable | None:
+def _network(seq: BatchRow, k: int) -> Hashable | None:
     """The network whose shared pass drafts this row's k drafts, or None (a lookup, a tree, a lone drafter)."""
     shared = seq.drafter.shared_pass(seq.sequence, k)
     return None if shared is None else _network_key(shared[0])
 
 
-def _steady_unread(seq: _Sequence, unread: int, k: int) -> int:
+def _steady_unread(seq: BatchRow, unread: int, k: int) -> int:
     """The ids a row that drafts every step reads per pass: those its last verification committed (about the
     expected tokens per step); any more are a backlog (its prompt, before its first draft; the ids it missed while
     it did not draft)."""
     return min(unread, max(1, round(seq.acceptance.expected_tokens(k))))
 
 
-def _remaining_steps(seq: _Sequence, k: int) -> float:
+def _remaining_steps(seq: BatchRow, k: int) -> float:
     """Steps the request has left if it drafts k per step: a backlog read once serves every one of them, so the
     planner charges each step its share (one step's price would never pay back a prompt read, and a request whose
     drafter never read its prompt could never draft)."""

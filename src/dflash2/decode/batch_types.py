@@ -1,16 +1,21 @@
-"""The batch engine's public types: its configuration, a request and its handle, errors, and the /metrics
-snapshot (``decode/batch.py`` holds the loop)."""
+"""The batch engine's types: its configuration, a request and its handle, errors, the /metrics snapshot, and a
+running request's row shared by the loop (``decode/batch.py``) and its drafting half (``decode/batch_drafting.py``).
+"""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
-from dflash2.decode.output import GenerationResult, StreamChunk
+import torch
+
+from dflash2.decode.cost_model import Acceptance
+from dflash2.decode.output import GenerationResult, OutputTracker, StreamChunk
 from dflash2.decode.ragged import DEFAULT_WORKSPACE_BYTES
 from dflash2.decode.stats import DecodeStats
-from dflash2.drafters.base import Drafter
+from dflash2.drafters.base import Draft, Drafter
+from dflash2.kv.paged import BlockTable
 from dflash2.verify import SamplingParams
 
 Event = StreamChunk | GenerationResult | Exception  # what a request's sink receives, a result or error last
@@ -66,6 +71,9 @@ class BatchRequest:
     num_draft_tokens: int = 0  # drafts per step (0 = plain decoding)
     timeout_s: float | None = None  # from submission: a request not admitted by then fails (DeadlineError), a
     # running one finishes with what it has (finish reason "timeout")
+    # a rule on the target's next token at every pass of this request (a grammar mask, logprobs): its constrain /
+    # advance pair is decode/step.py's LogitsConstraint (serve/structured.py builds them)
+    constraint: object | None = None
 
 
 class RequestHandle:
@@ -106,3 +114,53 @@ class PrefixCacheSnapshot:
     hit_tokens: int  # of those, found cached (not computed again)
     blocks_cached: int  # blocks registered (held by running requests or evictable)
     blocks_evictable: int  # cached blocks no request holds
+
+
+@dataclass
+class BatchRow:
+    """One request inside the loop: what it asked for, where its events go, its KV table, its drafter and what the
+    scheduler has learnt about its drafts."""
+
+    request: BatchRequest
+    handle: RequestHandle
+    sink: Sink
+    submitted: float  # perf_counter() at submission
+    drafter: Drafter | None  # its own (``for_request``), or None: plain decoding
+    generator: torch.Generator | None  # None: greedy
+    output: OutputTracker  # generated ids and text; the finish rule (EOS, stop strings, max_new_tokens)
+    stats: DecodeStats
+    table: BlockTable | None = None  # its KV slots once admitted
+    max_slots: int = 0  # KV slots the request may fill (within the context; the table may round up to blocks)
+    state_bytes: int = 0  # drafter memory reserved for it while admitted
+    sequence: list[int] = field(default_factory=list)  # prompt + committed ids; the last one is pending
+    finish_reason: str | None = None
+    # acceptance by position of the drafts its drafter's network made, and of its lookup drafts (a hybrid drafter
+    # makes both; their acceptance differs, and only the network's cost a pass)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    lookup_acceptance: Acceptance = field(default_factory=Acceptance)
+
+    def send(self, event: Event) -> None:
+        """Hand an event to the request's sink; a sink that fails (its client is gone) cancels the request."""
+        try:
+            self.sink(event)
+        except Exception:
+            self.handle.cancel()
+
+    @property
+    def prefilled(self) -> bool:
+        return len(self.sequence) > len(self.request.prompt_ids)
+
+    def past_deadline(self, now: float) -> bool:
+        return self.request.timeout_s is not None and now - self.submitted > self.request.timeout_s
+
+    def acceptance_of(self, draft: RowDraft) -> Acceptance:
+        """Where the verdict on ``draft`` is learnt: its lookups' acceptance, or its network's."""
+        return self.lookup_acceptance if draft.by_lookup else self.acceptance
+
+
+@dataclass(frozen=True)
+class RowDraft:
+    """A row's draft for one step (``decode/batch_drafting.py`` -> the loop)."""
+
+    draft: Draft | None  # None: no drafts (a plain step, or a prompt chunk)
+    by_lookup: bool = False  # drafted by a lookup (prompt n-grams), not by the drafter's network

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -24,11 +24,10 @@ from dflash2.models.decoder import Transformer
 from dflash2.models.tokenizer import ChatMessages, Tokenizer
 from dflash2.verify.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from dflash2.decode.overlap import DraftWorker
+
 Prompt = str | ChatMessages
-# A decoding method: (prompt ids [T], sampling, generator, KV capacity, stats, cache) -> committed tokens per pass;
-# the cache (None: the method makes its own) holds the KV of the prompt's first ``cache.length`` ids.
-DecodeMethod = Callable[[torch.Tensor, SamplingParams, torch.Generator | None, int, DecodeStats,
-                         StaticKVCache | None], Iterator[list[int]]]
 
 
 @dataclass
@@ -96,7 +95,6 @@ class Engine:
         seed: int | None = None,
         stop: Sequence[str] = (),
         raw: bool = False,
-        method: DecodeMethod | None = None,
     ) -> Iterator[StreamChunk]:
         """Yield text as it is committed; the generator's return value is the :class:`GenerationResult`."""
         if max_new_tokens <= 0:
@@ -106,13 +104,13 @@ class Engine:
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
         capacity = min(self.max_context, len(prompt_ids) + max_new_tokens + self._draft_slack())
-        method = method or self._default_method()
+        self._check_pipeline()
         stats = DecodeStats(prompt_tokens=len(prompt_ids))
         generator = None if params.greedy else params.make_generator(self.target.device)
         start = time.perf_counter()
         cache = self._start_cache(prompt_ids, capacity)
         stats.cached_tokens = 0 if cache is None else cache.length
-        steps = method(torch.tensor(prompt_ids), params, generator, capacity, stats, cache)
+        steps = self._decode(torch.tensor(prompt_ids), params, generator, capacity, stats, cache)
         output = OutputTracker(self.tokenizer, max_new_tokens, stop)
         committed = list(prompt_ids)
         for step_ids in steps:
@@ -151,31 +149,40 @@ class Engine:
         kept.cache.rollback(common)
         return kept.cache.grown(capacity)
 
-    def _default_method(self) -> DecodeMethod:
+    def _check_pipeline(self) -> None:
+        from dflash2.decode.overlap import PIPELINES
+
+        if self.drafter is not None and self.pipeline not in PIPELINES:
+            raise ValueError(f"unknown pipeline {self.pipeline!r}; choose one of {', '.join(PIPELINES)}")
+
+    def _decode(self, prompt_ids: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                capacity: int, stats: DecodeStats, cache: StaticKVCache | None) -> Iterator[list[int]]:
+        """The committed tokens of each target pass: plain decoding, the speculative step, or its overlapped
+        pipeline (``cache``: None, or one holding the KV of the prompt's first ``cache.length`` ids)."""
         if self.drafter is None:
-            return lambda ids, params, gen, cap, stats, cache: plain_decode(self.target, ids, params, gen, cap, stats,
-                                                                            cache)
+            return plain_decode(self.target, prompt_ids, params, generator, capacity, stats, cache)
         from dflash2.decode.draft_length import make_policy, verification_cost_model
-        from dflash2.decode.overlap import PIPELINES, DraftWorker, overlap_decode
+        from dflash2.decode.overlap import overlap_decode
         from dflash2.decode.speculative import speculative_decode
 
-        if self.pipeline not in PIPELINES:
-            raise ValueError(f"unknown pipeline {self.pipeline!r}; choose one of {', '.join(PIPELINES)}")
         drafter, overlap = self.drafter, self.pipeline == "overlap"
+        forward = self._verify_costs.setdefault(self.pipeline, verification_cost_model())
+        policy = make_policy(self.adaptive_draft, drafter.num_draft_tokens, overlap, drafter.cost_per_pass, forward)
+        if not overlap:
+            return speculative_decode(self.target, drafter, prompt_ids, params, generator, capacity, stats, policy,
+                                      cache)
+        return overlap_decode(self.target, drafter, prompt_ids, params, generator, capacity, stats,
+                              self._draft_worker(), policy)
 
-        def method(ids, params, gen, cap, stats, cache):
-            forward = self._verify_costs.setdefault(self.pipeline, verification_cost_model())
-            policy = make_policy(self.adaptive_draft, drafter.num_draft_tokens, overlap, drafter.cost_per_pass,
-                                 forward)
-            if not overlap:
-                return speculative_decode(self.target, drafter, ids, params, gen, cap, stats, policy, cache)
-            if self._worker is None or self._worker.num_threads != self.draft_threads:
-                if self._worker is not None:
-                    self._worker.close()
-                self._worker = DraftWorker(self.target.device, self.draft_threads)
-            return overlap_decode(self.target, drafter, ids, params, gen, cap, stats, self._worker, policy)
+    def _draft_worker(self) -> DraftWorker:
+        """The overlapped pipeline's drafter thread, (re)started when its thread budget changed."""
+        from dflash2.decode.overlap import DraftWorker
 
-        return method
+        if self._worker is None or self._worker.num_threads != self.draft_threads:
+            if self._worker is not None:
+                self._worker.close()
+            self._worker = DraftWorker(self.target.device, self.draft_threads)
+        return self._worker
 
     def _draft_slack(self) -> int:
         """Extra KV slots a verification pass may write past the last kept token."""

@@ -28,14 +28,8 @@ from typing import Callable, Iterator, TypeVar
 import torch
 
 from dflash2.decode.draft_length import DraftLengthPolicy, FixedDraftLength
-from dflash2.decode.speculative import (
-    StepOutcome,
-    commit_kept,
-    empty_draft,
-    fit_draft,
-    record_step,
-    verify_draft,
-)
+from dflash2.decode.speculative import verify_draft
+from dflash2.decode.step import StepOutcome, empty_draft, fit_draft, prompt_observation, settle
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.models.decoder import Transformer
@@ -120,7 +114,7 @@ class SpeculationCache:
 
 def _read_prompt(drafter: Drafter, sequence: list[int], hidden: tuple[torch.Tensor, ...]) -> None:
     """After the target's prefill (on the drafter's thread): the prompt's states, then the draft model's prefill."""
-    drafter.observe(sequence, -1, hidden)
+    prompt_observation(sequence, 0, hidden).tell(drafter)
     drafter.prefill(sequence[:-1])
 
 
@@ -166,20 +160,17 @@ def overlap_decode(
             speculation = SpeculationCache()
             pending = _pre_draft(worker, drafter, sequence, draft, k, params, draft_generator, speculation)
             start = cache.length
-            outcome, hidden = verify_draft(target, cache, sequence[-1], draft, params, generator, taps)
-            commit_kept(cache, start, outcome.kept_positions)
-            verified = time.perf_counter()
-            stats.verify_seconds += verified - started
+            logits, hidden = verify_draft(target, cache, sequence[-1], draft, taps)
+            step = settle(draft, logits, hidden, cache=cache, start=start, sequence=sequence, layers=taps, params=params,
+                          generator=generator, stats=stats, policy=policy, draft_seconds=draft_seconds,
+                          verify_started=started)
             if pending is not None:
                 pending.result()  # the target's bubble when drafting ahead takes longer than verifying
-            record_step(stats, policy, draft, outcome, draft_seconds, verified - started)
-            sequence.extend(outcome.emitted)
+            outcome, sequence = step.outcome, step.observation.sequence
             stats.predrafts += bool(speculation.entries)
             draft, draft_seconds = speculation.take(outcome), speculation.seconds
             stats.predraft_hits += draft is not None
-            kept = torch.tensor(outcome.kept_positions, device=target.device)
-            pending = worker.submit(drafter.observe, list(sequence), len(outcome.emitted) - 1,
-                                    tuple(h[:, kept] for h in hidden))
+            pending = worker.submit(step.observation.tell, drafter)
             yield outcome.emitted
     finally:
         if pending is not None:

@@ -24,13 +24,28 @@ class DecodeStats:
 
     def record_draft(self, num_drafted: int, num_accepted: int) -> None:
         """One verification: ``num_drafted`` drafts proposed, the first ``num_accepted`` kept."""
-        grow = num_drafted - len(self.drafted_by_position)
-        if grow > 0:
-            self.drafted_by_position.extend([0] * grow)
-            self.accepted_by_position.extend([0] * grow)
+        self._positions(num_drafted)
         for position in range(num_drafted):
             self.drafted_by_position[position] += 1
             self.accepted_by_position[position] += position < num_accepted
+
+    def add_decoding(self, other: DecodeStats) -> None:
+        """Add another generation's decoding counts (new tokens, target passes, committed tokens, drafts by
+        position) to these totals."""
+        self.new_tokens += other.new_tokens
+        self.target_forwards += other.target_forwards
+        self.committed_tokens += other.committed_tokens
+        self._positions(len(other.drafted_by_position))
+        for position, (drafted, accepted) in enumerate(zip(other.drafted_by_position, other.accepted_by_position)):
+            self.drafted_by_position[position] += drafted
+            self.accepted_by_position[position] += accepted
+
+    def _positions(self, count: int) -> None:
+        """Count drafts at positions up to ``count`` - 1."""
+        grow = count - len(self.drafted_by_position)
+        if grow > 0:
+            self.drafted_by_position.extend([0] * grow)
+            self.accepted_by_position.extend([0] * grow)
 
     @property
     def seconds(self) -> float:

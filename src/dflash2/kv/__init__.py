@@ -2,7 +2,7 @@
 
 Both caches keep the keys/values of one sequence's committed slots ``[0, length)`` and implement the commit side
 of a verification the same way (:class:`KVCommit`): ``rollback`` keeps a prefix (a chain's accepted drafts),
-``compact`` moves a verified tree's accepted branch into consecutive slots. ``decode.speculative.commit_kept``
+``compact`` moves a verified tree's accepted branch into consecutive slots. ``decode.step.commit_kept``
 commits any loop's outcome through it.
 """
 
