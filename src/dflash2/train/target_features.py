@@ -103,7 +103,7 @@ def mt_bench_items(target: Transformer, tokenizer, count: int, max_new_tokens: i
         name = f"mtbench-{index:05d}"
         if out_dir is not None and (out_dir / f"{name}.safetensors").exists():
             continue
-        prompt_ids = encode(prompt.prompt)
+        prompt_ids = encode(prompt.text)
         reply = greedy_response(target, prompt_ids, max_new_tokens, tokenizer.eos_token_ids)
         yield FeatureItem(name, prompt_ids + reply, len(prompt_ids) - 1, True)
 
