@@ -107,9 +107,10 @@ def test_features_and_conditioned_training(tiny_model_dirs, tmp_path):
                   sequences_per_step=2, num_steps=20, learning_rate=1e-2, mask_learning_rate=5e-2,
                   conditioning_learning_rate=1e-2, warmup_steps=2, eval_every=0, checkpoint_every=5, progress=False)
     train_pard(PardTrainConfig(out_dir=str(tmp_path / "plain"), **common))
-    train_pard(PardTrainConfig(out_dir=str(tmp_path / "cond"), condition=True, stop_at_step=10, **common))
+    ordered = dict(condition=True, train_sequences=16)  # the features in order, each once per epoch
+    train_pard(PardTrainConfig(out_dir=str(tmp_path / "cond"), stop_at_step=10, **ordered, **common))
     assert latest_checkpoint(tmp_path / "cond").name == "step_0000010"
-    drafter_dir = train_pard(PardTrainConfig(out_dir=str(tmp_path / "cond"), condition=True, **common))
+    drafter_dir = train_pard(PardTrainConfig(out_dir=str(tmp_path / "cond"), **ordered, **common))
     plain_evals = [json.loads(line) for line in (tmp_path / "plain" / "eval.jsonl").read_text().splitlines()]
     cond_evals = [json.loads(line) for line in (tmp_path / "cond" / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in cond_evals] == [0, 10, 20]

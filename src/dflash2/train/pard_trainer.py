@@ -124,8 +124,17 @@ class TrainingData:
         self.features = FeatureSet(config.features_dir)
         self.taps = config.condition
         self.feature_train = self.features.train[: config.train_sequences]
+        self.ordered = config.train_sequences  # None: random draws among all training sequences
         self.heldout = {kind: [_truncate(self.features.read(n, self.taps), config.max_sequence_length) for n in names]
                         for kind, names in self.features.heldout_groups().items()}
+
+    def _ordered(self, position: int) -> LabelledText:
+        from dflash2.train.target_features import FeatureSet
+
+        while position >= len(self.feature_train):  # `dflash2 train features` is still writing it
+            time.sleep(10)
+            self.feature_train = FeatureSet(self.features.directory).train[: self.ordered]
+        return self.features.read(self.feature_train[position], self.taps)
 
     def describe(self) -> str:
         if self.features is not None:
@@ -138,8 +147,12 @@ class TrainingData:
             parts.append(f"hard labels {len(self.hard_train)} + {len(self.heldout['regenerated'])} held out")
         return "; ".join(parts)
 
-    def draw(self, generator: torch.Generator) -> LabelledText:
+    def draw(self, generator: torch.Generator, index: int = 0) -> LabelledText:
+        """A training sequence: at random; with ``train_sequences`` set, the ``index``-th draw of the run takes the
+        features' sequences in order, each once per epoch (waiting for one still being written)."""
         if self.features is not None:
+            if self.ordered is not None:
+                return self._ordered(index % self.ordered)
             if not self.feature_train:
                 raise ValueError(f"no training sequence in {self.features.directory} yet")
             pick = int(torch.randint(len(self.feature_train), (1,), generator=generator))
@@ -240,8 +253,8 @@ def train_pard(config: PardTrainConfig) -> Path:
             generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
             optimizer.zero_grad(set_to_none=True)
             total_loss, total_rows, total_tokens = 0.0, 0, 0
-            for _ in range(config.sequences_per_step):
-                text = _truncate(data.draw(generator), config.max_sequence_length)
+            for index in range(step * config.sequences_per_step, (step + 1) * config.sequences_per_step):
+                text = _truncate(data.draw(generator, index), config.max_sequence_length)
                 anchors, depths = sample_blocks(text.label_start, text.topk_ids.shape[0], config.anchors_per_sequence,
                                                 config.num_draft_tokens - 1, config.keep_ratio, generator)
                 if len(anchors) == 0:
