@@ -90,12 +90,20 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
             return pard
         lookup = max(pard.num_draft_tokens, default_num_draft_tokens("ngram"))
         return HybridDrafter(pard, lookup, stop_ids=target.tokenizer.eos_token_ids)
+    from dflash2.drafters.conditioning import has_conditioning
     from dflash2.drafters.dflash import load_dflash_drafter
 
     kind = name.partition("+")[0]  # a block drafter (BLOCK_DRAFTERS)
-    directory = draft_model or shipped_dflash_drafter(target.name, kind)
-    # W > 1: a tree of k * W nodes through the block's top candidates
-    block = load_dflash_drafter(directory, target.target, k, num_paths=width)
+    if kind == "dflash2" and draft_model is not None and has_conditioning(draft_model):
+        # the pretrained 0.5B's PARD adapter reading the target's hidden states (drafters/conditioned.py)
+        from dflash2.drafters.conditioned import build_conditioned_drafter
+
+        block = build_conditioned_drafter(target, draft_model, k, dtype=dtype, weights=weights, pull=pull,
+                                          num_paths=width)
+    else:
+        directory = draft_model or shipped_dflash_drafter(target.name, kind)
+        # W > 1: a tree of k * W nodes through the block's top candidates
+        block = load_dflash_drafter(directory, target.target, k, num_paths=width)
     if not name.endswith("+ngram"):
         return block
     # k sets the block's drafts; a prompt-lookup match may run as long as the n-gram drafter's

@@ -89,11 +89,10 @@ def build_conditioned_drafter(target, draft_model: str | Path | None, num_draft_
                               num_paths: int = 1) -> ConditionedPardDrafter:
     """The ``dflash2`` drafter for ``target`` (a :class:`~dflash2.drafters.DraftTarget`): ``draft_model`` is a
     trained adapter directory with its conditioning (``pard_config.json`` + ``conditioning.json``); None = the one
-    shipped for the target (``drafters/trained/<target>-dflash2``)."""
-    from dflash2.drafters.pard import (SHIPPED_DIR, load_pard_networks, pard_catch_up, pard_context_window,
-                                       pard_reader, pard_weights)
-    from dflash2.models.store import canonical_name, resolve_model
-    from dflash2.drafters.pard import PardConfig
+    shipped for the target (``drafters/trained/<target>-dflash2``). The network loads as the PARD drafter's
+    (:func:`~dflash2.drafters.pard.build_pard_drafter`: weight format, draft vocabulary, prompt reader)."""
+    from dflash2.drafters.pard import SHIPPED_DIR, build_pard_drafter
+    from dflash2.models.store import canonical_name
 
     if draft_model is None:
         draft_model = SHIPPED_DIR / f"{canonical_name(target.name) or target.name}-dflash2"
@@ -101,17 +100,11 @@ def build_conditioned_drafter(target, draft_model: str | Path | None, num_draft_
     if not ((directory / PARD_CONFIG).exists() and has_conditioning(directory)):
         raise ValueError(f"no target-conditioned drafter in {directory}: train one with `dflash2 train pard "
                          f"--features DIR --condition` and pass its drafter/ directory as --draft-model")
-    base_dir = resolve_model(PardConfig.load(directory).base_model, dtype, pull=pull)
-    if not target.tokenizer.same_vocabulary(base_dir):
-        raise ValueError(f"the drafter's base in {directory} has a different tokenizer from the target")
-    device = str(target.target.device)
-    model, config, reader = load_pard_networks(directory, base_dir, dtype, device,
-                                               weights=pard_weights(weights, device, dtype), reader=pard_reader())
-    conditioning = TargetConditioning.load(directory).to(device)
+    pard = build_pard_drafter(target, directory, num_draft_tokens, dtype=dtype, weights=weights, pull=pull,
+                              num_paths=num_paths)
+    conditioning = TargetConditioning.load(directory).to(pard.model.device)
     if conditioning.config.target_hidden_size != target.target.config.hidden_size:
         raise ValueError(f"{directory} reads a target of width {conditioning.config.target_hidden_size}, not "
                          f"{target.target.config.hidden_size}")
-    k = num_draft_tokens or config.default_num_draft_tokens or config.num_draft_tokens
-    return ConditionedPardDrafter(model, config.mask_token_id, conditioning, k,
-                                  target_vocab_size=target.target.config.vocab_size, num_paths=num_paths,
-                                  context_window=pard_context_window(), catch_up=pard_catch_up(), reader=reader)
+    return ConditionedPardDrafter(pard.model, pard.mask_token_id, conditioning, pard.num_draft_tokens,
+                                  pard.target_vocab_size, num_paths, pard.context_window, pard.catch_up, pard.reader)
