@@ -51,6 +51,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import dflash2
+    from dflash2.platform import reload_settings
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -63,9 +64,11 @@ def main() -> None:
             for _ in range(args.rounds):
                 for mode in MODES:
                     os.environ["DFLASH2_LAYER_OPS"] = mode
+                    reload_settings()  # (parsed once per process otherwise)
                     for r in rows:
                         samples[mode, r].append(time_forward(model, r, args.cached, args.passes))
             os.environ.pop("DFLASH2_LAYER_OPS", None)
+            reload_settings()
             for r in rows:
                 off, on = (statistics.median(samples[m, r]) for m in MODES)
                 results.append({"weights": weights, "rows": r, "torch_ms": off, "kernels_ms": on, "speedup": off / on,

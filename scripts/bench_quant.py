@@ -50,6 +50,7 @@ from dflash2.kernels.quant_linear import QuantLinear
 from dflash2.models.loading import load_transformer
 from dflash2.models.store import resolve_model
 from dflash2.models.tokenizer import Tokenizer
+from dflash2.platform import reload_settings
 
 clock = time.perf_counter  # or time.process_time (--cpu-time)
 
@@ -102,6 +103,7 @@ def load_format(model_dir: Path, fmt: str):
         raise SystemExit(f"--formats {fmt}: only gguf takes a kernel (gguf@amx, gguf@vnni, gguf@avx2, gguf@torch)")
     before = os.environ.get(gguf_linear.ENV)
     os.environ[gguf_linear.ENV] = kernel
+    reload_settings()  # (parsed once per process otherwise)
     try:
         return load_transformer(model_dir, "bf16", weights=weights)
     finally:
@@ -109,6 +111,7 @@ def load_format(model_dir: Path, fmt: str):
             os.environ.pop(gguf_linear.ENV)
         else:
             os.environ[gguf_linear.ENV] = before
+        reload_settings()
 
 
 def agreement(models, model_dir, per_suite: int, tokens: int) -> dict[str, list[int]]:

@@ -49,6 +49,18 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def settings_from_this_tests_environment():
+    """The package parses its DFLASH2_* variables once per process (dflash2.platform.settings); a test that
+    changes one calls reload_settings, and after every test (its monkeypatch undone first: this fixture is set up
+    before it) they are parsed again, so that no test's switches reach the next."""
+    from dflash2.platform import reload_settings
+
+    reload_settings()
+    yield
+    reload_settings()
+
+
 class PeakMemoryReport:
     """DFLASH2_TEST_MEMORY=1 (or =path.json): the peak resident memory of the test process and its children (the
     servers tests start) during each test, sampled every 0.2 s; the largest are printed at the end (and all are

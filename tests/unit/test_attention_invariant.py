@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash2.kernels.attention import attention_kernel_available, attention_kernel_status, invariant_attention
-from dflash2.kernels.jit import cpu_flags
 from dflash2.models.attention import attend, torch_attend
+from dflash2.platform import cpu, reload_settings
 
 pytestmark = pytest.mark.skipif(not attention_kernel_available(),
                                 reason=f"attention kernel unavailable: {attention_kernel_status()}")
@@ -168,7 +168,7 @@ def test_the_softmax_max_is_the_true_max_wherever_it_lies() -> None:
             torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=2e-6, msg=f"{slots} slots, max at {big}")
 
 
-@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags(), reason="no AVX-512")
+@pytest.mark.skipif(bool(cpu().missing(("avx512f", "avx512bw", "avx512vl", "avx512dq"))), reason="no AVX-512")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_16_lane_functions_give_the_8_lane_bits(dtype) -> None:
     """Where the CPU has AVX-512 the kernel runs its chains two per 512-bit vector: bitwise the AVX2 path, for
@@ -200,6 +200,8 @@ def test_the_switch_selects_torch_attention(monkeypatch) -> None:
     q, k, v = _qkv(1, 3, 40, torch.bfloat16)
     mask = torch.ones(1, 1, 3, 40, dtype=torch.bool).tril(37)
     monkeypatch.setenv("DFLASH2_ATTENTION", "torch")
+    reload_settings()
     assert torch.equal(attend(q, k, v, mask), torch_attend(q, k, v, mask))
     monkeypatch.delenv("DFLASH2_ATTENTION")
+    reload_settings()
     assert torch.equal(attend(q, k, v, mask), invariant_attention(q, k, v, mask))

@@ -73,15 +73,18 @@ def test_one_table_holds_every_drafters_default_length():
 def test_serving_builds_the_drafter_the_server_measured_fastest(monkeypatch):
     from dflash2.drafters import spec as spec_module
 
-    name = "/some/local/dir"  # ngram needs only the tokenizer; the tables name the drafter by its draft length
-    monkeypatch.setitem(spec_module.MEASURED_DEFAULT_DRAFTERS, name, "ngram:3")
-    monkeypatch.setitem(spec_module.MEASURED_SERVING_DRAFTERS, name, "ngram:5")
-    monkeypatch.setitem(spec_module.MEASURED_TILE_SERVING_DRAFTERS, name, "ngram:7")
+    name = "/some/local/dir"  # ngram needs only the tokenizer; the table names the drafter by its draft length
+    rows = (spec_module.AutoDrafter(name, True, "amx", "ngram:7", ""),
+            spec_module.AutoDrafter(name, False, "any", "ngram:3", ""),
+            spec_module.AutoDrafter(name, True, "any", "ngram:5", ""))
+    monkeypatch.setattr(spec_module, "AUTO_DRAFTERS", rows + spec_module.AUTO_DRAFTERS)
     target = DraftTarget(None, EosTokenizer(), name)  # no model: its layers are not on AMX tiles
     assert build_drafter("auto", target).num_draft_tokens == 3
     assert build_drafter("auto", target, serving=True).num_draft_tokens == 5
     assert build_drafter("ngram:4", target, serving=True).num_draft_tokens == 4  # a named drafter stays itself
-    assert spec_module.default_drafter(name, serving=True, tile_verification=True) == "ngram:7"
+    tiles = spec_module.DraftHardware(tile_verification=True, amx_verification=True)
+    assert spec_module.default_drafter(name, serving=True, hardware=tiles) == "ngram:7"
+    assert build_drafter("auto", target, serving=True, hardware=tiles).num_draft_tokens == 7
 
 
 def test_stateless_drafters_are_shared_and_stateful_ones_copied(tiny_model_dirs):

@@ -14,6 +14,7 @@ import torch
 from dflash2.kernels import gguf_linear as gl
 from dflash2.kernels.gguf_blocks import (SUPPORTED_TYPES, GGUFBlockError, concat_rows, decode_blocks, dequantize,
                                          random_blocks, random_raw, take_rows)
+from dflash2.platform import CpuInfo, Settings, cpu, gguf_pair_min_rows, reload_settings
 
 gguf_quants = pytest.importorskip("gguf.quants")
 GGML = pytest.importorskip("gguf").GGMLQuantizationType
@@ -162,23 +163,20 @@ def test_kernel_equals_reference_and_is_row_count_invariant(qtype, backend):
                 assert torch.equal(gl._matmul(op, quantize(x[r : r + 1], block), pb), full[r : r + 1])
 
 
-def test_pair_rows_setting_follows_the_cpu_and_the_switch(monkeypatch):
-    monkeypatch.delenv(gl.PAIRS_ENV, raising=False)
-    monkeypatch.setattr(gl.jit, "cpu_model", lambda: ("AuthenticAMD", 25))  # Zen 3 / Zen 4
-    assert gl.pair_min_rows() == 5
-    for cpu in (("GenuineIntel", 6), ("AuthenticAMD", 26), ("", -1)):
-        monkeypatch.setattr(gl.jit, "cpu_model", lambda cpu=cpu: cpu)
-        assert gl.pair_min_rows() == 4
-    monkeypatch.setenv(gl.PAIRS_ENV, "3")
-    assert gl.pair_min_rows() == 3
+def test_pair_rows_setting_follows_the_cpu_and_the_switch():
+    unset = Settings.from_environ({})
+    assert gguf_pair_min_rows(CpuInfo("AuthenticAMD", 25), unset) == 5  # Zen 3 / Zen 4
+    for vendor, family in (("GenuineIntel", 6), ("AuthenticAMD", 26), ("", -1)):
+        assert gguf_pair_min_rows(CpuInfo(vendor, family), unset) == 4
+    assert gguf_pair_min_rows(CpuInfo("AuthenticAMD", 25), Settings.from_environ({gl.PAIRS_ENV: "3"})) == 3
     for bad in ("0", "-2", "many"):
-        monkeypatch.setenv(gl.PAIRS_ENV, bad)
         with pytest.raises(ValueError, match=gl.PAIRS_ENV):
-            gl.pair_min_rows()
+            gguf_pair_min_rows(CpuInfo(), Settings.from_environ({gl.PAIRS_ENV: bad}))
+    assert gl.pair_min_rows() == gguf_pair_min_rows(cpu(), unset)  # (no DFLASH2_GGUF_PAIR_ROWS in the tests)
 
 
 def test_cpu_model_reads_this_machine():
-    vendor, family = gl.jit.cpu_model()
+    vendor, family = cpu().vendor, cpu().family
     if os.path.exists("/proc/cpuinfo") and platform.machine() in ("x86_64", "AMD64"):
         assert vendor and family > 0  # every x86 Linux lists vendor_id and cpu family
     elif not os.path.exists("/proc/cpuinfo"):
@@ -398,8 +396,10 @@ def test_q4_0_from_a_float_weight(backend):
 
 def test_backend_switch(monkeypatch):
     monkeypatch.setenv(gl.ENV, "torch")
+    reload_settings()
     assert gl.gguf_backend() == "torch"
     monkeypatch.setenv(gl.ENV, "maybe")
+    reload_settings()
     with pytest.raises(ValueError, match="expected amx, vnni, avx2 or torch"):
         gl.gguf_backend()
 
@@ -408,19 +408,24 @@ def test_backend_switch(monkeypatch):
 def test_default_backend_is_the_fastest_kernel_here_and_a_named_one_is_required(monkeypatch):
     monkeypatch.delenv(gl.ENV, raising=False)
     monkeypatch.delenv("DFLASH2_AMX", raising=False)
+    reload_settings()
     has_vnni, has_amx = gl.gguf_kernels_available(gl.VNNI), gl.gguf_kernels_available(gl.AMX)
     assert gl.gguf_backend() == (gl.AMX if has_amx else gl.VNNI if has_vnni else gl.KERNEL)
     monkeypatch.setenv("DFLASH2_AMX", "off")  # the machine-wide AMX switch keeps the VNNI build
+    reload_settings()
     assert gl.gguf_backend() == (gl.VNNI if has_vnni else gl.KERNEL)
     monkeypatch.setenv(gl.ENV, "amx")
+    reload_settings()
     if has_amx:
         assert gl.gguf_backend() == gl.AMX
     else:
         with pytest.raises(RuntimeError, match="amx-int8 kernel, which is unavailable"):
             gl.gguf_backend()
     monkeypatch.setenv(gl.ENV, "avx2")
+    reload_settings()
     assert gl.gguf_backend() == gl.KERNEL
     monkeypatch.setenv(gl.ENV, "vnni")
+    reload_settings()
     if has_vnni:
         assert gl.gguf_backend() == gl.VNNI
     else:  # named and unavailable: an error naming why, not a silent fallback
@@ -433,6 +438,7 @@ def test_cache_round_trip_and_invalidation(tmp_path, monkeypatch):
     from dflash2.models.gguf_cache import GgufCache
 
     monkeypatch.setenv("DFLASH2_HOME", str(tmp_path))
+    reload_settings()
     model_dir = tmp_path / "models" / "tiny" / "bf16"
     model_dir.mkdir(parents=True)
     gguf = tmp_path / "tiny.gguf"
@@ -458,4 +464,5 @@ def test_cache_round_trip_and_invalidation(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="ignoring the gguf block cache"):
         assert GgufCache.for_model(model_dir, gguf).read(config) is None
     monkeypatch.setenv("DFLASH2_QUANT_CACHE", "off")
+    reload_settings()
     assert GgufCache.for_model(model_dir, gguf) is None

@@ -13,6 +13,7 @@ from dflash2.kernels import gguf_linear as gl
 from dflash2.kernels.gguf_layer import ENV, fused_layers
 from dflash2.models.decoder import CachedAttention
 from dflash2.models.loading import load_transformer
+from dflash2.platform import reload_settings
 from tests.unit.test_gguf_blocks import KERNELS
 from tests.unit.test_speculative_greedy import NEW_TOKENS, RandomDrafter, plain_ids, repetitive_prompt, spec_ids
 
@@ -34,6 +35,7 @@ def forward_pair(model, monkeypatch, chunks: list[int], taps=(0, 2)):
     results = []
     for switch in ("on", "off"):
         monkeypatch.setenv(ENV, switch)
+        reload_settings()
         cache, outs, start = model.new_cache(64), [], 0
         with torch.inference_mode():
             for n in chunks:
@@ -62,17 +64,21 @@ def test_fused_layers_run_only_where_the_python_layer_takes_the_same_kernels(tin
     x = torch.zeros(1, 3, model.config.hidden_size, dtype=torch.bfloat16)
     cache = model.new_cache(16)
     monkeypatch.delenv(ENV, raising=False)
+    reload_settings()
     with torch.inference_mode():
         assert fused_layers(model, CachedAttention(cache, None), x) is not None
         assert fused_layers(model, CachedAttention(cache, torch.ones(1, 1, 3, 3, dtype=torch.bool)), x) is None  # tree
         assert fused_layers(model, CachedAttention(None, None), x) is None  # no cache
         assert fused_layers(model, CachedAttention(cache, None), x.half()) is None
         monkeypatch.setenv("DFLASH2_ATTENTION", "torch")
+        reload_settings()
         assert fused_layers(model, CachedAttention(cache, None), x) is None
         monkeypatch.delenv("DFLASH2_ATTENTION")
         monkeypatch.setenv(ENV, "off")
+        reload_settings()
         assert fused_layers(model, CachedAttention(cache, None), x) is None
     monkeypatch.delenv(ENV)
+    reload_settings()
     assert fused_layers(load_transformer(tiny_model_dirs["qwen2"], "bf16"), CachedAttention(cache, None), x) is None
 
 
@@ -80,6 +86,7 @@ def test_fused_layers_run_only_where_the_python_layer_takes_the_same_kernels(tin
 @pytest.mark.parametrize("k", [1, 4])
 def test_speculation_stays_lossless_with_fused_layers(tiny_model_dirs, monkeypatch, backend, k):
     monkeypatch.delenv(ENV, raising=False)
+    reload_settings()
     target = gguf_model(tiny_model_dirs["qwen2"], "bf16", backend)
     prompt = repetitive_prompt()
     capacity = len(prompt) + NEW_TOKENS + k + 1
@@ -88,4 +95,5 @@ def test_speculation_stays_lossless_with_fused_layers(tiny_model_dirs, monkeypat
     assert spec_ids(target, NgramDrafter(k), prompt, capacity, stats=stats) == expected
     assert spec_ids(target, RandomDrafter(k), prompt, capacity) == expected
     monkeypatch.setenv(ENV, "off")
+    reload_settings()
     assert plain_ids(target, prompt, capacity) == expected  # the Python layers: the same tokens

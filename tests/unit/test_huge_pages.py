@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dflash2.models.huge_pages import HUGE_PAGE, huge_page_copies
+from dflash2.platform import reload_settings
 
 
 def test_copies_are_equal_and_share_one_aligned_buffer():
@@ -37,8 +38,10 @@ def test_loaded_linear_weights_move_per_layer_and_compute_the_same(tiny_model_di
     from dflash2.models.loading import load_transformer
 
     monkeypatch.setenv(ENV, "off")
+    reload_settings()
     before = load_transformer(tiny_model_dirs["qwen2"], "bf16", weights=weights)
     monkeypatch.setenv(ENV, "on")  # (auto: also on, unless this process measured huge pages slow)
+    reload_settings()
     moved = load_transformer(tiny_model_dirs["qwen2"], "bf16", weights=weights)
 
     def buffers(layer):
@@ -62,6 +65,7 @@ def test_gguf_layers_move_with_their_cpp_view_rebuilt(tiny_model_dirs, monkeypat
     if not gl.gguf_kernels_available():
         pytest.skip(f"gguf kernel: {gl.gguf_kernel_status()}")
     monkeypatch.setenv(ENV, "on")
+    reload_settings()
     model = load_transformer(tiny_model_dirs["qwen2"], "bf16", packed=False)
     for layer in model.layers:
         layer.ffn.w_down = gl.GgufLinear.from_linear(layer.ffn.w_down)
@@ -81,12 +85,14 @@ def test_mode_switch():
     from dflash2.models import huge_pages as hp
 
     for raw, mode in (("", "auto"), ("auto", "auto"), ("on", "on"), ("ALWAYS", "on"), ("off", "off"), ("0", "off"),
-                      ("disabled", "off")):  # (every off value of jit.switched_off)
+                      ("disabled", "off")):  # (every off value of platform.OFF_VALUES)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(hp.ENV, raw)
+            reload_settings()
             assert hp.huge_pages_mode() == mode
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(hp.ENV, "sometimes")
+        reload_settings()
         with pytest.raises(ValueError, match=hp.ENV):
             hp.huge_pages_mode()
 
@@ -110,8 +116,10 @@ def test_slow_huge_pages_leave_the_weights_in_auto_mode(tiny_model_dirs, monkeyp
     from dflash2.models.loading import load_transformer
 
     monkeypatch.setenv(hp.ENV, "off")
+    reload_settings()
     before = load_transformer(tiny_model_dirs["qwen2"], "bf16")
     monkeypatch.setenv(hp.ENV, mode)
+    reload_settings()
     monkeypatch.setattr(hp, "_probe", hp._FaultProbe(seconds_per_gb=seconds_per_gb))
     model = load_transformer(tiny_model_dirs["qwen2"], "bf16")
     layer = model.layers[0]

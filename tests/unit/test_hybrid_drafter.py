@@ -74,29 +74,43 @@ def test_a_tree_drafting_block_keeps_the_hybrid_lossless_and_sized_for_its_tree(
 
 
 def test_auto_means_the_drafter_measured_fastest_for_the_target():
-    from dflash2.drafters import default_drafter
+    from dflash2.drafters import DraftHardware, default_drafter
 
+    tiles = DraftHardware(tile_verification=True, amx_verification=True)  # bf16 / int8 on whole-K AMX tiles
+    gguf_amx = DraftHardware(amx_verification=True)  # the gguf kernel's AMX build
     assert default_drafter("qwen2.5-coder-1.5b-instruct") == "pard+ngram" == default_drafter("qwen-1.5b")
     assert default_drafter("qwen2.5-coder-1.5b-instruct", serving=True) == "dflash2+ngram"
     assert default_drafter("smollm2", serving=True) == "ngram"
     assert default_drafter("smollm2") == "ngram" and default_drafter("/some/local/dir") == "ngram"
     # where the target verifies on AMX bf16 tiles (16 rows cost about 4), one request drafts a tree
-    assert default_drafter("qwen-1.5b", tile_verification=True) == "pard+ngram:4x3"
+    assert default_drafter("qwen-1.5b", hardware=tiles) == "pard+ngram:4x3"
+    assert default_drafter("qwen-1.5b", hardware=gguf_amx) == "pard+ngram"  # more rows cost more there: a chain
     # the server drafts with pard only where the target verifies on tiles (elsewhere its pass costs more than it saves)
-    assert default_drafter("qwen-1.5b", serving=True, tile_verification=True) == "pard+ngram"
-    assert default_drafter("smollm2", serving=True, tile_verification=True) == "ngram"
-    assert default_drafter("smollm2", tile_verification=True) == "ngram"
+    assert default_drafter("qwen-1.5b", serving=True, hardware=tiles) == "pard+ngram"
+    assert default_drafter("qwen-1.5b", serving=True, hardware=gguf_amx) == "pard+ngram"
+    assert default_drafter("smollm2", serving=True, hardware=tiles) == "ngram"
+    assert default_drafter("smollm2", hardware=tiles) == "ngram"
+
+
+def test_every_auto_row_names_its_measurement():
+    from dflash2.drafters.spec import AUTO_DRAFTERS, VERIFICATION, DrafterSpec
+
+    for row in AUTO_DRAFTERS:
+        assert row.verification in VERIFICATION and DrafterSpec.parse(row.spec).name != "auto"
+        assert "2026-" in row.measured and "commit" in row.measured and "`" in row.measured, row  # date, commit, command
 
 
 def test_auto_resolves_to_the_tree_only_without_a_shape_of_its_own():
     from dflash2.drafters.spec import DrafterSpec
+    from dflash2.platform import DraftHardware
 
+    tiles = DraftHardware(tile_verification=True, amx_verification=True)
     auto = DrafterSpec.parse("auto")
-    assert str(auto.resolved("qwen-1.5b", tile_verification=True)) == "pard+ngram:4x3"
+    assert str(auto.resolved("qwen-1.5b", hardware=tiles)) == "pard+ngram:4x3"
     assert str(auto.resolved("qwen-1.5b")) == "pard+ngram"
-    assert str(DrafterSpec.parse("auto:3").resolved("qwen-1.5b", tile_verification=True)) == "pard+ngram:3"
-    assert str(DrafterSpec.parse("auto:2x2").resolved("qwen-1.5b", tile_verification=True)) == "pard+ngram:2x2"
-    assert DrafterSpec.parse("ngram").resolved("qwen-1.5b", tile_verification=True) == DrafterSpec.parse("ngram")
+    assert str(DrafterSpec.parse("auto:3").resolved("qwen-1.5b", hardware=tiles)) == "pard+ngram:3"
+    assert str(DrafterSpec.parse("auto:2x2").resolved("qwen-1.5b", hardware=tiles)) == "pard+ngram:2x2"
+    assert DrafterSpec.parse("ngram").resolved("qwen-1.5b", hardware=tiles) == DrafterSpec.parse("ngram")
 
 
 def test_tile_verification_is_true_only_for_linear_layers_on_whole_k_amx_tiles():

@@ -1,5 +1,6 @@
-"""No import cycles inside src/dflash2: the import graph, built from the AST of every module (imports at module
-level and inside functions alike, since a lazy import that closes a loop is still a loop), has no cycle."""
+"""No import cycles inside src/dflash2, and no import running back up its layers: the import graph, built from the
+AST of every module (imports at module level and inside functions alike, since a lazy import that closes a loop or
+reaches up is still one), has no cycle, and no module imports from a layer above its own (:data:`LAYERS`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,25 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "dflash2"
+
+# The package's layers, lowest first (docs/architecture.md): a module imports from its own layer and those below,
+# never from one above. The platform profile (the CPU, the DFLASH2_* settings) and file locks know nothing of the
+# engine; the kernels know the platform; caches and verification are pure; the models run on kernels and caches;
+# drafters use models; the decode loops use drafters; the public API and the CLI plumbing load decoders; the server,
+# benchmarks, the engines benchmarked against (peers: a llama.cpp peer runs a drafter that training exports),
+# training and the chat CLI sit on those; the CLI entry point on top. ``dflash2`` is the package's own __init__ only
+# (it re-exports the API). A module no entry covers fails the test.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("dflash2.platform", "dflash2.locking"),
+    ("dflash2.kernels",),
+    ("dflash2.kv", "dflash2.verify"),
+    ("dflash2.models",),
+    ("dflash2.drafters",),
+    ("dflash2.decode",),
+    ("dflash2", "dflash2.api", "dflash2.cli_common"),
+    ("dflash2.serve", "dflash2.bench", "dflash2.peers", "dflash2.train", "dflash2.cli_chat"),
+    ("dflash2.cli",),
+)
 
 
 def module_name(path: Path, package: Path = PACKAGE) -> str:
@@ -109,6 +129,49 @@ def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
     assert graph["dflash2.a"] == {"dflash2.sub.b"}
     assert graph["dflash2.sub.b"] == {"dflash2.a"}
     assert find_cycles(graph) == [["dflash2.a", "dflash2.sub.b", "dflash2.a"]]
+
+
+def layer_of(module: str, layers: tuple[tuple[str, ...], ...] = LAYERS) -> int | None:
+    """The index in ``layers`` of the longest entry that is ``module`` or a package holding it (None: no entry); the
+    root entry ``dflash2`` stands for the package's __init__ alone."""
+    best: tuple[int, int] | None = None  # (entry length, layer)
+    for index, entries in enumerate(layers):
+        for entry in entries:
+            holds = "." in entry and module.startswith(entry + ".")
+            if (module == entry or holds) and (best is None or len(entry) > best[0]):
+                best = (len(entry), index)
+    return None if best is None else best[1]
+
+
+def upward_imports(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    """``a (layer i) -> b (layer j)`` for every import of a module of a higher layer, and ``a: no layer`` for every
+    module no entry covers."""
+    found = [f"{m}: no layer (add it to LAYERS)" for m in sorted(graph) if layer_of(m, layers) is None]
+    for module in sorted(graph):
+        mine = layer_of(module, layers)
+        for imported in sorted(graph[module]):
+            theirs = layer_of(imported, layers)
+            if mine is not None and theirs is not None and theirs > mine:
+                found.append(f"{module} (layer {mine}) -> {imported} (layer {theirs})")
+    return found
+
+
+def test_the_layer_check_sees_an_import_running_up(tmp_path):
+    pkg = tmp_path / "dflash2"
+    (pkg / "low").mkdir(parents=True)
+    for f in ("__init__.py", "top.py", "low/__init__.py", "low/a.py", "stray.py"):
+        (pkg / f).write_text("")
+    (pkg / "low" / "a.py").write_text("def f():\n    from dflash2 import top\n")  # lazy, and still upward
+    (pkg / "top.py").write_text("from dflash2.low import a\n")  # downward: fine
+    layers = (("dflash2.low",), ("dflash2", "dflash2.top"))
+    assert layer_of("dflash2.low.a", layers) == 0 and layer_of("dflash2.top", layers) == 1
+    assert upward_imports(import_graph(pkg), layers) == ["dflash2.stray: no layer (add it to LAYERS)",
+                                                         "dflash2.low.a (layer 0) -> dflash2.top (layer 1)"]
+
+
+def test_no_import_runs_up_the_layers():
+    upward = upward_imports(import_graph())
+    assert not upward, "imports from a higher layer in src/dflash2:\n" + "\n".join(upward)
 
 
 def test_no_import_cycles():

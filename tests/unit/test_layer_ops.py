@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dflash2.kernels import layer_ops
-from dflash2.kernels.jit import cpu_flags
 from dflash2.models.decoder import RMSNorm
 from dflash2.models.loading import load_transformer
+from dflash2.platform import cpu, reload_settings
 
 pytestmark = pytest.mark.skipif(not layer_ops.layer_ops_available(),
                                 reason=f"layer ops kernel unavailable: {layer_ops.layer_ops_status()}")
@@ -67,7 +67,7 @@ def test_silu_mul_is_close_to_pytorch_and_row_invariant(dtype):
     assert torch.equal(layer_ops.silu_mul(gate_up[:, 2:5]), got[:, 2:5])  # a strided view
     assert torch.isnan(layer_ops.silu_mul(torch.full((1, 16), float("nan"), dtype=dtype))).all()
     assert torch.equal(layer_ops.silu_mul(gate_up, lanes=8), got)  # AVX2 lanes: the same bits as the default
-    if "avx512f" in cpu_flags() and "avx512bw" in cpu_flags():  # 16 lanes, and 16 + a last 8 (I = 24)
+    if not cpu().missing(("avx512f", "avx512bw")):  # 16 lanes, and 16 + a last 8 (I = 24)
         assert torch.equal(layer_ops.silu_mul(gate_up, lanes=16), got)
         odd = gate_up[..., 8920:8968]
         assert torch.equal(layer_ops.silu_mul(odd, lanes=16), layer_ops.silu_mul(odd, lanes=8))
@@ -85,6 +85,7 @@ def test_the_decoder_keeps_pytorch_where_a_gradient_is_wanted_or_the_switch_is_o
     with torch.inference_mode():
         assert layer_ops.use_layer_ops(frozen, norm.weight)
         monkeypatch.setenv(layer_ops.ENV, "torch")
+        reload_settings()
         assert not layer_ops.use_layer_ops(frozen, norm.weight)
 
 
@@ -95,6 +96,7 @@ def test_a_model_decodes_the_same_tokens_with_and_without_the_kernels(tiny_model
 
     def greedy(switch: str) -> tuple[list[int], torch.Tensor]:
         monkeypatch.setenv(layer_ops.ENV, switch)
+        reload_settings()
         cache, ids, first = model.new_cache(64), prompt, None
         tokens = []
         with torch.inference_mode():

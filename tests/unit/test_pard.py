@@ -15,6 +15,7 @@ from dflash2.drafters.lora import LoRALinear, adapter_state, add_lora, merge_lor
 from dflash2.drafters.pard import PardDrafter, load_pard_model
 from dflash2.drafters.pard_tree import Candidates, lead_tree
 from dflash2.models.loading import load_transformer
+from dflash2.platform import reload_settings
 from dflash2.train.data import TrainingSequence, write_token_shards
 from dflash2.train.labels import HardLabels, LabelConfig, LabelShards, generate_labels
 from dflash2.train.pard_objective import block_hidden, build_pard_batch, row_weights, sample_blocks
@@ -538,20 +539,25 @@ def test_the_drafters_weight_format(monkeypatch):
 
     monkeypatch.delenv("DFLASH2_PARD_WEIGHTS", raising=False)
     monkeypatch.delenv(gguf_linear.ENV, raising=False)
+    reload_settings()
     vnni = gguf_linear.gguf_kernels_available(gguf_linear.VNNI)
     assert DEFAULT_PARD_WEIGHTS == "int8"
     assert pard_weights(None, "cpu") == ("q8_0" if vnni else "int8")
     assert pard_weights("gguf", "cpu") == ("q4_0" if vnni else "int8")  # a gguf target: the target's 4-bit bytes
     monkeypatch.setenv(gguf_linear.ENV, "torch")
+    reload_settings()
     assert pard_weights("gguf", "cpu") == pard_weights(None, "cpu") == "int8"
     monkeypatch.setenv(gguf_linear.ENV, "bogus")
+    reload_settings()
     assert pard_weights(None, "cpu") == "int8"  # a bad switch is the gguf target's error, not a bf16 target's
     with pytest.raises(ValueError, match="DFLASH2_GGUF_KERNEL"):
         pard_weights("gguf", "cpu")
     monkeypatch.delenv(gguf_linear.ENV)
+    reload_settings()
     assert pard_weights("int4", "cpu") == "int4"
     assert pard_weights(None, "cpu", "fp32") == pard_weights(None, "cuda") == "bf16"
     monkeypatch.setenv("DFLASH2_PARD_WEIGHTS", "bf16")
+    reload_settings()
     assert pard_weights("gguf", "cpu") == "bf16"
 
 
@@ -645,12 +651,16 @@ def test_the_catch_up_window_is_chosen_by_the_environment(monkeypatch):
     from dflash2.drafters.pard import DEFAULT_CATCH_UP, pard_catch_up
 
     monkeypatch.delenv("DFLASH2_PARD_CATCH_UP", raising=False)
+    reload_settings()
     assert pard_catch_up() == DEFAULT_CATCH_UP
     monkeypatch.setenv("DFLASH2_PARD_CATCH_UP", "all")
+    reload_settings()
     assert pard_catch_up() is None
     monkeypatch.setenv("DFLASH2_PARD_CATCH_UP", "5")
+    reload_settings()
     assert pard_catch_up() == 5
     monkeypatch.setenv("DFLASH2_PARD_CATCH_UP", "0")
+    reload_settings()
     with pytest.raises(ValueError, match="DFLASH2_PARD_CATCH_UP"):
         pard_catch_up()
 

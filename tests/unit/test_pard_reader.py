@@ -13,6 +13,7 @@ from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.pard import PardDrafter, load_pard_networks, pard_reader
 from dflash2.kernels.packed_linear import CpuLinear
 from dflash2.models.loading import load_transformer
+from dflash2.platform import reload_settings
 from dflash2.verify.sampling import GREEDY
 from tests.pipelines import speculative_steps
 from tests.unit.test_pard import MASK, write_random_adapter
@@ -88,11 +89,15 @@ def test_the_reader_is_chosen_by_the_environment(monkeypatch):
     from dflash2.kernels.packed_linear import amx_usable
 
     monkeypatch.delenv("DFLASH2_PARD_READER", raising=False)
+    reload_settings()
     assert pard_reader() == amx_usable()  # measured to pay on AMX tiles
     monkeypatch.setenv("DFLASH2_PARD_READER", "none")
+    reload_settings()
     assert pard_reader() is False
     monkeypatch.setenv("DFLASH2_PARD_READER", "bf16")
+    reload_settings()
     assert pard_reader() is True
     monkeypatch.setenv("DFLASH2_PARD_READER", "int4")
+    reload_settings()
     with pytest.raises(ValueError, match="bf16 or none"):
         pard_reader()

@@ -17,6 +17,7 @@ from dflash2.kernels import quant_linear as ql
 from dflash2.kernels.quant_linear import QuantLinear, quant_kernel_status, quant_kernels_available
 from dflash2.models import quant_cache
 from dflash2.models.loading import load_transformer
+from dflash2.platform import reload_settings
 
 pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason=f"int8 kernel unavailable: {quant_kernel_status()}")
 
@@ -26,6 +27,7 @@ def store(tmp_path, monkeypatch, tiny_model_dirs) -> dict[str, Path]:
     """A model store in tmp_path holding the tiny Qwen2 (biases, untied head) and Llama (tied head) as fp32."""
     monkeypatch.setenv("DFLASH2_HOME", str(tmp_path))
     monkeypatch.delenv("DFLASH2_QUANT_CACHE", raising=False)
+    reload_settings()
     dirs = {}
     for key in ("qwen2", "llama"):
         dirs[key] = tmp_path / "models" / f"tiny-{key}" / "fp32"
@@ -58,7 +60,10 @@ def fresh(model_dir: Path, dtype: str, weights: str, monkeypatch):
     """The model quantized now, with the cache off."""
     with monkeypatch.context() as patch:
         patch.setenv("DFLASH2_QUANT_CACHE", "off")
-        return load_transformer(model_dir, dtype, weights=weights)
+        reload_settings()
+        model = load_transformer(model_dir, dtype, weights=weights)
+    reload_settings()  # the cache on again
+    return model
 
 
 def quant_layers(model) -> dict[str, QuantLinear]:
@@ -177,6 +182,7 @@ def test_an_interrupted_write_leaves_no_cache(store, monkeypatch):
 @pytest.mark.parametrize("value", ["off", "0", "false", "no"])
 def test_a_disabled_cache_writes_nothing(store, monkeypatch, quantize_calls, value):
     monkeypatch.setenv("DFLASH2_QUANT_CACHE", value)
+    reload_settings()
     before = sorted(p for p in store["qwen2"].parents[2].rglob("*"))
     load_transformer(store["qwen2"], "fp32", weights="int8")
     load_transformer(store["qwen2"], "fp32", weights="int8")
@@ -186,6 +192,7 @@ def test_a_disabled_cache_writes_nothing(store, monkeypatch, quantize_calls, val
 
 def test_an_unknown_cache_setting_is_refused(store, monkeypatch):
     monkeypatch.setenv("DFLASH2_QUANT_CACHE", "sometimes")
+    reload_settings()
     with pytest.raises(ValueError, match="DFLASH2_QUANT_CACHE='sometimes': expected on or off"):
         load_transformer(store["qwen2"], "fp32", weights="int8")
 

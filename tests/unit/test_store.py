@@ -16,6 +16,7 @@ import torch
 
 from dflash2.models import chunks, store
 from dflash2.models.store import ModelSpec, ModelStoreError
+from dflash2.platform import reload_settings
 
 FAKE_NAME = "tiny-test-model"
 FAKE_DIST = "dflash2-test-chunk-part"
@@ -87,6 +88,7 @@ def home(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "home"
     monkeypatch.setenv("DFLASH2_HOME", str(root))
     monkeypatch.delenv("DFLASH2_KEEP_WHEELS", raising=False)
+    reload_settings()
     return root
 
 
@@ -139,8 +141,10 @@ def test_registry_names_and_aliases():
 
 def test_home_follows_env(monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH2_HOME", str(tmp_path / "x"))
+    reload_settings()
     assert store.home() == tmp_path / "x"
     monkeypatch.delenv("DFLASH2_HOME")
+    reload_settings()
     assert store.home() == Path("~/.cache/dflash2").expanduser()
 
 

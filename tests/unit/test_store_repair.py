@@ -17,6 +17,7 @@ import pytest
 
 from dflash2.models import chunks, store
 from dflash2.models.store import ModelSpec, ModelStoreError
+from dflash2.platform import reload_settings
 from tests.unit.test_store import FAKE_NAME, _leftovers, fake_model, home, tiny_gguf  # noqa: F401 (fixtures)
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -79,6 +80,7 @@ def test_an_interrupted_pull_leaves_nothing_behind_after_the_next_one(fake_model
 
 def test_the_lock_wait_times_out(fake_model, home, monkeypatch):
     monkeypatch.setenv(store.LOCK_TIMEOUT_ENV, "0.3")
+    reload_settings()
     (home / "locks").mkdir(parents=True)
     with open(home / "locks" / f"{FAKE_NAME}.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # another process's pull, stuck
@@ -92,6 +94,7 @@ def test_pip_has_a_timeout(monkeypatch, tmp_path):
         raise subprocess.TimeoutExpired(command, kwargs["timeout"])
 
     monkeypatch.setenv(chunks.PIP_TIMEOUT_ENV, "5")
+    reload_settings()
     monkeypatch.setattr(chunks.subprocess, "run", slow)
     with pytest.raises(ModelStoreError, match="within 5 s"):
         chunks._pip_download("some-dist", "1.0", tmp_path)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+from dflash2 import platform
 
 SUITES = ("humaneval", "gsm8k", "mt_bench", "spec_bench")
 SPEC_BENCH_MT_IDS = range(81, 161)  # Spec-Bench's first 80 questions are MT-bench's
@@ -26,7 +27,7 @@ REPO_DATA = Path(__file__).resolve().parents[3] / "data"  # <checkout>/data (src
 
 def data_root(explicit: str | Path | None = None) -> Path:
     """``explicit``, else ``$DFLASH2_DATA``, else the checkout's ``data/``: the folder holding ``eval/``."""
-    root = Path(explicit or os.environ.get("DFLASH2_DATA") or REPO_DATA)
+    root = Path(explicit or platform.settings().data or REPO_DATA)
     if not (root / "eval").is_dir():
         raise FileNotFoundError(
             f"evaluation data not found: {root} has no eval/ folder (the eval sets ship in the repository's data/; "

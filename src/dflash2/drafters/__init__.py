@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash2.drafters.base import Draft, Drafter
+from dflash2.platform import DraftHardware
 from dflash2.drafters.spec import (
     BLOCK_DRAFTERS,
     DEFAULT_NUM_DRAFT_TOKENS,
     DRAFTER_NAMES,
-    MEASURED_DEFAULT_DRAFTERS,
+    AUTO_DRAFTERS,
+    AutoDrafter,
     DrafterSpec,
     default_drafter,
     default_num_draft_tokens,
@@ -43,18 +45,21 @@ class DraftTarget:
 
 def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: str | None = None,
                   num_draft_tokens: int | None = None, num_candidates: int | None = None, dtype: str = "bf16",
-                  weights: str = "bf16", pull: bool = True, serving: bool = False) -> Drafter:
+                  weights: str = "bf16", pull: bool = True, serving: bool = False,
+                  hardware: DraftHardware | None = None) -> Drafter:
     """Build the drafter ``spec`` (``name[:[L+]k[xW]]``, see :mod:`dflash2.drafters.spec`) for ``target``'s model.
 
     ``num_draft_tokens`` / ``num_candidates`` set k / W when the spec does not (ValueError when both set them
-    differently). ``serving``: ``auto`` means what it means in the batch server. Refuses a draft model whose
-    tokenizer differs.
+    differently). ``serving``: ``auto`` means what it means in the batch server. ``hardware``: how the kernels
+    here run the target, for the defaults (None: :func:`dflash2.kernels.profile.draft_hardware` of the target).
+    Refuses a draft model whose tokenizer differs.
     """
-    from dflash2.kernels.packed_linear import amx_verification, tile_verification
+    if hardware is None:
+        from dflash2.kernels.profile import draft_hardware
 
-    on_tiles = (amx_verification if serving else tile_verification)(target.target)
+        hardware = draft_hardware(target.target)
     spec = DrafterSpec.parse(spec).merge(num_draft_tokens, num_candidates).resolved(
-        target.name, serving=serving, tile_verification=on_tiles)
+        target.name, serving=serving, hardware=hardware)
     if not spec.drafts:
         raise ValueError("drafter 'none' is plain decoding: there is no drafter to build")
     name, width = spec.name, spec.width
@@ -85,7 +90,7 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
         from dflash2.drafters.pard import build_pard_drafter
 
         pard = build_pard_drafter(target, draft_model, k, dtype=dtype, weights=weights, pull=pull, num_paths=width,
-                                  lead_tokens=spec.lead)
+                                  lead_tokens=spec.lead, hardware=hardware)
         if name == "pard":
             return pard
         lookup = max(pard.num_draft_tokens, default_num_draft_tokens("ngram"))
@@ -128,6 +133,6 @@ def shipped_dflash_drafter(target_name: str, kind: str = "dflash") -> Path:
     return directory
 
 
-__all__ = ["BLOCK_DRAFTERS", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTER_NAMES", "Draft", "DraftTarget", "Drafter",
-           "DrafterSpec", "MEASURED_DEFAULT_DRAFTERS", "TRAINED_DIR", "build_drafter", "default_drafter",
+__all__ = ["AUTO_DRAFTERS", "AutoDrafter", "BLOCK_DRAFTERS", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTER_NAMES", "Draft",
+           "DraftHardware", "DraftTarget", "Drafter", "DrafterSpec", "TRAINED_DIR", "build_drafter", "default_drafter",
            "default_num_draft_tokens", "shipped_dflash_drafter"]

@@ -33,12 +33,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash2 import platform
 from dflash2.drafters.base import Draft
 from dflash2.drafters.dflash2_parts import best_tree
 from dflash2.drafters.lora import LORA_TARGETS, add_lora, load_adapter_state, merge_lora
 from dflash2.drafters.model import CachedModelDrafter
 from dflash2.drafters.pard_tree import Candidates, lead_tree, top_candidates
 from dflash2.models.decoder import SegmentedAttention, Transformer, float_outputs
+from dflash2.platform import DraftHardware
 from dflash2.verify.sampling import SamplingParams, greedy_ids, logits_to_probs, sample
 
 PARD_CONFIG = "pard_config.json"
@@ -218,12 +220,14 @@ class VocabSubsetHead(nn.Module):
 
 def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens: int | None, *, dtype: str = "bf16",
                        weights: str | None = None, pull: bool = True, num_paths: int = 1,
-                       lead_tokens: int = 0) -> PardDrafter:
+                       lead_tokens: int = 0, hardware: DraftHardware | None = None) -> PardDrafter:
     """The PARD drafter for ``target`` (a :class:`~dflash2.drafters.DraftTarget`): ``draft_model`` is a trained
     adapter directory (``pard_config.json``), or a store model / model directory drafting untrained (mask embedding
     = the mean embedding: only draft 1 is useful); None = the adapter shipped for the target
     (``drafters/trained/<target>-pard``). ``lead_tokens`` L: L drafts one per pass before the k-token pass (the
-    drafter then drafts L + k). Refuses a base whose tokenizer differs from the target's."""
+    drafter then drafts L + k). ``hardware``: how the kernels here would run it (the weight format and reader
+    defaults; None: :func:`dflash2.kernels.profile.draft_hardware`). Refuses a base whose tokenizer differs from the
+    target's."""
     from dflash2.models.store import canonical_name, resolve_model
 
     if draft_model is None:
@@ -237,62 +241,57 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
     if not target.tokenizer.same_vocabulary(base_dir):
         raise ValueError(f"pard base {base!r} has a different tokenizer from the target; it cannot draft for it")
     device = str(target.target.device)
+    hardware = hardware or _hardware()
     model, config, reader = load_pard_networks(adapter, base_dir, dtype, device,
-                                               weights=pard_weights(weights, device, dtype), reader=pard_reader())
+                                               weights=pard_weights(weights, device, dtype, hardware),
+                                               reader=pard_reader(hardware))
     k = num_draft_tokens or config.default_num_draft_tokens or config.num_draft_tokens
     return PardDrafter(model, config.mask_token_id, lead_tokens + k, target_vocab_size=target.target.config.vocab_size,
                        num_paths=num_paths, context_window=pard_context_window(), catch_up=pard_catch_up(),
                        lead_tokens=lead_tokens, reader=reader)
 
 
-def pard_reader() -> bool:
+def _hardware() -> DraftHardware:
+    """This machine's kernels, no target (for a caller that passes none)."""
+    from dflash2.kernels.profile import draft_hardware
+
+    return draft_hardware()
+
+
+def pard_reader(hardware: DraftHardware | None = None) -> bool:
     """Whether a drafter in Q8_0 / Q4_0 blocks also keeps a bf16 twin for reading prompts (:func:`reading_twin`):
-    where the packed bf16 kernel runs on AMX tiles (measured there), unless ``$DFLASH2_PARD_READER`` = ``none``
-    (it costs 2 bytes per projection weight: ~0.7 GB for the 0.5B). Lossless either way (only the drafts' context
-    is computed differently)."""
-    import os
-
-    from dflash2.kernels.packed_linear import amx_usable
-
-    text = os.environ.get("DFLASH2_PARD_READER", "").strip().lower()
-    if text not in ("", "none", "bf16"):
-        raise ValueError(f"DFLASH2_PARD_READER must be bf16 or none, got {text!r}")
-    return text == "bf16" or (text == "" and amx_usable())
+    where the packed bf16 kernel runs on AMX tiles (``hardware.bf16_on_amx``, measured there), unless
+    ``$DFLASH2_PARD_READER`` = ``none`` (it costs 2 bytes per projection weight: ~0.7 GB for the 0.5B). Lossless
+    either way (only the drafts' context is computed differently)."""
+    profile = platform.settings()
+    profile.check("DFLASH2_PARD_READER")
+    if profile.pard_reader is not None:
+        return profile.pard_reader == "bf16"
+    return (hardware or _hardware()).bf16_on_amx()
 
 
 def pard_catch_up() -> int | None:
     """How many of the ids it missed a drafter that fell behind reads before drafting: :data:`DEFAULT_CATCH_UP`,
     or ``$DFLASH2_PARD_CATCH_UP`` = N or ``all``. Lossless either way (only the drafts' context shrinks)."""
-    import os
-
-    text = os.environ.get("DFLASH2_PARD_CATCH_UP", "").strip().lower()
-    if not text:
+    profile = platform.settings()
+    profile.check("DFLASH2_PARD_CATCH_UP")
+    if profile.pard_catch_up is None:
         return DEFAULT_CATCH_UP
-    if text == "all":
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"DFLASH2_PARD_CATCH_UP must be a number of ids >= 1 or all, got {text!r}")
-    return int(text)
+    return None if profile.pard_catch_up == "all" else int(profile.pard_catch_up)
 
 
 def pard_context_window() -> tuple[int, int] | None:
     """How much of a long prompt the drafter reads: :data:`DEFAULT_CONTEXT_WINDOW`, or ``$DFLASH2_PARD_WINDOW`` =
     ``SINK,RECENT`` (the first SINK and the last RECENT ids) or ``all``. Lossless either way (only the drafts'
     context shrinks); it bounds the drafter's share of the time to first token."""
-    import os
-
-    text = os.environ.get("DFLASH2_PARD_WINDOW", "").strip().lower()
-    if not text:
+    profile = platform.settings()
+    profile.check("DFLASH2_PARD_WINDOW")
+    if profile.pard_window is None:
         return DEFAULT_CONTEXT_WINDOW
-    if text == "all":
-        return None
-    sink, _, recent = text.partition(",")
-    if not (sink.isdigit() and recent.isdigit() and int(recent) > 0):
-        raise ValueError(f"DFLASH2_PARD_WINDOW must be SINK,RECENT (e.g. 32,480) or all, got {text!r}")
-    return int(sink), int(recent)
+    return None if profile.pard_window == "all" else profile.pard_window
 
 
-def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
+def pard_weights(weights: str | None, device: str, dtype: str = "bf16", hardware: DraftHardware | None = None) -> str:
     """The drafter's weight format: ``weights`` when quantized (``--weights int8 / int4`` quantizes target and
     drafter), else for bf16 / fp16 / gguf on a CPU (``$DFLASH2_PARD_WEIGHTS`` = bf16 / int8 / int4 / q8_0 / q4_0
     overrides it), where the gguf kernel's AVX512-VNNI or AMX-INT8 build runs (its layers run as one C++ call
@@ -301,29 +300,26 @@ def pard_weights(weights: str | None, device: str, dtype: str = "bf16") -> str:
     (a 3-row pass 23-26 vs 28-33 ms in int8); else :data:`DEFAULT_PARD_WEIGHTS`. Not quantized elsewhere (fp32
     stays the unquantized reference, as ``load_transformer``). The blocks are quantized from the base merged with
     the adapter, which no GGUF file holds (int8 drafts faster than the 0.5B's own Q4_K_M blocks on AVX2 at 1-9
-    rows)."""
-    import os
-
+    rows). ``hardware``: which gguf kernel runs here (None: :func:`dflash2.kernels.profile.draft_hardware`)."""
     if weights not in (None, "bf16", "gguf"):
         return weights
     if torch.device(device).type != "cpu" or dtype == "fp32":
         return "bf16"
-    chosen = os.environ.get("DFLASH2_PARD_WEIGHTS", "").strip().lower()
-    if chosen:
-        return chosen
-    if not _avx512_gguf_kernel(gguf_target=weights == "gguf"):
+    profile = platform.settings()
+    profile.check("DFLASH2_PARD_WEIGHTS")
+    if profile.pard_weights is not None:
+        return profile.pard_weights
+    if not _avx512_gguf_kernel(hardware or _hardware(), gguf_target=weights == "gguf"):
         return DEFAULT_PARD_WEIGHTS
     return Q4_0 if weights == "gguf" else Q8_0
 
 
-def _avx512_gguf_kernel(gguf_target: bool) -> bool:
+def _avx512_gguf_kernel(hardware: DraftHardware, gguf_target: bool) -> bool:
     """The gguf kernel chosen here is its AVX512-VNNI or AMX-INT8 build (on Intel AMX a 5-row pass of the 0.5B
     under a gguf target: Q4_0 29 ms, Q8_0 32 ms, int8 on AMX tiles 35 ms; 2026-12-04, docs/pard.md). Under a gguf
     target a kernel that cannot run is the target's error; under another target it only means the int8 default."""
-    from dflash2.kernels import gguf_linear
-
     try:
-        return gguf_linear.gguf_backend() in (gguf_linear.VNNI, gguf_linear.AMX)
+        return hardware.gguf_backend() in ("avx512-vnni", "amx-int8")
     except (RuntimeError, ValueError):  # no gguf kernel here, or a bad DFLASH2_GGUF_KERNEL
         if gguf_target:
             raise

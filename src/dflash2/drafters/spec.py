@@ -6,12 +6,16 @@ parsed in one place for the command line (``--drafter``, ``bench --drafters``), 
     DrafterSpec.parse("ngram")        # k and W unset: the defaults below, a chain
     DrafterSpec.parse("pard:1+4x3")   # pard: one lead token, then a pass knowing it (a tree of 1 + 4 x 3 nodes)
 
-Imports nothing from dflash2 at module level, so every layer may use it.
+Imports nothing from dflash2 at module level but the platform profile (:mod:`dflash2.platform`, below every layer),
+so every layer may use it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+
+from dflash2.platform import DraftHardware
 
 DRAFTER_NAMES = ("auto", "none", "ngram", "model", "dflash", "dflash+ngram", "dflash2", "dflash2+ngram", "pard",
                  "pard+ngram")
@@ -33,41 +37,69 @@ DEFAULT_NUM_DRAFT_TOKENS: dict[str, int | None] = {
     "pard+ngram": None,  # the same; a prompt-lookup match may run up to max(k, the ngram default)
 }
 
-# "auto": the drafter measured fastest for the target (docs/pard.md, "auto"); ngram elsewhere. One request at a
-# time (generate, the Python API, bench): `dflash2 bench` on HumanEval, GSM8K, MT-bench and Spec-Bench. The
-# server (continuous batching, `serving=True`): scripts/bench_serve.py with 8 concurrent clients, where a drafter
-# with its own model pass per request (pard) costs more than a batched plain step saves.
-MEASURED_DEFAULT_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram"}
-MEASURED_SERVING_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "dflash2+ngram"}
-# The server where the target verifies on AMX tiles (a step of 16 rows costs about one of 8): pard's shared pass pays
-# there, pard+ngram 1.13-1.26x over plain against dflash2+ngram's 1.07-1.09x (docs/serving.md, Intel Xeon (AMX),
-# 2026-12-05); with the GGUF's blocks on the gguf kernel's AMX build too, over HTTP (scripts/bench_http.py, one run,
-# 16 requests): 1.55x / 1.91x plain at 4 / 8 clients against 1.38x / 1.81x (2026-12-06); elsewhere (AMD
-# EPYC Zen 3 AVX2 2026-12-03, Zen 4 AVX-512 BF16 2026-12-04) pard stayed below plain at 8 clients.
-MEASURED_TILE_SERVING_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram"}
-# Where the target's linear layers run on AMX tiles over the whole K (bf16, int8), a forward of up to 16 rows costs
-# about one of 4 (a tile product costs the same for 1-16 rows), so one request verifies a best-first tree of k * W
-# drafts from the same single pard pass for nearly the price of a chain: pard+ngram:4x3 (13 rows) measured fastest
-# there (docs/pard.md, Intel Xeon (AMX), 2026-12-04; 4x4 = 17 rows crosses into a second block of rows and loses).
-# Elsewhere more rows cost more (AVX-512 BF16: 7 rows 1.45x 4 rows; the gguf AMX build: no gain), and the chain stays.
-MEASURED_TILE_DRAFTERS = {"qwen2.5-coder-1.5b-instruct": "pard+ngram:4x3"}
+@dataclass(frozen=True)
+class AutoDrafter:
+    """One row of the table of what ``drafter="auto"`` means: for ``target``, one request at a time or in the batch
+    server (``serving``), where the target verifies on ``verification`` (:data:`VERIFICATION`), the drafter
+    ``spec`` (``name[:[L+]k[xW]]``: drafter and draft length), chosen by the measurement ``measured``."""
+
+    target: str  # store name (canonical)
+    serving: bool
+    verification: str  # a key of VERIFICATION
+    spec: str
+    measured: str  # date, CPU, command, commit, where the numbers are
 
 
-def default_drafter(target_name: str, serving: bool = False, tile_verification: bool = False) -> str:
+# What a row's ``verification`` asks of the target's kernels (:class:`dflash2.platform.DraftHardware`).
+VERIFICATION: dict[str, Callable[[DraftHardware], bool]] = {
+    # linear layers on AMX tiles over the whole K (bf16, or int8 widened to bf16): 1-16 rows cost about one
+    "amx-tiles": lambda hardware: hardware.tile_verification,
+    # on AMX tiles in any form, the gguf kernel's AMX build too (its per-block steps grow with the rows)
+    "amx": lambda hardware: hardware.amx_verification,
+    "any": lambda hardware: True,
+}
+
+# "auto", the one table: the first row for the target, the mode and the target's verification wins; targets not
+# named here draft with ngram. Elsewhere than AMX tiles more verified rows cost more (AVX-512 BF16: 7 rows 1.45x 4
+# rows; the gguf AMX build: no gain from trees), so one request drafts a chain there.
+AUTO_DRAFTERS: tuple[AutoDrafter, ...] = (
+    AutoDrafter("qwen2.5-coder-1.5b-instruct", False, "amx-tiles", "pard+ngram:4x3",
+                "2026-12-04, Intel Xeon (AMX, model 207), 2 cores, commit 364940b: `dflash2 bench --suite "
+                "gsm8k,mt_bench --limit 4 --max-new-tokens 128 --drafters auto,pard+ngram:3x2,pard+ngram:4x3,...`, "
+                "two runs: 4x3 (13 rows) 2.62x / 2.01x plain against the chain's 2.23x / 1.66x; int8 2.28x / 1.74x "
+                "against 1.92x / 1.44x; 4x4 (17 rows, a second block of rows) loses (docs/pard.md)"),
+    AutoDrafter("qwen2.5-coder-1.5b-instruct", False, "any", "pard+ngram",
+                "2026-12-03, AMD EPYC Zen 3 (AVX2), 2 cores, commit 32ed2e9: `dflash2 bench --suite "
+                "humaneval,gsm8k,mt_bench --limit 4 --max-new-tokens 128 --drafters auto,pard+ngram,pard,pard:3x2`"
+                ": decode 2.18x plain against dflash2+ngram's 1.97x (Spec-Bench 1.41x against 1.15x; end to end "
+                "1.68x against 1.58x) (docs/pard.md)"),
+    AutoDrafter("qwen2.5-coder-1.5b-instruct", True, "amx", "pard+ngram",
+                "2026-12-05, Intel Xeon (AMX, model 207), 2 cores, commit 35c4558 (adopted in b640fc5): "
+                "`scripts/bench_serve.py --model qwen2.5-coder-1.5b-instruct --dtype bf16 --drafter D --streams 8 "
+                "--modes plain,adaptive --requests 24 --max-tokens 128 --suite humaneval,gsm8k,mt_bench --threads 2`"
+                ", 96 new tokens: 1.13-1.24x plain against dflash2+ngram's 1.07-1.09x; on the gguf AMX build over HTTP (2026-12-06, commit d640876, `scripts/bench_http.py "
+                "--weights gguf --clients 4,8 --requests 16 --max-tokens 128`) 1.55x / 1.91x plain at 4 / 8 clients "
+                "against 1.38x / 1.81x (docs/serving.md)"),
+    AutoDrafter("qwen2.5-coder-1.5b-instruct", True, "any", "dflash2+ngram",
+                "2026-12-03, AMD EPYC Zen 3 (AVX2), 2 cores, commit 32ed2e9: `scripts/bench_serve.py --model "
+                "qwen2.5-coder-1.5b-instruct --dtype bf16 --drafter D --streams 8 --requests 8 --max-tokens 128 "
+                "--suite humaneval,gsm8k,mt_bench`: 24.2 tokens/s against pard+ngram's 17.5 (plain 23.0); pard's own "
+                "pass per request stayed below plain at 8 clients on AVX2 and AVX-512 BF16 (docs/pard.md)"),
+)
+
+
+def default_drafter(target_name: str, serving: bool = False, hardware: DraftHardware = DraftHardware()) -> str:
     """What ``drafter="auto"`` means for a target (store name, alias or path), for one request at a time or for
-    the batch server (``serving``): a spec, ``name[:[L+]k[xW]]``. ``tile_verification``: for one request, the
-    target's linear layers run on AMX tiles over the whole K (:func:`dflash2.kernels.packed_linear.
-    tile_verification`): it then verifies a tree; for the server, on AMX tiles in any form, the GGUF kernel's AMX
-    build too (:func:`~dflash2.kernels.packed_linear.amx_verification`): it then drafts with pard (chains: its
-    pard passes are shared by its requests)."""
+    the batch server (``serving``), where the target runs as ``hardware`` says (its verification on AMX tiles or
+    not; :func:`dflash2.kernels.profile.draft_hardware`): the spec of the first matching row of
+    :data:`AUTO_DRAFTERS`, else ``ngram``."""
     from dflash2.models.store import canonical_name
 
     name = canonical_name(target_name) or target_name
-    if serving:
-        table = MEASURED_TILE_SERVING_DRAFTERS if tile_verification else MEASURED_SERVING_DRAFTERS
-    else:
-        table = MEASURED_TILE_DRAFTERS if tile_verification else MEASURED_DEFAULT_DRAFTERS
-    return table.get(name, "ngram")
+    for row in AUTO_DRAFTERS:
+        if row.target == name and row.serving == serving and VERIFICATION[row.verification](hardware):
+            return row.spec
+    return "ngram"
 
 
 def default_num_draft_tokens(name: str) -> int | None:
@@ -139,13 +171,14 @@ class DrafterSpec:
         return replace(self, num_draft_tokens=self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
                        num_candidates=self.num_candidates if num_candidates is None else num_candidates)
 
-    def resolved(self, target_name: str, serving: bool = False, tile_verification: bool = False) -> "DrafterSpec":
+    def resolved(self, target_name: str, serving: bool = False,
+                 hardware: DraftHardware = DraftHardware()) -> "DrafterSpec":
         """``auto`` replaced by the drafter it means for ``target_name`` (other names unchanged); ``serving`` and
-        ``tile_verification`` as in :func:`default_drafter`. A shape given with ``auto`` (``auto:3``) replaces the
-        default's whole shape."""
+        ``hardware`` as in :func:`default_drafter`. A shape given with ``auto`` (``auto:3``) replaces the default's
+        whole shape."""
         if self.name != "auto":
             return self
-        default = DrafterSpec.parse(default_drafter(target_name, serving, tile_verification))
+        default = DrafterSpec.parse(default_drafter(target_name, serving, hardware))
         if self.num_draft_tokens is None and self.num_candidates is None:
             return default
         return replace(self, name=default.name)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dflash2 import platform
 from dflash2.kernels import jit
 
 __all__ = ["amx_available", "amx_int8_rows", "amx_linear_rows", "amx_status", "pack_int8_amx",
@@ -38,7 +39,7 @@ _state: dict[str, object] = {}
 
 
 def _disabled_reason() -> str:
-    return jit.switched_off("DFLASH2_AMX") or jit.missing_cpu_flags(("amx_tile", "amx_bf16", "avx512_bf16",
+    return platform.settings().amx.reason or jit.missing_cpu_flags(("amx_tile", "amx_bf16", "avx512_bf16",
                                                                       "avx512vbmi"))
 
 

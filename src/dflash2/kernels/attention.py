@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dflash2 import platform
 from dflash2.kernels import jit
 
-__all__ = ["attention_kernel_available", "attention_kernel_status", "invariant_attention", "kernel_supports"]
+__all__ = ["attention_kernel_available", "attention_kernel_status", "invariant_attention", "kernel_supports",
+           "use_invariant_kernel"]
 
 _SOURCE = Path(__file__).with_name("attention.cpp")
 # -ffp-contract=off: no multiply-add fused behind the code's back; the FMAs it has are written out.
@@ -58,7 +60,7 @@ def _self_check(op) -> str:
 
 
 def _load() -> tuple[bool, str, object]:
-    lanes = "AVX-512 lanes" if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= jit.cpu_flags() else "AVX2/FMA"
+    lanes = "AVX2/FMA" if platform.cpu().missing(("avx512f", "avx512bw", "avx512vl", "avx512dq")) else "AVX-512 lanes"
     return jit.jit_load("attention", "dflash2_attention", _SOURCE, _CFLAGS, "dflash2_attention.attention_rows",
                         _self_check, label=f"row-invariant attention ({lanes}) ")
 
@@ -77,6 +79,12 @@ def attention_kernel_status() -> str:
     """One line: where the kernel was loaded from, or why it is not available."""
     _ensure_loaded()
     return str(_state["status"])
+
+
+def use_invariant_kernel() -> bool:
+    """False when ``DFLASH2_ATTENTION=torch`` (or off) asks for PyTorch's attention (the setting parsed once:
+    :func:`dflash2.platform.settings`)."""
+    return not platform.settings().attention.off
 
 
 def kernel_supports(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from dflash2 import platform
 from dflash2.kernels import amx as _amx
 from dflash2.kernels import jit
 
@@ -32,7 +33,7 @@ _state: dict[str, object] = {}
 
 
 def _disabled_reason() -> str:
-    return jit.switched_off("DFLASH2_DPBF16") or jit.missing_cpu_flags(("avx512f", "avx512_bf16"))
+    return platform.settings().dpbf16.reason or jit.missing_cpu_flags(("avx512f", "avx512_bf16"))
 
 
 def _self_check(op) -> str:

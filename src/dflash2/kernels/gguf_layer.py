@@ -19,11 +19,11 @@ from typing import Callable
 
 import torch
 
+from dflash2 import platform
 from dflash2.kernels import gguf_linear as _gguf
 from dflash2.kernels import jit
 from dflash2.kernels import layer_ops
-from dflash2.kernels.attention import attention_kernel_available
-from dflash2.models.attention import use_invariant_kernel
+from dflash2.kernels.attention import attention_kernel_available, use_invariant_kernel
 
 ENV = "DFLASH2_GGUF_LAYER"
 
@@ -93,7 +93,7 @@ def _usable_layers(model, caches: list, x: torch.Tensor) -> tuple[object, object
 
 
 def _switched_on() -> bool:
-    return not jit.switched_off(ENV)
+    return not platform.settings().gguf_layer.off
 
 
 def _layer_handles(model) -> tuple[object, object, list] | None:

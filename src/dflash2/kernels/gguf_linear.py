@@ -33,7 +33,6 @@ by :mod:`dflash2.kernels.gguf_packing` and described in the C++ file.
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash2 import platform
 from dflash2.kernels import jit
 from dflash2.kernels import packed_linear as _bf16
 from dflash2.kernels.gguf_packing import PANEL, PackedBlocks, pack_blocks, unpack_blocks
@@ -213,19 +213,9 @@ PAIRS_ENV = "DFLASH2_GGUF_PAIR_ROWS"
 
 
 def pair_min_rows() -> int:
-    """From how many rows the AVX512-VNNI and AMX builds multiply two panels (16 outputs) per 512-bit vector; fewer
-    rows take the 256-bit micro-kernel (the AMX build's tiles start at 4 rows).  Measured, both kernels
-    prefetching their codes: on the Intel Xeon (AMX, model 207) the 256-bit kernel is faster for 1-3 rows (a one-row
-    forward of the 1.5B 62-66 -> 54-58 ms in six runs), even at 4, slower from 5 (split into two calls); on AMD Zen 4
-    (family 25), which runs a 512-bit operation as two 256-bit halves, it streamed 1-4 rows faster (2026-12-04,
-    before the prefetch), so the pairs start at 5 rows there.  ``DFLASH2_GGUF_PAIR_ROWS=<n>`` sets it.  Either
-    choice gives the same bits."""
-    raw = os.environ.get(PAIRS_ENV, "").strip()
-    if raw:
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(f"{PAIRS_ENV}={raw!r}: expected a row count >= 1")
-        return int(raw)
-    return 5 if jit.cpu_model() == ("AuthenticAMD", 25) else 4
+    """From how many rows the AVX512-VNNI and AMX builds multiply two panels per 512-bit vector, for this CPU
+    (:func:`dflash2.platform.gguf_pair_min_rows`, where the measurements are). Either choice gives the same bits."""
+    return platform.gguf_pair_min_rows()
 
 
 def _load(build: _Build) -> tuple[bool, str, object]:
@@ -256,27 +246,13 @@ def gguf_kernel_status(backend: str = KERNEL) -> str:
     return str(_ensure(backend)["status"])
 
 
-_CHOICES = {"": None, "on": None, "1": None, "true": None, "yes": None, "auto": None, "avx2": KERNEL,
-            "vnni": VNNI, "avx512-vnni": VNNI, "avx512_vnni": VNNI, "amx": AMX, "amx-int8": AMX}
-
-
 def gguf_backend() -> str:
     """The backend ``DFLASH2_GGUF_KERNEL`` names (``amx``, ``vnni``, ``avx2``, ``torch``), or unset the fastest
-    kernel this CPU runs (AMX-INT8 unless ``DFLASH2_AMX=off``, else AVX512-VNNI, else AVX2); a kernel that is named
-    or needed and cannot run here is an error."""
-    raw = os.environ.get(ENV, "")
-    value = raw.strip().lower()
-    if value in ("torch", "off", "0", "false", "no"):
-        return TORCH
-    if value not in _CHOICES:
-        raise ValueError(f"{ENV}={raw!r}: expected amx, vnni, avx2 or torch")
-    wanted = _CHOICES[value]
-    if wanted is None and not jit.switched_off("DFLASH2_AMX") and gguf_kernels_available(AMX):
-        return AMX
-    if wanted is None and gguf_kernels_available(VNNI):
-        return VNNI
-    backend = wanted or KERNEL
-    if not gguf_kernels_available(backend):
+    kernel this CPU runs (AMX-INT8 unless ``DFLASH2_AMX=off``, else AVX512-VNNI, else AVX2), as
+    :func:`dflash2.platform.choose_backend` picks it; a kernel that is named or needed and cannot run here is an
+    error."""
+    backend = platform.choose_backend("gguf", gguf_kernels_available)
+    if backend != TORCH and not gguf_kernels_available(backend):
         raise RuntimeError(f"--weights gguf needs its {backend} kernel, which is unavailable "
                            f"({gguf_kernel_status(backend)}); set {ENV}=torch for the (slow) PyTorch reference")
     return backend

@@ -4,8 +4,9 @@ Each kernel module (``packed_linear``, ``amx``, ``dpbf16``, ``quant_linear``, ..
 :func:`jit_load` (``torch.utils.cpp_extension.load``: needs ninja and a C++ compiler) into a directory under
 :func:`build_dir` (``$DFLASH2_HOME/kernels/<torch+python tag>``, default ``~/.cache/dflash2``) named by its kind and
 a hash of its code, checks it against a reference with its own self-check, and loads it once per process with
-:func:`ensure_loaded`; :func:`prune_builds` keeps the few most recently used builds of each kind.  The CPU-flag and
-environment checks (:func:`switched_off`, :func:`missing_cpu_flags`, :func:`kernels_disabled_reason`) live here too.
+:func:`ensure_loaded`; :func:`prune_builds` keeps the few most recently used builds of each kind.  Whether a kernel
+may be built (:func:`missing_cpu_flags`, :func:`kernels_disabled_reason`) is asked of the platform profile
+(:mod:`dflash2.platform`: the CPU and the ``DFLASH2_*`` switches, each read once).
 Nothing here imports a kernel module, so the backends import this module and never each other in a loop.
 """
 
@@ -15,7 +16,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import platform
 import re
 import shutil
 import sys
@@ -27,12 +27,11 @@ from pathlib import Path
 import torch
 
 from dflash2.locking import LockTimeout, exclusive_flock
+from dflash2 import platform
 
 __all__ = [
     "build_dir",
     "build_lock",
-    "cpu_flags",
-    "cpu_model",
     "ensure_loaded",
     "included_headers",
     "jit_load",
@@ -42,7 +41,6 @@ __all__ = [
     "prune_builds",
     "self_check_mismatch",
     "source_tag",
-    "switched_off",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,58 +57,11 @@ no_torch_function = getattr(torch._C, "DisableTorchFunctionSubclass", contextlib
 
 
 def build_dir() -> Path:
-    """Where kernels are built for this torch and Python: ``$DFLASH2_HOME/kernels/<tag>`` (default ~/.cache/dflash2)."""
-    home = Path(os.environ.get("DFLASH2_HOME") or "~/.cache/dflash2").expanduser()
+    """Where kernels are built for this torch and Python: ``<home>/kernels/<tag>`` (home: ``$DFLASH2_HOME``)."""
+    home = platform.settings().home
     tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
     tag = "".join(c if c.isalnum() or c in "._-" else "_" for c in tag)
     return home / "kernels" / tag
-
-
-def _first_cpu() -> dict[str, str]:
-    """The first processor's ``key: value`` fields of /proc/cpuinfo (empty when there is none)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if not line.strip():
-                    if fields:
-                        break
-                    continue
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty when there is none)."""
-    return set(_first_cpu().get("flags", "").split())
-
-
-def cpu_model() -> tuple[str, int]:
-    """(vendor, family) from /proc/cpuinfo: ("AuthenticAMD", 25) on AMD Zen 3 / Zen 4, ("GenuineIntel", 6) on Intel;
-    ("", -1) when there is none."""
-    fields = _first_cpu()
-    family = fields.get("cpu family", "")
-    return fields.get("vendor_id", ""), int(family) if family.isdigit() else -1
-
-
-def _cpu_has_avx2_fma() -> tuple[bool, str]:
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64", "i686", "x86"):
-        return False, f"CPU architecture {platform.machine()!r} is not x86"
-    flags = cpu_flags()
-    if flags:
-        missing = [f for f in ("avx2", "fma") if f not in flags]
-        if missing:
-            return False, f"CPU lacks {'/'.join(missing).upper()}"
-        return True, ""
-    # No /proc/cpuinfo (not Linux): ask torch what its own dispatch found.
-    cap = str(getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()).upper()
-    if cap.startswith("AVX2") or cap.startswith("AVX512"):
-        return True, ""
-    return False, f"CPU capability {cap or 'unknown'} has no AVX2/FMA"
 
 
 def _ensure_ninja() -> bool:
@@ -141,31 +92,17 @@ def self_check_mismatch(got: torch.Tensor, ref: torch.Tensor, k: int, what: str)
     return f"{what}self-check failed for M={m} N={n} K={k} (max abs err {err:.3g})"
 
 
-def switched_off(variable: str) -> str:
-    """``disabled by VAR=value`` when environment variable ``variable`` turns a kernel off (0, off, false, no,
-    disable, disabled, or torch: PyTorch's path instead), else "". Read at each call, so a comparison can flip it;
-    every on/off switch of the package reads its variable with this one function."""
-    value = os.environ.get(variable, "")
-    if value.strip().lower() in ("0", "off", "false", "no", "disable", "disabled", "torch"):
-        return f"disabled by {variable}={value}"
-    return ""
-
-
 def missing_cpu_flags(flags: tuple[str, ...]) -> str:
-    """``CPU lacks a/b`` for those of ``flags`` that /proc/cpuinfo does not list, else ""."""
-    have = cpu_flags()
-    missing = [flag for flag in flags if flag not in have]
+    """``CPU lacks a/b`` for those of ``flags`` that this CPU does not list (:func:`dflash2.platform.cpu`), else ""."""
+    missing = platform.cpu().missing(flags)
     return f"CPU lacks {'/'.join(missing)}" if missing else ""
 
 
 def kernels_disabled_reason() -> str:
     """Why no JIT kernel may be built here ("" when one may): DFLASH2_KERNELS=off, no AVX2/FMA, no ninja."""
-    off = switched_off("DFLASH2_KERNELS")
+    off = platform.settings().kernels.reason or platform.cpu().lacks_avx2_fma()
     if off:
         return off
-    ok, why = _cpu_has_avx2_fma()
-    if not ok:
-        return why
     if not _ensure_ninja():
         return "ninja not found (pip install ninja)"
     return ""
@@ -320,7 +257,7 @@ def build_lock(directory: Path, timeout_s: float | None = None) -> Iterator[None
     this one knows that no live dflash2 process is building here and deletes a ``lock`` file left behind. Raises
     TimeoutError after ``timeout_s`` (``$DFLASH2_BUILD_LOCK_TIMEOUT``, default 1800 s) of waiting for a live build.
     """
-    timeout = timeout_s if timeout_s is not None else float(os.environ.get(BUILD_LOCK_TIMEOUT_ENV) or 1800)
+    timeout = timeout_s if timeout_s is not None else platform.settings().build_lock_timeout_s
     try:
         with exclusive_flock(directory / "dflash2-build.lock", timeout, f"waiting for a kernel build in {directory}"):
             stale = directory / "lock"

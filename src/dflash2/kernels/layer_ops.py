@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dflash2 import platform
 from dflash2.kernels import jit
 
 __all__ = ["ENV", "apply_rope", "layer_ops_available", "layer_ops_status", "qkv_rope", "reference_qkv_rope",
@@ -128,13 +129,13 @@ def layer_ops_status() -> str:
 
 def use_layer_ops(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     """The decoder may call the kernels for ``x`` (and ``weight``): CPU, fp32 / bf16, no gradient wanted through
-    either (the kernels have no backward), not switched off (``DFLASH2_LAYER_OPS=torch``, read at every call so
-    that a comparison can flip it), kernels available."""
+    either (the kernels have no backward), not switched off (``DFLASH2_LAYER_OPS=torch``, parsed once:
+    :func:`dflash2.platform.reload_settings` after changing it), kernels available."""
     if x.device.type != "cpu" or x.dtype not in DTYPES:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         return False
-    return not jit.switched_off(ENV) and layer_ops_available()
+    return not platform.settings().layer_ops.off and layer_ops_available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash2 import platform
 from dflash2.kernels import amx, dpbf16
-from dflash2.kernels.jit import cpu_flags, ensure_loaded, jit_load, self_check_mismatch
+from dflash2.kernels.jit import ensure_loaded, jit_load, self_check_mismatch
 
 __all__ = [
     "PackedLinear",
@@ -74,7 +75,7 @@ def _self_check(op) -> str:
 def _load() -> tuple[bool, str, object]:
     ok, status, op = jit_load("bf16", _EXT_NAME, _SOURCE, _CFLAGS, "dflash2_kernels.packed_linear", _self_check,
                               label="AVX2/FMA ")
-    if ok and "avx512f" in cpu_flags():
+    if ok and "avx512f" in platform.cpu().flags:
         status += " (AVX-512 micro-kernel for 4+ rows)"
     return ok, status, op
 
@@ -331,13 +332,10 @@ def amx_usable() -> bool:
 
 
 def default_backend() -> str:
-    """The fastest backend available here: ``amx`` where the CPU has AMX-BF16, else ``avx512bf16`` where it has
-    AVX512-BF16, else ``avx2``, else ``torch``."""
-    if amx_usable():
-        return AMX
-    if dpbf16_usable():
-        return DPBF16
-    return KERNEL if kernels_available() else TORCH
+    """The fastest backend available here (:func:`dflash2.platform.choose_backend`): ``amx`` where the CPU has
+    AMX-BF16, else ``avx512bf16`` where it has AVX512-BF16, else ``avx2``, else ``torch``."""
+    usable = {AMX: amx_usable, DPBF16: dpbf16_usable, KERNEL: kernels_available}
+    return platform.choose_backend("bf16", lambda backend: usable[backend]())
 
 
 def _check_backend(backend: str) -> None:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash2 import platform
 from dflash2.kernels import amx, jit
 from dflash2.kernels import packed_linear as _bf16
 
@@ -263,10 +264,10 @@ class QuantLinear(_bf16.CpuLinear):
 
 
 def default_quant_backend(weights: str) -> str:
-    """``amx`` for int8 where the CPU has AMX-BF16, else ``avx2`` when the kernels built, else ``torch``."""
-    if weights == "int8" and _bf16.amx_usable():
-        return AMX
-    return KERNEL if quant_kernels_available() else TORCH
+    """``amx`` for int8 where the CPU has AMX-BF16, else ``avx2`` when the kernels built, else ``torch``
+    (:func:`dflash2.platform.choose_backend`)."""
+    usable = {AMX: _bf16.amx_usable, KERNEL: quant_kernels_available}
+    return platform.choose_backend(weights, lambda backend: usable[backend]())
 
 
 def _check_backend(weights: str, backend: str) -> None:

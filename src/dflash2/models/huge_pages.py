@@ -21,14 +21,13 @@ import ctypes
 import ctypes.util
 import dataclasses
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
 
 import torch
 
-from dflash2.kernels import jit
+from dflash2 import platform
 
 __all__ = ["ENV", "HUGE_PAGE", "SLOW_FAULT_SECONDS_PER_GB", "huge_page_copies", "huge_pages_mode",
            "move_linear_weights"]
@@ -41,7 +40,6 @@ SLOW_FAULT_SECONDS_PER_GB = 1.0  # fault-in slower than this: stop moving (fast 
 _PROBE_BYTES = 8 << 20  # a buffer at least this large times its fault-in (smaller ones are noise)
 _ALIGN = 64  # bytes between tensors in the buffer: every dtype's alignment, a cache line
 _MADV_HUGEPAGE = 14
-_ON = ("on", "1", "true", "yes", "always")
 
 
 @dataclasses.dataclass
@@ -79,17 +77,11 @@ def huge_page_copies(tensors: Sequence[torch.Tensor], measure: bool = False) -> 
 
 
 def huge_pages_mode() -> str:
-    """``DFLASH2_HUGE_PAGES`` (read at each load): ``"off"`` (the package's off values, :func:`jit.switched_off`),
-    ``"on"``, or ``"auto"`` (unset)."""
-    if jit.switched_off(ENV):
-        return "off"
-    raw = os.environ.get(ENV, "")
-    value = raw.strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in _ON:
-        return "on"
-    raise ValueError(f"{ENV}={raw!r}: expected auto, on or off")
+    """``DFLASH2_HUGE_PAGES`` (parsed once, :func:`dflash2.platform.settings`): ``"off"`` (the package's off values,
+    :data:`dflash2.platform.OFF_VALUES`), ``"on"``, or ``"auto"`` (unset)."""
+    profile = platform.settings()
+    profile.check(ENV)
+    return profile.huge_pages
 
 
 def _too_slow() -> bool:

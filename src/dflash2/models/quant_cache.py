@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from dflash2 import platform
 from dflash2.kernels import quant_linear as ql
 from dflash2.models.config import ModelConfig
 from dflash2.models.decoder import Transformer
@@ -176,13 +177,11 @@ def load_quantized_transformer(model_dir: Path, config: ModelConfig, dtype: torc
 
 
 def cache_enabled() -> bool:
-    """``$DFLASH2_QUANT_CACHE``: on (default, also "1" / "true" / "yes") or off ("0" / "false" / "no")."""
-    value = os.environ.get(_ENV, "").strip().lower()
-    if value in ("", "on", "1", "true", "yes"):
-        return True
-    if value in ("off", "0", "false", "no"):
-        return False
-    raise ValueError(f"{_ENV}={os.environ[_ENV]!r}: expected on or off")
+    """``$DFLASH2_QUANT_CACHE`` (parsed once, :func:`dflash2.platform.settings`): on (default, also "1" / "true" /
+    "yes") or off ("0" / "false" / "no")."""
+    profile = platform.settings()
+    profile.check(_ENV)
+    return profile.quant_cache
 
 
 @functools.lru_cache(maxsize=None)

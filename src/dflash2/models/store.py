@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from dflash2 import platform
 from dflash2.locking import LockTimeout, exclusive_flock
 from dflash2.models.chunks import (
     READ_BLOCK_BYTES,
@@ -129,7 +130,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 def home() -> Path:
     """The cache root: ``$DFLASH2_HOME``, default ``~/.cache/dflash2``."""
-    return Path(os.environ.get("DFLASH2_HOME") or "~/.cache/dflash2").expanduser()
+    return platform.settings().home
 
 
 def gguf_path(name: str) -> Path:
@@ -183,7 +184,7 @@ def _locked(name: str) -> Iterator[None]:
     """Hold an exclusive lock on ``name`` across processes (no-op where fcntl is missing)."""
     lock_dir = home() / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
-    timeout = float(os.environ.get(LOCK_TIMEOUT_ENV) or 1800)
+    timeout = platform.settings().lock_timeout_s
     path = lock_dir / f"{name}.lock"
     try:
         with exclusive_flock(path, timeout, f"waiting for another process to finish pulling {name} ({path})"):
@@ -209,7 +210,7 @@ def _remove_leftovers(*directories: Path, prefix: str = ".") -> None:
 
 
 def _keep_wheels_default() -> bool:
-    return os.environ.get("DFLASH2_KEEP_WHEELS", "").lower() in ("1", "true", "yes")
+    return platform.settings().keep_wheels
 
 
 def assemble(ref: str, *, keep_wheels: bool | None = None, progress: bool = True) -> Path:

@@ -26,9 +26,10 @@ TOOL_TRAILER = "\n\n\n\n"  # the tool prints two blank lines after the generated
 
 def llama_cpp_bin_dir() -> Path:
     """``$DFLASH2_LLAMA_CPP_BIN``, else ``~/.cache/dflash2/llama.cpp/bin`` (shared library and tools)."""
-    from dflash2.models.store import home
+    from dflash2 import platform
 
-    return Path(os.environ.get("DFLASH2_LLAMA_CPP_BIN", home() / "llama.cpp" / "bin"))
+    profile = platform.settings()
+    return profile.llama_cpp_bin or profile.home / "llama.cpp" / "bin"
 
 
 def _import_llama_cpp():

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from dflash2 import platform
 from dflash2.cli_common import CliError, add_model_options, drafter_spec, load_engine
 
 API_KEY_ENV = "DFLASH2_API_KEY"
@@ -80,7 +80,7 @@ def build_server(args: argparse.Namespace):
     drafter = "none" if engine.drafter is None else engine.drafter.name  # "auto" resolved to the one built
     num_draft_tokens = 0 if engine.drafter is None else engine.drafter.num_draft_tokens
     server = ServerConfig(model_name=args.served_model_name or args.model,
-                          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                          api_key=args.api_key or platform.settings().api_key,
                           default_drafter=drafter, default_num_draft_tokens=num_draft_tokens,
                           default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
                           max_num_draft_tokens=max(args.max_num_draft_tokens, num_draft_tokens),
