@@ -10,7 +10,7 @@ from typing import Sequence
 
 from dflash2 import platform
 
-SUITES = ("humaneval", "gsm8k", "mt_bench", "spec_bench")
+SUITES = ("humaneval", "gsm8k", "mt_bench", "spec_bench", "long_context")
 SPEC_BENCH_MT_IDS = range(81, 161)  # Spec-Bench's first 80 questions are MT-bench's
 
 
@@ -37,7 +37,8 @@ def data_root(explicit: str | Path | None = None) -> Path:
 
 def load_suite(suite: str, limit: int | None = None, data: str | Path | None = None) -> list[BenchPrompt]:
     """Prompts of one suite; ``limit`` keeps the first N (per category for spec_bench)."""
-    loaders = {"humaneval": _humaneval, "gsm8k": _gsm8k, "mt_bench": _mt_bench, "spec_bench": _spec_bench}
+    loaders = {"humaneval": _humaneval, "gsm8k": _gsm8k, "mt_bench": _mt_bench, "spec_bench": _spec_bench,
+               "long_context": _long_context}
     if suite not in loaders:
         raise ValueError(f"unknown suite {suite!r}; choose one of {', '.join(SUITES)}")
     prompts = loaders[suite](data_root(data) / "eval")
@@ -95,6 +96,13 @@ def _gsm8k(root: Path) -> list[BenchPrompt]:
 def _mt_bench(root: Path) -> list[BenchPrompt]:
     return [BenchPrompt("mt_bench", "mt_bench", str(row["question_id"]), row["turns"][0])
             for row in _jsonl(root / "mt_bench" / "question.jsonl")]
+
+
+def _long_context(root: Path) -> list[BenchPrompt]:
+    """Source files of permissively licensed packages with a question each, 6-14K tokens: verification over
+    thousands of cached positions (written by scripts/make_long_context.py)."""
+    return [BenchPrompt("long_context", "long_context", row["prompt_id"], row["text"])
+            for row in _jsonl(root / "long_context" / "prompts.jsonl.gz")]
 
 
 def _spec_bench(root: Path) -> list[BenchPrompt]:
