@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[dev,serve,bench]"
 	touch $(STAMP)
 
+# the kernels compile here (one line each, ~2 min on 2 cores, once), not inside the demo's first generation
 models: setup
 	$(DFLASH2) models pull qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	$(DFLASH2) kernels build
 
 demo: models
 	$(DFLASH2) generate "$(PROMPT)"

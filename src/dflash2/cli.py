@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_chat_parser(commands)
     _add_models(commands)
+    _add_kernels(commands)
     from dflash2.bench.cli import add_bench_parser
     from dflash2.serve.cli import add_serve_parser
     from dflash2.train.cli import add_train_parser
@@ -102,6 +103,22 @@ def _add_models(commands) -> None:
     verify.add_argument("--repair", action="store_true",
                         help="rebuild what is damaged (assemble the GGUF again, convert again) instead of failing")
     verify.set_defaults(handler=run_models_verify)
+
+
+def _add_kernels(commands) -> None:
+    p = commands.add_parser("kernels", help="compile the CPU kernels ahead of the first generation")
+    sub = p.add_subparsers(dest="kernels_command", required=True)
+    build = sub.add_parser("build", help="compile (or find compiled) the kernels `generate` uses by default")
+    build.add_argument("--all", action="store_true", help="also those of --weights int8 / int4 / gguf")
+    build.set_defaults(handler=run_kernels_build)
+
+
+def run_kernels_build(args: argparse.Namespace) -> int:
+    from dflash2.kernels.prebuild import build_kernels
+
+    for name, usable, status in build_kernels(everything=args.all):
+        print(f"{name:44s} {'ok' if usable else 'not used'}: {status}")
+    return 0
 
 
 def validate_generation_args(args: argparse.Namespace) -> None:

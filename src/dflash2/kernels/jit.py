@@ -20,6 +20,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,15 +169,16 @@ def jit_load(kind: str, library: str, source: Path, cflags: list[str], op_name: 
         directory.mkdir(parents=True, exist_ok=True)
         with build_lock(directory):
             if not _load_built(directory, name):
-                cpp_extension.load(
-                    name=name,
-                    sources=[str(stable_source(source, directory))],
-                    extra_cflags=cflags,
-                    extra_ldflags=LDFLAGS,
-                    build_directory=str(directory),
-                    is_python_module=False,
-                    verbose=False,
-                )
+                with announced_build(kind):
+                    cpp_extension.load(
+                        name=name,
+                        sources=[str(stable_source(source, directory))],
+                        extra_cflags=cflags,
+                        extra_ldflags=LDFLAGS,
+                        build_directory=str(directory),
+                        is_python_module=False,
+                        verbose=False,
+                    )
             os.utime(directory)  # (used now: what prune_builds keeps)
         namespace, op = op_name.split(".")
         op = getattr(getattr(torch.ops, namespace), op).default
@@ -189,6 +191,20 @@ def jit_load(kind: str, library: str, source: Path, cflags: list[str], op_name: 
     if bad:
         return False, bad, None
     return True, f"{label}kernel loaded from {directory}", op
+
+
+@contextlib.contextmanager
+def announced_build(kind: str) -> Iterator[None]:
+    """One line on stderr per kernel compiled: a build takes 15-60 s on 2 cores and happens inside the first forward
+    that needs the kernel (or in ``dflash2 kernels build``); without a word the first run looked hung."""
+    print(f"dflash2: compiling the {kind} kernel (once per kernel version) ...", end="", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print(" failed", file=sys.stderr, flush=True)
+        raise
+    print(f" done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def _load_built(directory: Path, name: str) -> bool:
