@@ -17,7 +17,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev,serve,bench]"
+	$(PY) -m pip install --quiet -e ".[dev,serve,bench,grammar]"
 	touch $(STAMP)
 
 # the kernels compile here (one line each, ~2 min on 2 cores, once), not inside the demo's first generation

@@ -42,7 +42,7 @@ def app(tiny_model_dirs):
     batch = BatchEngine(engine, BatchConfig(num_blocks=64, block_size=16, max_queue=8), request_drafters(engine))
     batch.start()
     yield create_app(batch, ServerConfig(model_name=MODEL, default_drafter="ngram", default_num_draft_tokens=4,
-                                         default_max_tokens=16))
+                                         max_tokens=16))
     batch.stop()
 
 

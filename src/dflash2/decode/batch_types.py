@@ -14,6 +14,7 @@ from dflash2.decode.cost_model import Acceptance
 from dflash2.decode.output import GenerationResult, OutputTracker, StreamChunk
 from dflash2.decode.ragged import DEFAULT_WORKSPACE_BYTES
 from dflash2.decode.stats import DecodeStats
+from dflash2.decode.step import LogitsConstraint
 from dflash2.drafters.base import Draft, Drafter
 from dflash2.kv.paged import BlockTable
 from dflash2.verify import SamplingParams
@@ -71,9 +72,9 @@ class BatchRequest:
     num_draft_tokens: int = 0  # drafts per step (0 = plain decoding)
     timeout_s: float | None = None  # from submission: a request not admitted by then fails (DeadlineError), a
     # running one finishes with what it has (finish reason "timeout")
-    # a rule on the target's next token at every pass of this request (a grammar mask, logprobs): its constrain /
-    # advance pair is decode/step.py's LogitsConstraint (serve/structured.py builds them)
-    constraint: object | None = None
+    # a rule on the target's next token at every pass of this request, prefill's first token included (a grammar
+    # mask, logprobs; serve/structured.py builds them)
+    constraint: LogitsConstraint | None = None
 
 
 class RequestHandle:

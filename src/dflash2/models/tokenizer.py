@@ -34,11 +34,23 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: ChatMessages) -> list[int]:
-        """Render chat messages with the model's template, ending with the assistant's generation prompt."""
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template renders a ``tools`` list (and tool calls / results) itself (Qwen2.5's does)."""
+        return "tools" in (getattr(self._tok, "chat_template", None) or "")
+
+    @property
+    def hf(self):
+        """The transformers tokenizer (for libraries that read its vocabulary, e.g. a grammar engine)."""
+        return self._tok
+
+    def apply_chat_template(self, messages: ChatMessages, tools: list[dict] | None = None) -> list[int]:
+        """Render chat messages (and ``tools`` for a template that renders them) with the model's template, ending
+        with the assistant's generation prompt."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; pass raw=True to use the prompt as is")
-        text = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        text = self._tok.apply_chat_template(list(messages), tools=tools or None, add_generation_prompt=True,
+                                             tokenize=False)
         return self.encode(text)
 
     def fingerprint(self) -> str:

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,20 +28,15 @@ from dflash2.decode.batch import BatchEngine, BatchRequest, DeadlineError, Engin
 from dflash2.decode.output import GenerationResult, StreamChunk
 from dflash2.kv.paged import KVBudgetError
 from dflash2.serve import metrics
-from dflash2.serve.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ResponseIds,
-    chat_choice,
-    completion_choice,
-    finish_reason,
-    usage,
-)
+from dflash2.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from dflash2.serve.replies import Reply, calls_tools, chat_prompt, request_constraint
+from dflash2.serve.responses import ResponseIds, chat_delta, usage
+from dflash2.serve.structured import Grammars
 from dflash2.verify import SamplingParams
 
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics", "/openapi.json")
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # origins on these hosts (any port) are allowed by default
+LOOPBACK_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"  # the same, for the CORS headers
 KEEPALIVE_S = 15.0  # an SSE comment line after this long without an event keeps proxies from closing the stream
 
 log = logging.getLogger("dflash2.serve")
@@ -52,7 +48,7 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1/* needs ``Authorization: Bearer <key>``
     default_drafter: str = "ngram"  # "none" or a drafter the batch engine holds
     default_num_draft_tokens: int = 8
-    default_max_tokens: int = 256  # when a request gives no max_tokens (bounded by the context)
+    max_tokens: int | None = None  # the most new tokens a request may ask for, and its default (None: the context)
     max_body_bytes: int = 1 << 20
     max_num_draft_tokens: int = 16  # the most drafts per step a request may ask for
     request_timeout_s: float | None = None  # deadline of every request (None: none); requests may ask for less
@@ -112,10 +108,12 @@ def create_app(batch: BatchEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="dflash2", docs_url=None, redoc_url=None)
     app.openapi = lambda: _openapi_schema(app)  # type: ignore[method-assign]
     counters = metrics.HttpCounters()
-    app.add_middleware(_OriginGuard, config=config)
+    _add_cors(app, config)
+    app.add_middleware(_OriginGuard, config=config)  # added after CORS: runs before it, refusing other origins
     app.add_middleware(_Counting, counters=counters)  # added last: runs first, so it also counts the 403s
     started = int(time.time())
     _add_error_handlers(app)
+    grammars = _grammars(batch)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -136,8 +134,8 @@ def create_app(batch: BatchEngine, config: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request):
         _authorize(request, config)
         body = _parse(ChatCompletionRequest, await _read_json(request, config.max_body_bytes))
-        prompt_ids = _encode(batch, lambda engine: engine.encode_prompt(body.chat()))
-        return await _generate(request, batch, config, body, prompt_ids, chat=True)
+        prompt_ids = _encode(batch, lambda engine: chat_prompt(engine, body))
+        return await _generate(request, batch, config, body, prompt_ids, grammars, chat=True)
 
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request):
@@ -153,9 +151,27 @@ def create_app(batch: BatchEngine, config: ServerConfig) -> FastAPI:
                 raise ApiError(400, f"one prompt per request (n=1), got {len(prompt)}", param="prompt")
             text = prompt[0] if isinstance(prompt, list) else prompt
             prompt_ids = _encode(batch, lambda engine: engine.encode_prompt(text, raw=True))
-        return await _generate(request, batch, config, body, prompt_ids, chat=False)
+        return await _generate(request, batch, config, body, prompt_ids, grammars, chat=False)
 
     return app
+
+
+def _add_cors(app: FastAPI, config: ServerConfig) -> None:
+    """CORS headers and preflight answers for the allowed origins (the loopback hosts by default), so a page on
+    another origin can call the API from a browser."""
+    origins = config.allowed_origins
+    app.add_middleware(CORSMiddleware, allow_origins=list(origins or ()),
+                       allow_origin_regex=LOOPBACK_ORIGINS if origins is None else None,
+                       allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"], max_age=600)
+
+
+def _grammars(batch: BatchEngine) -> Grammars | None:
+    """The grammar compiler of the target's tokenizer (None for a tokenizer without a transformers one)."""
+    tokenizer = batch.engine.tokenizer
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        return None
+    return Grammars(hf, batch.engine.target.config.vocab_size, tokenizer.eos_token_ids)
 
 
 def _json_body(model) -> dict:
@@ -243,15 +259,22 @@ def _parse(model, data: Any):
     except ValidationError as error:
         first = error.errors()[0]
         param = ".".join(str(part) for part in first["loc"]) or None
+        if first["type"] == "extra_forbidden":  # unknown: it might change the output, so it is not ignored
+            raise ApiError(400, f"{param} is not supported by this server", param=param) from None
         raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
     body.refuse_unsupported()
+    ignored = body.ignored_fields()
+    if ignored:
+        log.info("ignored fields (they change nothing here): %s", ", ".join(ignored))
     return body
 
 
 def _encode(batch: BatchEngine, encode) -> list[int]:
+    from jinja2 import TemplateError
+
     try:
         return encode(batch.engine)
-    except ValueError as error:
+    except (ValueError, TemplateError) as error:  # a template may raise on messages it does not take
         raise ApiError(400, str(error), param="messages") from None
 
 
@@ -264,6 +287,9 @@ def _batch_request(batch: BatchEngine, config: ServerConfig, body, prompt_ids: l
         raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}",
                        param="messages", code="context_length_exceeded")
     limit = body.token_limit()
+    if limit is not None and config.max_tokens is not None and limit > config.max_tokens:
+        raise ApiError(400, f"max_tokens ({limit}) exceeds this server's limit of {config.max_tokens}",
+                       param="max_tokens")
     if limit is not None and len(prompt_ids) + limit > context:
         raise ApiError(400, f"prompt ({len(prompt_ids)} tokens) + max_tokens ({limit}) exceeds the model's "
                             f"context of {context}", param="max_tokens", code="context_length_exceeded")
@@ -280,7 +306,7 @@ def _batch_request(batch: BatchEngine, config: ServerConfig, body, prompt_ids: l
                        param="dflash2.num_draft_tokens")
     k = (config.default_num_draft_tokens if k is None else k) if drafter != "none" else 0
     params = SamplingParams(temperature=body.temperature, top_k=options.top_k, top_p=body.top_p, seed=body.seed)
-    max_new = limit if limit is not None else min(config.default_max_tokens, context - len(prompt_ids))
+    max_new = limit if limit is not None else min(config.max_tokens or context, context - len(prompt_ids))
     timeouts = [t for t in (options.timeout_s, config.request_timeout_s) if t is not None]
     return BatchRequest(prompt_ids, max_new, params, body.stop_strings(), drafter if k else "none", k,
                         timeout_s=min(timeouts, default=None))
@@ -309,9 +335,11 @@ def _engine_error(error: Exception, response_id: str) -> ApiError:
     return _internal_error(response_id)
 
 
-async def _generate(request: Request, batch: BatchEngine, config: ServerConfig, body, prompt_ids: list[int], *,
-                    chat: bool):
+async def _generate(request: Request, batch: BatchEngine, config: ServerConfig, body, prompt_ids: list[int],
+                    grammars: Grammars | None, *, chat: bool):
     batch_request = _batch_request(batch, config, body, prompt_ids)
+    batch_request.constraint = await request_constraint(body, grammars, batch.engine.target.config.vocab_size)
+    reply = Reply(chat, batch.engine.tokenizer, batch_request.constraint, calls_tools(body))
     relay = _Relay()
     try:
         handle = batch.submit(batch_request, relay.sink)
@@ -324,14 +352,12 @@ async def _generate(request: Request, batch: BatchEngine, config: ServerConfig, 
     ids = ResponseIds.new("chatcmpl" if chat else "cmpl", config.model_name)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = _sse(relay, handle, ids, chat, include_usage, batch_request)
+        events = _sse(relay, handle, ids, reply, include_usage, batch_request)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     result = await _collect(request, relay, handle, ids.id)
-    choice = (chat_choice(result.text, finish_reason(result.finish_reason), delta=False) if chat
-              else completion_choice(result.text, finish_reason(result.finish_reason)))
     return JSONResponse({
         **ids.header("chat.completion" if chat else "text_completion"),
-        "choices": [choice],
+        "choices": [reply.body_choice(result)],
         "usage": usage(result),
         "dflash2": _extension(batch_request, result),
     })
@@ -372,20 +398,19 @@ async def _collect(request: Request, relay: _Relay, handle, response_id: str) ->
             handle.cancel()
 
 
-async def _sse(relay: _Relay, handle, ids: ResponseIds, chat: bool, include_usage: bool,
+async def _sse(relay: _Relay, handle, ids: ResponseIds, reply: Reply, include_usage: bool,
                request: BatchRequest) -> AsyncIterator[str]:
-    """Server-sent events: content chunks, a final chunk with the finish reason, usage if asked, [DONE]."""
-    object_name = "chat.completion.chunk" if chat else "text_completion"
-    header = ids.header(object_name)
+    """Server-sent events: content chunks (tool calls, logprobs), a final chunk with the finish reason, usage if
+    asked, [DONE]."""
+    header = ids.header("chat.completion.chunk" if reply.chat else "text_completion")
 
-    def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
-        choice = chat_choice(text, reason, delta=True, first=first) if chat else completion_choice(text or "", reason)
+    def chunk(choice: dict) -> str:
         return f"data: {json.dumps({**header, 'choices': [choice]})}\n\n"
 
     finished = False
     try:
-        if chat:
-            yield chunk("", None, first=True)
+        if reply.chat:
+            yield chunk(chat_delta("", None, first=True))
         while True:
             try:
                 event = await asyncio.wait_for(relay.queue.get(), timeout=KEEPALIVE_S)
@@ -393,14 +418,15 @@ async def _sse(relay: _Relay, handle, ids: ResponseIds, chat: bool, include_usag
                 yield ": keepalive\n\n"  # an SSE comment: clients ignore it
                 continue
             if isinstance(event, StreamChunk):
-                if event.text:
-                    yield chunk(event.text, None)
+                choice = reply.chunk_choice(event)
+                if choice is not None:
+                    yield chunk(choice)
                 continue
             finished = True
             if isinstance(event, Exception):
                 yield f"data: {json.dumps(_engine_error(event, ids.id).body())}\n\n"
             else:
-                yield chunk(None if chat else "", finish_reason(event.finish_reason))
+                yield chunk(reply.final_choice(event))
                 if include_usage:
                     body = {**header, "choices": [], "usage": usage(event),
                             "dflash2": _extension(request, event)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from dflash2 import platform
@@ -37,7 +38,13 @@ def add_serve_parser(commands) -> None:
                         "longest cached prefix of its prompt)")
     p.add_argument("--fixed-draft-length", action="store_true",
                    help="always draft the requested length (default: the scheduler lowers it under load)")
-    p.add_argument("--default-max-tokens", type=int, default=256, help="when a request sets no max_tokens")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="the most new tokens a request may ask for, and what one that sets no max_tokens gets "
+                        "(default: up to the end of the model's context; admission reserves a request's worst case "
+                        "of KV blocks, so a server for many clients should set it)")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="server log level; 'info' adds an access log line per request and a line naming the "
+                        "ignored fields of a request (default: %(default)s)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default: 1 MiB)")
     p.add_argument("--max-num-draft-tokens", type=int, default=16,
                    help="the most drafts per step a request may ask for (default: %(default)s)")
@@ -59,6 +66,8 @@ def build_server(args: argparse.Namespace):
 
     if args.num_draft_tokens is not None and args.num_draft_tokens <= 0:
         raise CliError(f"--num-draft-tokens must be > 0, got {args.num_draft_tokens}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise CliError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     spec = drafter_spec(args)
@@ -82,7 +91,7 @@ def build_server(args: argparse.Namespace):
     server = ServerConfig(model_name=args.served_model_name or args.model,
                           api_key=args.api_key or platform.settings().api_key,
                           default_drafter=drafter, default_num_draft_tokens=num_draft_tokens,
-                          default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
+                          max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
                           max_num_draft_tokens=max(args.max_num_draft_tokens, num_draft_tokens),
                           request_timeout_s=args.request_timeout, allowed_origins=_origins(args.allowed_origins))
     return create_app(batch, server), batch
@@ -103,6 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
     except ImportError:
         raise CliError("serving needs the serve extra: pip install 'dflash2[serve]'") from None
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, batch = build_server(args)
     batch.start()
     drafter = batch.engine.drafter
@@ -110,7 +120,8 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"dflash2: serving {args.served_model_name or args.model} on http://{args.host}:{args.port} "
           f"({drafting}; {batch.pool.num_blocks} KV blocks of {batch.pool.block_size})", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=True,
+                    timeout_graceful_shutdown=5)
     finally:
         batch.stop()
     return 0

@@ -1,23 +1,24 @@
 """The OpenAI wire format: request bodies (validated strictly), OpenAI-style errors, response and chunk bodies.
 
-Fields the engine does not implement (logprobs, tools, penalties, n > 1, ...) are refused with a 400 that
-names them, never silently ignored. The extension field ``dflash2`` picks the drafter and draft length of one
-request: ``{"dflash2": {"drafter": "ngram", "num_draft_tokens": 4}}`` (``extra_body`` in the openai client).
+Fields that would change the output and are not implemented (penalties, logit_bias, n > 1, unknown fields) are
+refused with a 400 that names them, never silently ignored. Fields that change nothing here (``INERT_FIELDS``:
+store, metadata, user, ...) are accepted and ignored; the server logs one line per request naming them. The
+extension field ``dflash2`` picks the drafter and draft length of one request:
+``{"dflash2": {"drafter": "ngram", "num_draft_tokens": 4}}`` (``extra_body`` in the openai client).
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from dflash2.decode.output import GenerationResult
 from dflash2.verify.sampling import SEED_RANGE
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+# accepted and ignored (logged): they change nothing in what this server generates
+INERT_FIELDS = ("store", "metadata", "parallel_tool_calls", "service_tier", "user", "prediction")
 
 
 class ApiError(Exception):
@@ -43,6 +44,7 @@ class Dflash2Options(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # inert: nothing here is obfuscated
 
 
 class _Common(BaseModel):
@@ -50,7 +52,7 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # None: up to the context (or the server's --max-tokens)
     temperature: float = Field(1.0, ge=0.0, le=2.0)  # below 1e-5 (0 included): greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
@@ -58,13 +60,18 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     dflash2: Dflash2Options = Dflash2Options()
     # accepted only at their neutral values (refused otherwise, see refuse_unsupported)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
     logit_bias: dict[str, float] | None = None
+    # inert (INERT_FIELDS): accepted, ignored, logged
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -72,15 +79,21 @@ class _Common(BaseModel):
             raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
         return tuple(s for s in stops if s)
 
+    def ignored_fields(self) -> list[str]:
+        """The inert fields this request set (the server logs them)."""
+        return [name for name in INERT_FIELDS if getattr(self, name) is not None]
+
     def refuse_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise ApiError(400, f"{name} is not supported (decoding is lossless: only temperature, top_p, "
                                     "top_k and seed shape sampling)", param=name)
-        if self.logprobs:
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+
+    def top_logprobs_count(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token (0: only the chosen token's)."""
+        raise NotImplementedError
 
 
 class TextPart(BaseModel):
@@ -89,25 +102,125 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant message (with tool calls)
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    # what SDKs echo back from an earlier assistant message; nothing here produces them
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _content_rules(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format json_schema needs a json_schema object")
+        return self
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-
-    def chat(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def top_logprobs_count(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names():
+            raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not in tools",
+                           param="tool_choice")
+        if choice == "required" and not self.tools:
+            raise ApiError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        structured = self.response_format is not None and self.response_format.type != "text"
+        if structured and self.tools and choice != "none":
+            raise ApiError(400, "response_format with tools is not supported; pass tool_choice 'none' or no "
+                                "response_format", param="response_format")
+
+    def tool_names(self) -> list[str]:
+        return [tool.function.name for tool in self.tools or []]
 
 
 class CompletionRequest(_Common):
@@ -115,6 +228,7 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int = Field(1, ge=1, le=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token (0: the chosen one's)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -126,49 +240,5 @@ class CompletionRequest(_Common):
     def token_limit(self) -> int | None:
         return self.max_tokens
 
-
-def finish_reason(engine_reason: str) -> str:
-    """Engine finish reasons (eos, stop, length, timeout) in OpenAI terms (stop, length): a deadline cuts the
-    output like a token limit (the ``dflash2`` extension names the reason)."""
-    return "length" if engine_reason in ("length", "timeout") else "stop"
-
-
-@dataclass
-class ResponseIds:
-    """The id, creation time and model name every body and chunk of one response repeats."""
-
-    id: str
-    created: int
-    model: str
-
-    @staticmethod
-    def new(prefix: str, model: str) -> ResponseIds:
-        return ResponseIds(f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), model)
-
-    def header(self, object_name: str) -> dict[str, Any]:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
-
-
-def usage(result: GenerationResult) -> dict[str, Any]:
-    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens``: prompt tokens taken from the prefix cache."""
-    prompt_tokens, completion_tokens = len(result.prompt_ids), len(result.token_ids)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": result.stats.cached_tokens}}
-
-
-def chat_choice(text: str | None, reason: str | None, *, delta: bool, first: bool = False) -> dict:
-    """One choice of a chat body (``message``) or chunk (``delta``)."""
-    if not delta:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                "logprobs": None}
-    body: dict[str, Any] = {}
-    if first:
-        body["role"] = "assistant"
-    if text is not None:
-        body["content"] = text
-    return {"index": 0, "delta": body, "finish_reason": reason, "logprobs": None}
-
-
-def completion_choice(text: str, reason: str | None) -> dict:
-    return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
