@@ -31,9 +31,10 @@ case "${1:-}" in
     $NICE .venv/bin/dflash2 train features --data "$REGEN" --out "$FEATURES" --layers 1,13,25 \
       --sequences "${SEQUENCES:-400}" --heldout 12 --mt-bench 4 --threads "${THREADS:-1}"
     ;;
-  experiment)  # conditioned vs not: same start, data (30 sequences, each once), steps and seed, side by side; the
+  experiment)  # conditioned vs not: same start, data (16 sequences, each once), steps and seed, side by side; the
                # plain arm skips the step-0 check (the zero-initialised conditioning drafts exactly as without it)
-    EXP=(--train-sequences 30 --steps 30 --sequences-per-step 1 --anchors 48 --lr 1e-4 --warmup 3 --eval-every 0)
+    EXP=(--train-sequences 16 --steps 16 --sequences-per-step 1 --anchors 48 --max-seq-len 512 --heldout 6
+         --lr 1e-4 --warmup 2 --eval-every 0)
     $NICE .venv/bin/dflash2 train pard "${COMMON[@]}" "${EXP[@]}" --out "${RUN}-exp-plain" --no-initial-eval \
       ${EXTRA:-} > "${RUN}-exp-plain.log" 2>&1 &
     $NICE .venv/bin/dflash2 train pard "${COMMON[@]}" "${EXP[@]}" --out "${RUN}-exp-cond" --condition \

@@ -125,7 +125,8 @@ class TrainingData:
         self.taps = config.condition
         self.feature_train = self.features.train[: config.train_sequences]
         self.ordered = config.train_sequences  # None: random draws among all training sequences
-        self.heldout = {kind: [_truncate(self.features.read(n, self.taps), config.max_sequence_length) for n in names]
+        self.heldout = {kind: [_truncate(self.features.read(n, self.taps), config.max_sequence_length)
+                               for n in names[: config.heldout_sequences]]  # (the first of each group)
                         for kind, names in self.features.heldout_groups().items()}
 
     def _ordered(self, position: int) -> LabelledText:
