@@ -28,7 +28,8 @@ from dflash2 import platform
 from dflash2.kernels import jit
 
 __all__ = ["ENV", "apply_rope", "layer_ops_available", "layer_ops_status", "qkv_rope", "reference_qkv_rope",
-           "reference_rms_norm", "reference_silu_mul", "rms_norm", "rotate_half", "silu_mul", "use_layer_ops"]
+           "reference_rms_norm", "reference_silu_mul", "rms_norm", "rotate_half", "run_qkv_rope", "run_rms_norm",
+           "run_silu_mul", "silu_mul", "use_layer_ops"]
 
 ENV = "DFLASH2_LAYER_OPS"
 _SOURCE = Path(__file__).with_name("layer_ops.cpp")
@@ -153,3 +154,33 @@ def silu_mul(gate_up: torch.Tensor, lanes: int = 0) -> torch.Tensor:
     """gate_up [..., 2I] (I a multiple of 8) -> SiLU(gate) * up [..., I] in one call (see the module doc); ``lanes``
     16 (AVX-512) or 8 (AVX2) picks the vector width (default: the widest here), the same bits either way."""
     return _state["op"][2](gate_up, lanes)
+
+
+# The decoder's entry points: the kernel where it may run (use_layer_ops and the shapes it takes), else the PyTorch
+# operations; the same bits either way for the rotary embedding, the same math for the others. The decoder calls
+# these and never asks about the kernels or the CPU itself.
+
+
+def run_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D], weight [D] -> RMSNorm(x) [..., D]: :func:`rms_norm` (D a multiple of 8, weight in x's dtype) or
+    :func:`reference_rms_norm`."""
+    if weight.dtype == x.dtype and x.shape[-1] % 8 == 0 and use_layer_ops(x, weight):
+        return rms_norm(x, weight, eps)
+    return reference_rms_norm(x, weight, eps)
+
+
+def run_qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [B, T, (H + 2 Hkv) Dh], cos / sin [B or 1, 1, T, Dh] -> q [B, H, T, Dh], k / v [B, Hkv, T, Dh] rotated:
+    :func:`qkv_rope` (tables in qkv's dtype) or :func:`reference_qkv_rope`."""
+    if cos.dtype == qkv.dtype and cos.shape[1] == 1 and use_layer_ops(qkv):
+        return qkv_rope(qkv, cos, sin, heads, kv_heads)
+    return reference_qkv_rope(qkv, cos, sin, heads, kv_heads)
+
+
+def run_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] -> SiLU(gate) * up [..., I]: :func:`silu_mul` (I a multiple of 8) or
+    :func:`reference_silu_mul`."""
+    if gate_up.shape[-1] % 16 == 0 and use_layer_ops(gate_up):
+        return silu_mul(gate_up)
+    return reference_silu_mul(gate_up)

@@ -40,9 +40,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., D]
-        if self.weight.dtype == x.dtype and x.shape[-1] % 8 == 0 and layer_ops.use_layer_ops(x, self.weight):
-            return layer_ops.rms_norm(x, self.weight, self.eps)  # one call (kernels/layer_ops.py)
-        return layer_ops.reference_rms_norm(x, self.weight, self.eps)
+        return layer_ops.run_rms_norm(x, self.weight, self.eps)  # one call where the kernel runs (kernels/layer_ops.py)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -106,11 +104,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         qkv = self.wqkv(x)  # [B, T, (H + 2 H_kv) Dh]
-        # q [B, H, T, Dh], k / v [B, H_kv, T, Dh]; q and k rotated (RoPE)
-        if cos.dtype == qkv.dtype and cos.shape[1] == 1 and layer_ops.use_layer_ops(qkv):
-            q, k, v = layer_ops.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)  # one call, same bits
-        else:
-            q, k, v = layer_ops.reference_qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        # q [B, H, T, Dh], k / v [B, H_kv, T, Dh]; q and k rotated (RoPE), in one call where the kernel runs
+        q, k, v = layer_ops.run_qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         out = context.attend(layer, q, k, v)  # [B, H, T, Dh]
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -185,9 +180,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
         gate_up = self.w_gate_up(x)  # [B, T, 2I]
-        if self.intermediate_size % 8 == 0 and layer_ops.use_layer_ops(gate_up):
-            return self.w_down(layer_ops.silu_mul(gate_up))  # one call (kernels/layer_ops.py)
-        return self.w_down(layer_ops.reference_silu_mul(gate_up))
+        return self.w_down(layer_ops.run_silu_mul(gate_up))  # one call where the kernel runs (kernels/layer_ops.py)
 
 
 class DecoderLayer(nn.Module):
