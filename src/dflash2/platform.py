@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["BACKENDS", "VARIABLES", "CpuInfo", "DraftHardware", "Settings", "Switch", "Variable", "choose_backend", "cpu",
-           "gguf_pair_min_rows", "reload_settings", "settings"]
+__all__ = ["BACKENDS", "VARIABLES", "CpuInfo", "DraftHardware", "Settings", "Switch", "Variable", "VerifyCosts",
+           "choose_backend", "cpu", "gguf_pair_min_rows", "reload_settings", "settings"]
 
 
 # ------------------------------------------------------------------------------------------------ the CPU
@@ -146,6 +146,9 @@ VARIABLES: tuple[Variable, ...] = (
              "(bench --peers)"),
     Variable("DFLASH2_DATA", "the checkout's data/", "the folder holding eval/ (dflash2 bench)"),
     Variable("DFLASH2_API_KEY", "none", "the bearer key dflash2 serve requires on /v1/* (--api-key wins)"),
+    Variable("DFLASH2_VERIFY_CALIBRATION", "off", "on: auto's tree-or-chain choice for one request follows the "
+             "target's measured verify cost per row count (timed once per CPU, model, format and kernel code; "
+             "cached in the store) instead of the AMX-tiles rule"),
 )
 DEFAULT_HOME = "~/.cache/dflash2"
 
@@ -206,6 +209,7 @@ class Settings:
     llama_cpp_bin: Path | None = None  # None: home / "llama.cpp" / "bin"
     data: Path | None = None  # None: the checkout's data/
     api_key: str | None = field(default=None, repr=False)
+    verify_calibration: bool = False
     problems: Mapping[str, str] = field(default_factory=dict)  # variable -> why its value was refused
 
     def check(self, name: str) -> None:
@@ -336,6 +340,7 @@ _PARSERS: tuple[tuple[str, str, Parser], ...] = (
     ("DFLASH2_LLAMA_CPP_BIN", "llama_cpp_bin", _path),
     ("DFLASH2_DATA", "data", _path),
     ("DFLASH2_API_KEY", "api_key", lambda name, text: text or None),
+    ("DFLASH2_VERIFY_CALIBRATION", "verify_calibration", lambda name, text: _on_off(name, text or "off")),
 )
 _NULLABLE = frozenset({"gguf_kernel", "gguf_pair_rows", "pard_weights", "pard_reader", "pard_catch_up",
                        "pard_window", "llama_cpp_bin", "data", "api_key"})
@@ -410,12 +415,41 @@ def gguf_pair_min_rows(machine: CpuInfo | None = None, profile: Settings | None 
 # ------------------------------------------------------------------------------------------------ drafting
 
 
+# A tree of 13 rows (pard+ngram:4x3) against the chain's 4: measured on the Intel Xeon (AMX, model 207), where
+# 16 rows of the 1.5B cost 1.11x 1 row on AMX bf16 tiles (121 / 134 ms) and the tree won (docs/pard.md); on AVX-512
+# BF16 7 rows cost 1.45x 4 and the gguf AMX build 1.3-1.6x at 9 rows, where the chain won. 1.2 separates them.
+FLAT_TREE_COST = 1.2
+
+
 def _no_bf16_tiles() -> bool:
     return False
 
 
 def _no_gguf_kernel() -> str:
     raise RuntimeError("no gguf kernel was probed for this target")
+
+
+@dataclass(frozen=True)
+class VerifyCosts:
+    """A target's measured forward time per row count (a verification of N - 1 drafts is a forward of N rows) on
+    this machine: ``rows`` ascending, ``seconds`` the median of each (models/calibration.py measures it)."""
+
+    rows: tuple[int, ...]  # e.g. (1, 2, 4, 8, 16)
+    seconds: tuple[float, ...]  # one per row count
+
+    def at(self, rows: int) -> float:
+        """Seconds for ``rows`` rows, linear between the measured counts (the nearest end outside them)."""
+        points = list(zip(self.rows, self.seconds))
+        if rows <= points[0][0]:
+            return points[0][1]
+        for (r0, s0), (r1, s1) in zip(points, points[1:]):
+            if rows <= r1:
+                return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+        return points[-1][1]
+
+    def flat(self, tree_rows: int = 13, chain_rows: int = 4, limit: float = FLAT_TREE_COST) -> bool:
+        """Whether verifying a tree of ``tree_rows`` rows costs at most ``limit`` times a chain of ``chain_rows``."""
+        return self.at(tree_rows) <= limit * self.at(chain_rows)
 
 
 @dataclass(frozen=True)
@@ -429,3 +463,10 @@ class DraftHardware:
     amx_verification: bool = False  # ... on AMX tiles in any form (the gguf kernel's AMX build too)
     bf16_on_amx: Callable[[], bool] = _no_bf16_tiles  # the packed bf16 kernel runs on AMX tiles here
     gguf_backend: Callable[[], str] = _no_gguf_kernel  # the gguf kernel chosen here; raises where none can run
+    verify_costs: VerifyCosts | None = None  # measured (DFLASH2_VERIFY_CALIBRATION=on), else None
+
+    @property
+    def flat_verification(self) -> bool:
+        """A tree of 13 rows verifies at about a chain's price: measured where ``verify_costs`` is, else where the
+        linear layers run on whole-K AMX tiles (the machine where that was measured)."""
+        return self.tile_verification if self.verify_costs is None else self.verify_costs.flat()
