@@ -91,8 +91,10 @@ def test_stateless_drafters_are_shared_and_stateful_ones_copied(tiny_model_dirs)
     from dflash2.drafters.model import ModelDrafter
     from dflash2.models.loading import load_transformer
 
+    from dflash2.drafters.base import for_request
+
     ngram = NgramDrafter(4)
-    assert ngram.for_request() is ngram
+    assert for_request(ngram) is ngram
     drafter = ModelDrafter(load_transformer(tiny_model_dirs["qwen2"], "fp32", "cpu"), 3, target_vocab_size=300)
     drafter.reset(16)
     copy = drafter.for_request()

@@ -291,6 +291,9 @@ def test_a_prompt_read_before_the_first_draft_is_spread_over_the_requests_remain
         def shared_pass(self, sequence, k):
             return self, k
 
+        def drafted_by_shared_pass(self):
+            raise AssertionError("pricing drafts nothing")
+
     def request(generated: int) -> SimpleNamespace:
         acceptance = Acceptance(prior=0.5, prior_weight=1e-9, decay=1.0)
         acceptance.update(3, 0)  # expected tokens per step: 1.0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import threading
 import time
@@ -46,7 +47,7 @@ from dflash2.decode.batch_drafting import BatchDrafting
 from dflash2.decode.cost_model import Acceptance, ForwardCost
 from dflash2.decode.stats import DecodeStats
 from dflash2.decode.step import Hidden, empty_draft, prompt_observation, select_taps, settle
-from dflash2.drafters.base import Draft
+from dflash2.drafters.base import Draft, for_request, state_bytes
 from dflash2.kernels.threads import release_openmp_pool
 from dflash2.kv.paged import KVBudgetError, PagedKVPool
 from dflash2.verify import choose_token
@@ -134,7 +135,7 @@ class BatchEngine:
         budget = self.config.drafter_memory_bytes
         if seq.drafter is None or budget is None:
             return
-        need = seq.drafter.state_bytes(self.max_slots(seq.request))
+        need = state_bytes(seq.drafter, self.max_slots(seq.request))
         if need > budget:
             raise ValueError(f"the request's drafter needs {need / 2**20:.1f} MiB for its caches; the server's "
                              f"drafter memory budget is {budget / 2**20:.1f} MiB")
@@ -262,7 +263,7 @@ class BatchEngine:
             seq.table = self.pool.new_table(seq.max_slots, seq.request.prompt_ids if self._can_reuse(seq) else None)
         except KVBudgetError:
             return False
-        state = 0 if seq.drafter is None else seq.drafter.state_bytes(seq.max_slots)
+        state = 0 if seq.drafter is None else state_bytes(seq.drafter, seq.max_slots)
         budget = self.config.drafter_memory_bytes
         if budget is not None and self._drafter_bytes + state > budget:
             seq.table.release()
@@ -474,7 +475,7 @@ def request_drafters(engine: Engine, max_draft_tokens: int | None = None) -> dic
     held = engine.drafter
     for drafter in (held, getattr(held, "block", None)):  # a hybrid also serves its block drafter alone
         if drafter is not None and drafter.name in DRAFTER_NAMES and drafter.name not in factories:
-            factories[drafter.name] = drafter.for_request
+            factories[drafter.name] = functools.partial(for_request, drafter)
     if "ngram" not in factories:  # the engine's own n-gram drafter (maybe a tree) when it holds one
         ngram = NgramDrafter(max_draft_tokens or default_num_draft_tokens("ngram"),
                              stop_ids=engine.tokenizer.eos_token_ids)

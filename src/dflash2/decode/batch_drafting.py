@@ -15,7 +15,7 @@ from dflash2.decode.batch_types import BatchRow, RowDraft
 from dflash2.decode.cost_model import Acceptance, DraftCost, ForwardCost
 from dflash2.decode.scheduler import RowDrafts, plan_draft_lengths
 from dflash2.decode.step import fit_draft
-from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.base import Draft, Drafter, runs_a_pass, shared_pass, unread
 from dflash2.verify import SamplingParams
 
 log = logging.getLogger("dflash2.batch")
@@ -58,11 +58,11 @@ class BatchDrafting:
     def _row_drafts(self, seq: BatchRow, k: int) -> RowDrafts:
         if k <= 0:
             return RowDrafts(0, [])
-        if not seq.drafter.runs_a_pass(seq.sequence, k):  # a lookup draft: only its verification rows cost
+        if not runs_a_pass(seq.drafter, seq.sequence, k):  # a lookup draft: only its verification rows cost
             return RowDrafts(k, seq.lookup_acceptance.reach(k))
-        unread = seq.drafter.unread(seq.sequence)
-        steady = _steady_unread(seq, unread, k)  # the rest is a backlog, read once: each step bears its share
-        reads = steady + (unread - steady) / _remaining_steps(seq, k)
+        backlog = unread(seq.drafter, seq.sequence)
+        steady = _steady_unread(seq, backlog, k)  # the rest is a backlog, read once: each step bears its share
+        reads = steady + (backlog - steady) / _remaining_steps(seq, k)
         network = _network(seq, k)
         if network is not None:
             return RowDrafts(k, seq.acceptance.reach(k), network=network, reads=reads)
@@ -93,7 +93,7 @@ class BatchDrafting:
         shared: dict[Hashable, list[tuple[int, Drafter, int, int]]] = {}
         for index, (seq, k) in enumerate(zip(running, lengths)):
             with self.guard(seq, "drafting"):
-                network = seq.drafter.shared_pass(seq.sequence, k) if seq.prefilled and seq.drafter and k > 0 else None
+                network = shared_pass(seq.drafter, seq.sequence, k) if seq.prefilled and seq.drafter and k > 0 else None
                 if network is None:
                     drafts[index] = self._propose(seq, k) if seq.prefilled else RowDraft(None)
                 else:
@@ -110,7 +110,7 @@ class BatchDrafting:
         (only its own failure fails it)."""
         seqs = [running[index] for index, *_ in members]
         if len(members) > 1:
-            unread = [drafter.unread(seq.sequence) for seq, (_, drafter, *_) in zip(seqs, members)]
+            backlogs = [unread(drafter, seq.sequence) for seq, (_, drafter, *_) in zip(seqs, members)]
             started = time.perf_counter()
             try:
                 batch = type(members[0][1]).propose_batch(
@@ -121,7 +121,7 @@ class BatchDrafting:
                             exc_info=True)
             else:
                 seconds = time.perf_counter() - started
-                self._record_network(key, sum(unread) + sum(len(draft.tokens) for draft in batch), seconds)
+                self._record_network(key, sum(backlogs) + sum(len(draft.tokens) for draft in batch), seconds)
                 for seq, (index, *_), draft in zip(seqs, members, batch):
                     seq.drafter.drafted_by_shared_pass()
                     drafts[index] = RowDraft(self._fit(seq, draft))
@@ -135,16 +135,16 @@ class BatchDrafting:
         network's cost curve), None for a drafter that drafts alone."""
         if seq.drafter is None or k <= 0:
             return RowDraft(None)
-        timed = seq.drafter.runs_a_pass(seq.sequence, k)  # a lookup's ~0 s would blur the network's cost
-        unread, started = seq.drafter.unread(seq.sequence), time.perf_counter()
+        timed = runs_a_pass(seq.drafter, seq.sequence, k)  # a lookup's ~0 s would blur the network's cost
+        backlog, started = unread(seq.drafter, seq.sequence), time.perf_counter()
         draft = seq.drafter.propose(seq.sequence, k, seq.request.params, seq.generator)
         if not timed:
             return RowDraft(self._fit(seq, draft), by_lookup=True)
         seconds = time.perf_counter() - started
         if network is None:
-            self._cost_of(seq).record(len(draft.tokens), unread, seconds)
+            self._cost_of(seq).record(len(draft.tokens), backlog, seconds)
         else:
-            self._record_network(network, unread + len(draft.tokens), seconds)
+            self._record_network(network, backlog + len(draft.tokens), seconds)
         return RowDraft(self._fit(seq, draft))
 
     @staticmethod
@@ -161,15 +161,15 @@ def _network_key(drafter: Drafter) -> Hashable:
 
 def _network(seq: BatchRow, k: int) -> Hashable | None:
     """The network whose shared pass drafts this row's k drafts, or None (a lookup, a tree, a lone drafter)."""
-    shared = seq.drafter.shared_pass(seq.sequence, k)
+    shared = shared_pass(seq.drafter, seq.sequence, k)
     return None if shared is None else _network_key(shared[0])
 
 
-def _steady_unread(seq: BatchRow, unread: int, k: int) -> int:
+def _steady_unread(seq: BatchRow, backlog: int, k: int) -> int:
     """The ids a row that drafts every step reads per pass: those its last verification committed (about the
     expected tokens per step); any more are a backlog (its prompt, before its first draft; the ids it missed while
     it did not draft)."""
-    return min(unread, max(1, round(seq.acceptance.expected_tokens(k))))
+    return min(backlog, max(1, round(seq.acceptance.expected_tokens(k))))
 
 
 def _remaining_steps(seq: BatchRow, k: int) -> float:

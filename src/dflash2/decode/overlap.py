@@ -2,8 +2,9 @@
 
 Every drafter call runs on one worker thread (:class:`DraftWorker`), FIFO, so the drafter's state is only ever
 touched by that thread. While the target verifies block n on the calling thread, the worker pre-drafts from the
-optimistic outcome (all of block n accepted): ``Drafter.propose_ahead`` returns a guess of the bonus token and a
-draft of the block after it, kept in a :class:`SpeculationCache` keyed by (accepted length, bonus token). When
+optimistic outcome (all of block n accepted): a drafter that drafts ahead (``DraftsAhead``, drafters/base.py)
+returns a guess of the bonus token and a draft of the block after it, kept in a :class:`SpeculationCache` keyed by
+(accepted length, bonus token); any other drafter drafts only from the truth. When
 the verdict matches a key (a hit) the next verification starts at once; otherwise (a miss) the pre-draft is
 dropped, the drafter re-syncs to the true sequence (its rollback) and drafts from it while the target waits.
 
@@ -31,7 +32,7 @@ from dflash2.decode.draft_length import DraftLengthPolicy, FixedDraftLength
 from dflash2.decode.speculative import verify_draft
 from dflash2.decode.step import StepOutcome, empty_draft, fit_draft, prompt_observation, settle
 from dflash2.decode.stats import DecodeStats
-from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.base import Draft, Drafter, DraftsAhead
 from dflash2.models.decoder import Transformer
 from dflash2.verify.sampling import SamplingParams, choose_token
 
@@ -188,8 +189,9 @@ def _pre_draft(
     generator: torch.Generator | None,
     speculation: SpeculationCache,
 ) -> Future | None:
-    """Start drafting the block after ``draft`` on the worker, assuming it is all accepted (chains only)."""
-    if k == 0 or draft.parents is not None or len(draft.tokens) == 0:
+    """Start drafting the block after ``draft`` on the worker, assuming it is all accepted (chains only, by a
+    drafter that drafts ahead)."""
+    if k == 0 or draft.parents is not None or len(draft.tokens) == 0 or not isinstance(drafter, DraftsAhead):
         return None
     prefix, block = list(sequence), draft.tokens.tolist()  # snapshots: the caller extends ``sequence`` later
 

@@ -4,16 +4,17 @@ needs a trained drafter directory), ``dflash+ngram`` (a long prompt-lookup match
 block otherwise), ``dflash2`` and ``dflash2+ngram`` (the same with a DFlash2 drafter: path selector and dynamic
 convolution).
 
-A drafter is named by a spec, ``name[:[L+]k[xW]]`` (:class:`~dflash2.drafters.spec.DrafterSpec`); default draft lengths
-are in one table there."""
+A drafter is named by a spec, ``name[:[L+]k[xW]]`` (:class:`~dflash2.drafters.spec.DrafterSpec`). The drafters, each
+with its builder and default draft length, are one table there (``DRAFTERS``): a new drafter is its module (a
+:class:`~dflash2.drafters.base.Drafter` and a builder) and one line in it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+import importlib
+from dataclasses import replace
 
 from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.dflash import TRAINED_DIR, shipped_dflash_drafter
 from dflash2.platform import DraftHardware
 from dflash2.drafters.spec import (
     BLOCK_DRAFTERS,
@@ -21,26 +22,14 @@ from dflash2.drafters.spec import (
     DRAFTER_NAMES,
     AUTO_DRAFTERS,
     AutoDrafter,
+    HYBRID_SUFFIX,
+    DraftOptions,
     DrafterSpec,
+    DraftTarget,
     default_drafter,
     default_num_draft_tokens,
+    drafter_kind,
 )
-
-if TYPE_CHECKING:
-    from dflash2.models.decoder import Transformer
-    from dflash2.models.tokenizer import Tokenizer
-
-TRAINED_DIR = Path(__file__).parent / "trained"  # trained drafters shipped with the package, one per target
-
-
-@dataclass(frozen=True)
-class DraftTarget:
-    """What building a drafter needs from the target (an :class:`~dflash2.decode.engine.Engine` has the same three
-    attributes, so either may be passed to :func:`build_drafter`)."""
-
-    target: Transformer  # the model the drafter drafts for (block drafters read its hidden states, embeddings, head)
-    tokenizer: Tokenizer  # its EOS ids stop n-gram drafts; a draft model must share its fingerprint
-    name: str = ""  # the target's store name, alias or path: picks "auto" and the shipped or paired drafter
 
 
 def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: str | None = None,
@@ -56,86 +45,26 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
     """
     if hardware is None:
         from dflash2.kernels.profile import draft_hardware
-        from dflash2.models.calibration import calibrated
 
         hardware = draft_hardware(target.target)
-        if not serving and DrafterSpec.parse(spec).name == "auto":  # a tree or a chain: measured where asked
-            hardware = calibrated(hardware, target.target)
     spec = DrafterSpec.parse(spec).merge(num_draft_tokens, num_candidates).resolved(
         target.name, serving=serving, hardware=hardware)
     if not spec.drafts:
         raise ValueError("drafter 'none' is plain decoding: there is no drafter to build")
-    name, width = spec.name, spec.width
-    k = spec.num_draft_tokens or default_num_draft_tokens(name)  # None for block drafters: their directory's own
-    if name == "ngram":
-        from dflash2.drafters.ngram import NgramDrafter
-
-        return NgramDrafter(k, stop_ids=target.tokenizer.eos_token_ids, num_candidates=width)
-    if name == "model":
-        if width > 1:
-            raise ValueError(f"drafter {str(spec)!r}: the model drafter drafts a chain (one token per pass); it "
-                             f"takes no tree width W")
-        from dflash2.drafters.model import ModelDrafter
-        from dflash2.models.loading import load_transformer
-        from dflash2.models.store import default_draft, resolve_model
-
-        ref = draft_model or default_draft(target.name)
-        if ref is None:
-            raise ValueError(f"no default draft model for {target.name!r}; pass draft_model / --draft-model")
-        draft_dir = resolve_model(ref, dtype, pull=pull)
-        if not target.tokenizer.same_vocabulary(draft_dir):
-            raise ValueError(f"draft model {ref!r} has a different tokenizer from the target; it cannot draft for it")
-        model = load_transformer(draft_dir, dtype, target.target.device, weights=weights)
-        return ModelDrafter(model, k, target_vocab_size=target.target.config.vocab_size)
+    options = DraftOptions(replace(spec, name=spec.name.removesuffix(HYBRID_SUFFIX)),
+                           spec.num_draft_tokens or default_num_draft_tokens(spec.name), draft_model, dtype, weights,
+                           pull, hardware)
+    module, _, function = drafter_kind(spec.name).build.partition(":")
+    drafter = getattr(importlib.import_module(module), function)(target, options)
+    if not spec.name.endswith(HYBRID_SUFFIX):
+        return drafter
     from dflash2.drafters.hybrid import HybridDrafter
 
-    if name in ("pard", "pard+ngram"):  # a trained adapter directory or a store model (untrained); docs/pard.md
-        from dflash2.drafters.pard import build_pard_drafter
-
-        pard = build_pard_drafter(target, draft_model, k, dtype=dtype, weights=weights, pull=pull, num_paths=width,
-                                  lead_tokens=spec.lead, hardware=hardware)
-        if name == "pard":
-            return pard
-        lookup = max(pard.num_draft_tokens, default_num_draft_tokens("ngram"))
-        return HybridDrafter(pard, lookup, stop_ids=target.tokenizer.eos_token_ids)
-    from dflash2.drafters.conditioning import has_conditioning
-    from dflash2.drafters.dflash import load_dflash_drafter
-
-    kind = name.partition("+")[0]  # a block drafter (BLOCK_DRAFTERS)
-    if kind == "dflash2" and draft_model is not None and has_conditioning(draft_model):
-        # the pretrained 0.5B's PARD adapter reading the target's hidden states (drafters/conditioned.py)
-        from dflash2.drafters.conditioned import build_conditioned_drafter
-
-        block = build_conditioned_drafter(target, draft_model, k, dtype=dtype, weights=weights, pull=pull,
-                                          num_paths=width)
-    else:
-        directory = draft_model or shipped_dflash_drafter(target.name, kind)
-        # W > 1: a tree of k * W nodes through the block's top candidates
-        block = load_dflash_drafter(directory, target.target, k, num_paths=width)
-    if not name.endswith("+ngram"):
-        return block
-    # k sets the block's drafts; a prompt-lookup match may run as long as the n-gram drafter's
-    lookup = max(block.num_draft_tokens, default_num_draft_tokens("ngram"))
-    return HybridDrafter(block, lookup, stop_ids=target.tokenizer.eos_token_ids)
-
-
-def shipped_dflash_drafter(target_name: str, kind: str = "dflash") -> Path:
-    """The trained drafter shipped in the package for a store target: ``drafters/trained/<target>`` (DFlash) or
-    ``drafters/trained/<target>-dflash2`` (DFlash2)."""
-    from dflash2.models.store import canonical_name
-
-    if kind not in ("dflash", "dflash2"):
-        raise ValueError(f"kind must be dflash or dflash2, got {kind!r}")
-    name = canonical_name(target_name) or target_name
-    name = name if kind == "dflash" else f"{name}-dflash2"
-    directory = TRAINED_DIR / name
-    if not (directory / "config.json").exists():
-        shipped = ", ".join(sorted(p.name for p in TRAINED_DIR.glob("*") if (p / "config.json").exists())) or "none"
-        raise ValueError(f"no trained {kind} drafter is shipped as {name!r} (shipped: {shipped}); train one with "
-                         f"`dflash2 train {kind}` and pass its directory as --draft-model")
-    return directory
+    # k sets the drafter's drafts; a prompt-lookup match may run as long as the n-gram drafter's
+    lookup = max(drafter.num_draft_tokens, default_num_draft_tokens("ngram"))
+    return HybridDrafter(drafter, lookup, stop_ids=target.tokenizer.eos_token_ids)
 
 
 __all__ = ["AUTO_DRAFTERS", "AutoDrafter", "BLOCK_DRAFTERS", "DEFAULT_NUM_DRAFT_TOKENS", "DRAFTER_NAMES", "Draft",
-           "DraftHardware", "DraftTarget", "Drafter", "DrafterSpec", "TRAINED_DIR", "build_drafter", "default_drafter",
-           "default_num_draft_tokens", "shipped_dflash_drafter"]
+           "DraftHardware", "DraftOptions", "DraftTarget", "Drafter", "DrafterSpec", "TRAINED_DIR", "build_drafter",
+           "default_drafter", "default_num_draft_tokens", "shipped_dflash_drafter"]

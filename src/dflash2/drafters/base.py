@@ -1,9 +1,30 @@
-"""The drafter protocol: what a drafter needs from the target, and the three calls the speculative step makes."""
+"""The drafter contract: a core of four verbs that every loop calls, and optional capabilities that only the
+callers that use them ask for.
+
+The core (:class:`Drafter`): ``reset`` (begin a sequence) and ``prefill`` (read the prompt while the target
+prefills), ``propose`` (a :class:`Draft`: what verification needs, the tokens, their distributions and a tree's
+parents), ``observe`` (what the target committed, with the hidden states of the layers the drafter declares).
+
+Capabilities are runtime-checkable protocols; a caller checks ``isinstance`` and otherwise takes the plain meaning:
+
+- :class:`KeepsState` (batch engine): a copy per request, and the memory its caches take. Without: one object
+  shared by every request, no memory.
+- :class:`CatchesUp` / :class:`MayLookUp` (batch draft planner): ids to read before the next draft; whether a
+  draft runs the network at all. Without: nothing to read, every draft a pass.
+- :class:`SharesPasses` / :class:`BatchesPasses` (batch engine): drafts that are passes of one network shared by
+  several requests, run as one forward. Without: each request drafts alone.
+- :class:`DraftsAhead` (overlapped pipeline): a draft of the block after the one being verified. Without: no
+  drafting ahead. :class:`ExtendsAhead` gives it to a drafter that reads ids only.
+
+A new drafter is one module with one :class:`Drafter` subclass (the core, plus the capabilities it uses) and one
+line in the table of ``drafters/spec.py``.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -47,81 +68,12 @@ class Drafter(ABC):
 
     @property
     def max_draft_tokens(self) -> int:
+        """Nodes of the largest draft: the KV slots one verification may need past the pending token."""
         return self.num_draft_tokens
 
     def reset(self, capacity: int) -> None:
-        """Start a new sequence; ``capacity`` bounds its length (prompt + generated + one draft block)."""
-
-    def unread(self, sequence: list[int]) -> int:
-        """Ids of ``sequence`` the next ``propose`` must read before drafting (a draft model's cache behind the
-        sequence after steps without drafts): what resuming costs beyond a usual pass. 0: nothing to catch up."""
-        return 0
-
-    def runs_a_pass(self, sequence: list[int], num_draft_tokens: int) -> bool:
-        """Whether drafting after ``sequence`` runs the drafter's network (False: a lookup that costs ~nothing)."""
-        return True
-
-    def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> tuple[Drafter, int] | None:
-        """(network drafter, k) when this step's draft is one pass of a network that other requests' drafters
-        share, so that the batch engine can run their passes as ONE forward (``drafters.pard.propose_batch``);
-        None: draft with :meth:`propose` alone."""
-        return None
-
-    def drafted_by_shared_pass(self) -> None:
-        """Told when this step's draft came from a shared pass (:meth:`shared_pass`) instead of :meth:`propose`:
-        for a drafter's own step counters."""
-
-    @staticmethod
-    def propose_batch(requests: list[tuple[Drafter, list[int], int, SamplingParams, torch.Generator | None]]
-                      ) -> list[Draft]:
-        """The drafts of several requests whose :meth:`shared_pass` named drafters of one network, each as its own
-        ``propose`` would make it: (drafter, sequence, k, params, generator) per request. The default drafts them
-        one by one; a drafter class that can batch its network's passes overrides this."""
-        return [drafter.propose(sequence, k, params, generator) for drafter, sequence, k, params, generator in requests]
-
-    def state_bytes(self, capacity: int) -> int:
-        """Memory the per-request state of this drafter takes after ``reset(capacity)`` (its own caches; the
-        weights are shared): what the batch engine reserves from its drafter memory budget. 0 = stateless."""
-        return 0
-
-    def held_bytes(self) -> int:
-        """Memory its per-request state holds now (its ``cache``, if it keeps one)."""
-        cache = getattr(self, "cache", None)
-        return 0 if cache is None else cache.nbytes
-
-    def for_request(self) -> Drafter:
-        """A drafter like this one for another request decoded at the same time (the batch engine): the same
-        weights and settings, its own per-sequence state. This one keeps no state, so it is shared; a drafter with
-        state (a KV cache, a context) returns a new object."""
-        return self
-
-    @abstractmethod
-    def propose(
-        self, sequence: list[int], num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Draft:
-        """Draft at most ``num_draft_tokens`` tokens to follow ``sequence``."""
-
-    def propose_ahead(
-        self,
-        sequence: list[int],
-        block: list[int],
-        num_draft_tokens: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> Draft | None:
-        """Pre-draft while the target verifies ``block`` (a chain following ``sequence``), assuming all of it is
-        accepted: returns a chain whose first token is the guessed bonus token and whose next (at most)
-        ``num_draft_tokens`` tokens draft the block after it; None when this drafter cannot draft ahead.
-
-        The result is only a proposal: the pipeline uses it when the assumption came true (every draft accepted,
-        bonus == the guess) and drops it otherwise, so it never affects the output, only speed. Drafters keep
-        no state that a later ``propose`` / ``observe`` of the true sequence would not repair (the rollback).
-        The default drafts from the extended sequence, which needs no target states (``hidden_layers`` empty).
-        """
-        if self.hidden_layers:
-            return None
-        draft = self.propose(sequence + block, num_draft_tokens + 1, params, generator)
-        return None if draft.parents is not None or len(draft.tokens) == 0 else draft
+        """Start a new sequence; ``capacity`` bounds its length (prompt + generated + one draft block). A drafter
+        without per-sequence state has nothing to do."""
 
     def prefill(self, prompt_ids: list[int], prompt_length: int | None = None) -> None:
         """During the target's prefill: committed prompt ids (a prefix of every later ``sequence``) that a drafter
@@ -129,12 +81,136 @@ class Drafter(ABC):
         the prompt's cost counts as prefill (time to first token), as in every engine that runs a draft model.
         ``prompt_length``: the whole prompt's length when ``prompt_ids`` is only its first chunks (the batch
         engine's chunked prefill); None: ``prompt_ids`` is all of it.
-        Optional: ``propose`` reads whatever the drafter has not seen, so skipping this changes only timing.
-        The default reads nothing (a drafter without a cache, or one fed the target's hidden states)."""
+        Optional work: ``propose`` reads whatever the drafter has not seen, so skipping it changes only timing. A
+        drafter without a cache, or one fed the target's hidden states, reads nothing here."""
+
+    @abstractmethod
+    def propose(
+        self, sequence: list[int], num_draft_tokens: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        """Draft at most ``num_draft_tokens`` tokens to follow ``sequence``."""
 
     def observe(self, sequence: list[int], num_accepted: int, target_hidden: tuple[torch.Tensor, ...]) -> None:
         """After prefill (num_accepted = -1) or a verification: ``sequence`` is the new committed sequence.
 
         target_hidden: for each of ``hidden_layers``, [1, n, D] states of the n positions the target has just
         written to its cache and kept (the prompt after prefill; the pending token + accepted drafts after a step).
+        A drafter that reads ids only finds all it needs in the next ``propose``'s sequence.
         """
+
+
+# ---- capabilities ------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class KeepsState(Protocol):
+    """A drafter with per-request state (its own caches): the batch engine gives each request its own copy and
+    reserves the copy's memory."""
+
+    def for_request(self) -> Drafter:
+        """A drafter like this one for another request decoded at the same time: the same weights and settings,
+        its own per-sequence state."""
+
+    def state_bytes(self, capacity: int) -> int:
+        """Memory its per-request state takes after ``reset(capacity)`` (its own caches; weights are shared)."""
+
+    def held_bytes(self) -> int:
+        """Memory its per-request state holds now."""
+
+
+@runtime_checkable
+class CatchesUp(Protocol):
+    """A drafter that reads the committed ids itself (a draft model's cache): after steps without drafts it has a
+    backlog to read at its next draft, which the batch planner prices."""
+
+    def unread(self, sequence: list[int]) -> int:
+        """Ids of ``sequence`` the next ``propose`` must read before drafting (>= 1 for a draft model: the pending
+        id); 0: nothing to catch up."""
+
+
+@runtime_checkable
+class MayLookUp(Protocol):
+    """A drafter whose draft is sometimes a lookup that costs ~nothing instead of its network's pass."""
+
+    def runs_a_pass(self, sequence: list[int], num_draft_tokens: int) -> bool:
+        """Whether drafting after ``sequence`` runs the drafter's network (False: a lookup)."""
+
+
+@runtime_checkable
+class BatchesPasses(Protocol):
+    """A network drafter whose passes for several requests can run as ONE forward."""
+
+    @staticmethod
+    def propose_batch(requests: list[tuple[Drafter, list[int], int, SamplingParams, torch.Generator | None]]
+                      ) -> list[Draft]:
+        """The drafts of several requests whose drafters share this network, each as its own ``propose`` would
+        make it: (drafter, sequence, k, params, generator) per request."""
+
+
+@runtime_checkable
+class SharesPasses(Protocol):
+    """A drafter whose step may be one pass of a network that other requests' drafters share."""
+
+    def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> tuple[BatchesPasses, int] | None:
+        """(network drafter, k) when this step's draft is one pass of a shared network, so that the batch engine
+        runs the passes of every such request as one forward (``propose_batch``); None: ``propose`` alone."""
+
+    def drafted_by_shared_pass(self) -> None:
+        """Told when this step's draft came from a shared pass instead of ``propose`` (for step counters)."""
+
+
+@runtime_checkable
+class DraftsAhead(Protocol):
+    """A drafter that can draft the block after the one the target is verifying (the overlapped pipeline)."""
+
+    def propose_ahead(self, sequence: list[int], block: list[int], num_draft_tokens: int, params: SamplingParams,
+                      generator: torch.Generator | None) -> Draft | None:
+        """Pre-draft while the target verifies ``block`` (a chain following ``sequence``), assuming all of it is
+        accepted: a chain whose first token is the guessed bonus token and whose next (at most)
+        ``num_draft_tokens`` tokens draft the block after it; None when it cannot this time.
+
+        Only a proposal: the pipeline uses it when the assumption came true (every draft accepted, bonus == the
+        guess) and drops it otherwise, so it never affects the output, only speed. The drafter keeps no state that
+        a later ``propose`` / ``observe`` of the true sequence would not repair (the rollback)."""
+
+
+class ExtendsAhead:
+    """:class:`DraftsAhead` for a drafter that needs no target states: it drafts from the extended sequence (one
+    more token: the bonus guess)."""
+
+    hidden_layers: tuple[int, ...]
+
+    def propose_ahead(self, sequence: list[int], block: list[int], num_draft_tokens: int, params: SamplingParams,
+                      generator: torch.Generator | None) -> Draft | None:
+        if self.hidden_layers:
+            return None
+        draft = self.propose(sequence + block, num_draft_tokens + 1, params, generator)
+        return None if draft.parents is not None or len(draft.tokens) == 0 else draft
+
+
+# ---- what callers ask, through the capabilities ----------------------------------------------------------------
+
+
+def for_request(drafter: Drafter) -> Drafter:
+    """The drafter a new request decoded beside others gets: its own copy, or this one (no per-request state)."""
+    return drafter.for_request() if isinstance(drafter, KeepsState) else drafter
+
+
+def state_bytes(drafter: Drafter, capacity: int) -> int:
+    """Memory a request's drafter reserves for ``capacity`` slots (0: it keeps no state)."""
+    return drafter.state_bytes(capacity) if isinstance(drafter, KeepsState) else 0
+
+
+def unread(drafter: Drafter, sequence: list[int]) -> int:
+    """Ids the next ``propose`` reads before drafting (0: a drafter that does not read ids itself)."""
+    return drafter.unread(sequence) if isinstance(drafter, CatchesUp) else 0
+
+
+def runs_a_pass(drafter: Drafter, sequence: list[int], num_draft_tokens: int) -> bool:
+    """Whether the next draft runs the drafter's network (every draft does, unless the drafter may look up)."""
+    return drafter.runs_a_pass(sequence, num_draft_tokens) if isinstance(drafter, MayLookUp) else True
+
+
+def shared_pass(drafter: Drafter, sequence: list[int], num_draft_tokens: int) -> tuple[BatchesPasses, int] | None:
+    """(network drafter, k) when the next draft is a pass of a shared network; None: the drafter drafts alone."""
+    return drafter.shared_pass(sequence, num_draft_tokens) if isinstance(drafter, SharesPasses) else None

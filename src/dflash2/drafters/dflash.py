@@ -25,7 +25,7 @@ embedding or head), so drafters trained here can be served by engines that load 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -41,6 +41,11 @@ from dflash2.kv.static import StaticKVCache
 from dflash2.models.decoder import Transformer
 from dflash2.verify.sampling import SamplingParams, logits_to_probs, sample
 
+if TYPE_CHECKING:
+    from dflash2.drafters.spec import DraftOptions, DraftTarget
+
+TRAINED_DIR = Path(__file__).parent / "trained"  # trained drafters shipped with the package, one per target
+
 
 class DFlashDrafter(Drafter):
     """Drafts ``block_size - 1`` tokens per target pass from one drafter forward over the block.
@@ -52,6 +57,9 @@ class DFlashDrafter(Drafter):
     block's top candidates (:func:`~dflash2.drafters.dflash2_parts.best_tree`), verified in one target pass with
     tree attention. The tree is deterministic, so at T > 0 it is verified by the exact deterministic rule (draw
     from the target, follow the child that matches).
+
+    Capabilities (drafters/base.py): ``KeepsState`` (its context cache), ``DraftsAhead`` (the block's known tokens
+    fill its first mask positions).
     """
 
     name = "dflash"
@@ -98,6 +106,9 @@ class DFlashDrafter(Drafter):
     def state_bytes(self, capacity: int) -> int:
         c = self.model.config
         return StaticKVCache.nbytes_for(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.model.dtype)
+
+    def held_bytes(self) -> int:
+        return 0 if self.cache is None else self.cache.nbytes
 
     def reset(self, capacity: int) -> None:
         c = self.model.config
@@ -252,7 +263,41 @@ def load_dflash_drafter(
     return DFlashDrafter(model, target, num_draft_tokens, num_paths)
 
 
+def build_block_drafter(target: DraftTarget, options: DraftOptions) -> Drafter:
+    """``dflash[:kxW]`` / ``dflash2[:kxW]``: a trained block drafter, ``options.draft_model`` or the one shipped for
+    the target (W > 1: a tree of k * W nodes through the block's top candidates). A ``dflash2`` directory with a
+    target conditioning holds the pretrained 0.5B's PARD adapter reading the target's hidden states instead
+    (drafters/conditioned.py)."""
+    from dflash2.drafters.conditioning import has_conditioning
+
+    kind, draft_model, k = options.spec.name, options.draft_model, options.num_draft_tokens
+    if kind == "dflash2" and draft_model is not None and has_conditioning(draft_model):
+        from dflash2.drafters.conditioned import build_conditioned_drafter
+
+        return build_conditioned_drafter(target, draft_model, k, dtype=options.dtype, weights=options.weights,
+                                         pull=options.pull, num_paths=options.spec.width)
+    directory = draft_model or shipped_dflash_drafter(target.name, kind)
+    return load_dflash_drafter(directory, target.target, k, num_paths=options.spec.width)
+
+
+def shipped_dflash_drafter(target_name: str, kind: str = "dflash") -> Path:
+    """The trained drafter shipped in the package for a store target: ``drafters/trained/<target>`` (DFlash) or
+    ``drafters/trained/<target>-dflash2`` (DFlash2)."""
+    from dflash2.models.store import canonical_name
+
+    if kind not in ("dflash", "dflash2"):
+        raise ValueError(f"kind must be dflash or dflash2, got {kind!r}")
+    name = canonical_name(target_name) or target_name
+    name = name if kind == "dflash" else f"{name}-dflash2"
+    directory = TRAINED_DIR / name
+    if not (directory / "config.json").exists():
+        shipped = ", ".join(sorted(p.name for p in TRAINED_DIR.glob("*") if (p / "config.json").exists())) or "none"
+        raise ValueError(f"no trained {kind} drafter is shipped as {name!r} (shipped: {shipped}); train one with "
+                         f"`dflash2 train {kind}` and pass its directory as --draft-model")
+    return directory
+
+
 __all__ = [
-    "DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "default_mask_token_id", "default_target_layer_ids",
-    "load_dflash_drafter",
+    "DFlashConfig", "DFlashDraftModel", "DFlashDrafter", "TRAINED_DIR", "build_block_drafter",
+    "default_mask_token_id", "default_target_layer_ids", "load_dflash_drafter", "shipped_dflash_drafter",
 ]

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.base import Draft, Drafter, ExtendsAhead, shared_pass, unread
 from dflash2.drafters.dflash import DFlashDrafter
 from dflash2.drafters.ngram import find_ngram_continuation
 from dflash2.verify.sampling import SamplingParams
 
 
-class HybridDrafter(Drafter):
+class HybridDrafter(ExtendsAhead, Drafter):
     """Chooses per step: the n-gram continuation when its match is at least ``min_match`` tokens long and it
-    proposes at least ``min_tokens`` tokens, else the block drafter's draft."""
+    proposes at least ``min_tokens`` tokens, else the block drafter's draft.
+
+    Capabilities (drafters/base.py): ``KeepsState``, ``CatchesUp`` and ``SharesPasses`` through its block drafter,
+    ``MayLookUp`` (a lookup step runs no pass), ``DraftsAhead`` when the block drafter reads ids only (pard)."""
 
     name = "dflash+ngram"
 
@@ -50,7 +53,7 @@ class HybridDrafter(Drafter):
         self._last_lookup = None
 
     def unread(self, sequence: list[int]) -> int:
-        return self.block.unread(sequence)
+        return unread(self.block, sequence)
 
     def runs_a_pass(self, sequence: list[int], num_draft_tokens: int) -> bool:
         return not self._lookup(sequence, num_draft_tokens)
@@ -58,7 +61,7 @@ class HybridDrafter(Drafter):
     def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> tuple[Drafter, int] | None:
         if self._lookup(sequence, num_draft_tokens):
             return None
-        return self.block.shared_pass(sequence, self._block_k(num_draft_tokens))
+        return shared_pass(self.block, sequence, self._block_k(num_draft_tokens))
 
     def drafted_by_shared_pass(self) -> None:
         self.block_steps += 1

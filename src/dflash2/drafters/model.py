@@ -5,17 +5,21 @@
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.base import Draft, Drafter, ExtendsAhead
 from dflash2.kv.static import StaticKVCache
 from dflash2.models.decoder import Transformer
 from dflash2.verify.sampling import SamplingParams, choose_token, logits_to_probs, sample
 
+if TYPE_CHECKING:
+    from dflash2.drafters.spec import DraftOptions, DraftTarget
 
-class CachedModelDrafter(Drafter):
+
+class CachedModelDrafter(ExtendsAhead, Drafter):
     """A small model with its own KV cache of the committed sequence, kept in sync by rollback.
 
     ``cached_tokens`` are the committed ids the cache accounts for; ``slot_ids[s]`` is the index in them of the id
@@ -28,6 +32,9 @@ class CachedModelDrafter(Drafter):
       about a usual pass, not a forward over every id committed meanwhile.
     ``reader``: when set (pard in Q8_0 / Q4_0 blocks on AMX: ``pard.reading_twin``), reads of at least
     ``READER_MIN_IDS`` ids (a prompt) go through it instead of ``model``: the same network laid out for many rows.
+
+    Capabilities (drafters/base.py): :class:`~dflash2.drafters.base.KeepsState` (with each subclass's
+    ``for_request``), :class:`~dflash2.drafters.base.CatchesUp`, :class:`~dflash2.drafters.base.DraftsAhead`.
     """
 
     extra_slots = 0  # cache slots a draft pass writes past the committed sequence (and forgets)
@@ -66,6 +73,9 @@ class CachedModelDrafter(Drafter):
         c = self.model.config
         return StaticKVCache.nbytes_for(c.num_layers, c.num_kv_heads, c.head_dim, capacity + self.extra_slots,
                                         self.model.dtype)
+
+    def held_bytes(self) -> int:
+        return 0 if self.cache is None else self.cache.nbytes
 
     def reset(self, capacity: int) -> None:
         capacity += self.extra_slots
@@ -187,3 +197,22 @@ class ModelDrafter(CachedModelDrafter):
             positions = [len(sequence) - 1]
         q_draft = torch.stack(dists) if dists else None
         return Draft(tokens=torch.tensor(tokens, dtype=torch.int64), q_draft=q_draft)
+
+
+def build_model_drafter(target: DraftTarget, options: DraftOptions) -> ModelDrafter:
+    """``model[:k]``: ``options.draft_model`` (default: the store's draft model paired with the target), which must
+    share the target's tokenizer; a chain (one token per pass)."""
+    from dflash2.models.loading import load_transformer
+    from dflash2.models.store import default_draft, resolve_model
+
+    if options.spec.width > 1:
+        raise ValueError(f"drafter {str(options.spec)!r}: the model drafter drafts a chain (one token per pass); it "
+                         f"takes no tree width W")
+    ref = options.draft_model or default_draft(target.name)
+    if ref is None:
+        raise ValueError(f"no default draft model for {target.name!r}; pass draft_model / --draft-model")
+    draft_dir = resolve_model(ref, options.dtype, pull=options.pull)
+    if not target.tokenizer.same_vocabulary(draft_dir):
+        raise ValueError(f"draft model {ref!r} has a different tokenizer from the target; it cannot draft for it")
+    model = load_transformer(draft_dir, options.dtype, target.target.device, weights=options.weights)
+    return ModelDrafter(model, options.num_draft_tokens, target_vocab_size=target.target.config.vocab_size)

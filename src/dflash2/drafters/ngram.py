@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.base import Draft, Drafter, ExtendsAhead
 from dflash2.verify.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from dflash2.drafters.spec import DraftOptions, DraftTarget
 
 
 def find_ngram_continuation(
@@ -73,7 +77,7 @@ def _cut_after_stop(tokens: list[int], stop_ids: Collection[int]) -> list[int]:
     return tokens
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(ExtendsAhead, Drafter):
     """Deterministic drafter (q_draft is one-hot): lossless at any temperature through the exact one-hot rule.
 
     With ``num_candidates > 1`` several continuations (from different earlier occurrences) are merged into a
@@ -113,3 +117,9 @@ class NgramDrafter(Drafter):
             return Draft(tokens=torch.tensor(chain, dtype=torch.int64), q_draft=None)
         tokens, parents = merge_into_tree(candidates)
         return Draft(tokens=torch.tensor(tokens, dtype=torch.int64), q_draft=None, parents=parents)
+
+
+def build_ngram_drafter(target: DraftTarget, options: DraftOptions) -> NgramDrafter:
+    """``ngram[:kxW]``: prompt lookup stopping at the target's EOS ids; W continuations merged into a tree."""
+    return NgramDrafter(options.num_draft_tokens, stop_ids=target.tokenizer.eos_token_ids,
+                        num_candidates=options.spec.width)

@@ -251,6 +251,14 @@ def build_pard_drafter(target, draft_model: str | Path | None, num_draft_tokens:
                        lead_tokens=lead_tokens, reader=reader)
 
 
+def build_pard(target, options) -> PardDrafter:
+    """``pard[:[L+]k[xW]]`` from the drafter table (drafters/spec.py): :func:`build_pard_drafter` with the options
+    of :func:`dflash2.drafters.build_drafter` (a :class:`~dflash2.drafters.DraftOptions`)."""
+    return build_pard_drafter(target, options.draft_model, options.num_draft_tokens, dtype=options.dtype,
+                              weights=options.weights, pull=options.pull, num_paths=options.spec.width,
+                              lead_tokens=options.spec.lead, hardware=options.hardware)
+
+
 def _hardware() -> DraftHardware:
     """This machine's kernels, no target (for a caller that passes none)."""
     from dflash2.kernels.profile import draft_hardware
@@ -387,13 +395,16 @@ class PardDrafter(CachedModelDrafter):
         return PardDrafter(self.model, self.mask_token_id, self.num_draft_tokens, self.target_vocab_size,
                            self.num_paths, self.context_window, self.catch_up, self.lead_tokens, self.reader)
 
+    def drafted_by_shared_pass(self) -> None:
+        """(A pard drafter keeps no step counters; a hybrid over it does.)"""
+
     def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> tuple[PardDrafter, int] | None:
         """A chain's single pass can share one forward with other requests' (:func:`propose_batch`); a tree's or a
         lead's passes cannot."""
         return (self, num_draft_tokens) if self.num_paths == 1 and not self.lead_tokens else None
 
     @staticmethod
-    def propose_batch(requests):  # see Drafter.propose_batch
+    def propose_batch(requests):  # see drafters/base.py, BatchesPasses
         return propose_batch(requests)
 
     @torch.inference_mode()

@@ -14,28 +14,50 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from dflash2.platform import DraftHardware
 
-DRAFTER_NAMES = ("auto", "none", "ngram", "model", "dflash", "dflash+ngram", "dflash2", "dflash2+ngram", "pard",
-                 "pard+ngram")
-BLOCK_DRAFTERS = ("dflash", "dflash+ngram", "dflash2", "dflash2+ngram")  # read the target's hidden states
-LEAD_DRAFTERS = ("auto", "pard", "pard+ngram")  # take a lead L (L+k): L drafts one per pass, then k in one pass
+if TYPE_CHECKING:
+    from dflash2.models.decoder import Transformer
+    from dflash2.models.tokenizer import Tokenizer
 
-# Default draft length k per drafter, the one table. None: the length recorded in the drafter directory's
-# config.json as ``default_num_draft_tokens`` (the one measured best for that drafter), else its block_size - 1
-# (drafters/dflash.py, load_dflash_drafter). A ``+ngram`` hybrid drafts the block drafter's k from the block and
-# lets a prompt-lookup match run up to max(that k, the ngram default).
-DEFAULT_NUM_DRAFT_TOKENS: dict[str, int | None] = {
-    "ngram": 8,
-    "model": 4,
-    "dflash": None,
-    "dflash+ngram": None,
-    "dflash2": None,
-    "dflash2+ngram": None,
-    "pard": None,  # pard_config.json's num_draft_tokens (drafters/pard.py)
-    "pard+ngram": None,  # the same; a prompt-lookup match may run up to max(k, the ngram default)
+@dataclass(frozen=True)
+class DrafterKind:
+    """One drafter of the table below: how it is built and what it takes."""
+
+    build: str  # "module:function" making it from (DraftTarget, DraftOptions) (below), imported when built
+    num_draft_tokens: int | None  # its default draft length k; None: the drafter directory's own
+    reads_hidden: bool = False  # reads the target's hidden states (a block drafter)
+    lead: bool = False  # takes a lead L (L+k): L drafts one per pass, then k in one pass
+    with_ngram: bool = False  # also offered as "<name>+ngram": a long prompt-lookup match first (drafters/hybrid.py)
+
+
+# The drafters, the one table: a new drafter is its module and one line here. Default k None: the length recorded in
+# the drafter directory (a block drafter's config.json ``default_num_draft_tokens``, else its block_size - 1; pard's
+# pard_config.json ``num_draft_tokens``). A ``+ngram`` hybrid drafts the drafter's k from it and lets a prompt-lookup
+# match run up to max(that k, the ngram default).
+DRAFTERS: dict[str, DrafterKind] = {
+    "ngram": DrafterKind("dflash2.drafters.ngram:build_ngram_drafter", 8),
+    "model": DrafterKind("dflash2.drafters.model:build_model_drafter", 4),
+    "dflash": DrafterKind("dflash2.drafters.dflash:build_block_drafter", None, reads_hidden=True, with_ngram=True),
+    "dflash2": DrafterKind("dflash2.drafters.dflash:build_block_drafter", None, reads_hidden=True, with_ngram=True),
+    "pard": DrafterKind("dflash2.drafters.pard:build_pard", None, lead=True, with_ngram=True),
 }
+HYBRID_SUFFIX = "+ngram"
+
+
+def drafter_kind(name: str) -> DrafterKind:
+    """The table's entry for ``name`` (a ``+ngram`` hybrid: its drafter's)."""
+    return DRAFTERS[name.removesuffix(HYBRID_SUFFIX)]
+
+
+_TABLE_NAMES = tuple(n for name, kind in DRAFTERS.items() for n in (name, *([name + HYBRID_SUFFIX] * kind.with_ngram)))
+DRAFTER_NAMES = ("auto", "none", *_TABLE_NAMES)
+BLOCK_DRAFTERS = tuple(name for name in _TABLE_NAMES if drafter_kind(name).reads_hidden)
+LEAD_DRAFTERS = ("auto", *(name for name in _TABLE_NAMES if drafter_kind(name).lead))
+DEFAULT_NUM_DRAFT_TOKENS: dict[str, int | None] = {name: drafter_kind(name).num_draft_tokens for name in _TABLE_NAMES}
+
 
 @dataclass(frozen=True)
 class AutoDrafter:
@@ -53,8 +75,7 @@ class AutoDrafter:
 # What a row's ``verification`` asks of the target's kernels (:class:`dflash2.platform.DraftHardware`).
 VERIFICATION: dict[str, Callable[[DraftHardware], bool]] = {
     # linear layers on AMX tiles over the whole K (bf16, or int8 widened to bf16): 1-16 rows cost about one
-    # (or, with DFLASH2_VERIFY_CALIBRATION=on, where the target's measured 13 rows cost at most 1.2x its 4 rows)
-    "flat": lambda hardware: hardware.flat_verification,
+    "amx-tiles": lambda hardware: hardware.tile_verification,
     # on AMX tiles in any form, the gguf kernel's AMX build too (its per-block steps grow with the rows)
     "amx": lambda hardware: hardware.amx_verification,
     "any": lambda hardware: True,
@@ -64,7 +85,7 @@ VERIFICATION: dict[str, Callable[[DraftHardware], bool]] = {
 # named here draft with ngram. Elsewhere than AMX tiles more verified rows cost more (AVX-512 BF16: 7 rows 1.45x 4
 # rows; the gguf AMX build: no gain from trees), so one request drafts a chain there.
 AUTO_DRAFTERS: tuple[AutoDrafter, ...] = (
-    AutoDrafter("qwen2.5-coder-1.5b-instruct", False, "flat", "pard+ngram:4x3",
+    AutoDrafter("qwen2.5-coder-1.5b-instruct", False, "amx-tiles", "pard+ngram:4x3",
                 "2026-12-04, Intel Xeon (AMX, model 207), 2 cores, commit 364940b: `dflash2 bench --suite "
                 "gsm8k,mt_bench --limit 4 --max-new-tokens 128 --drafters auto,pard+ngram:3x2,pard+ngram:4x3,...`, "
                 "two runs: 4x3 (13 rows) 2.62x / 2.01x plain against the chain's 2.23x / 1.66x; int8 2.28x / 1.74x "
@@ -207,3 +228,27 @@ class DrafterSpec:
 
 def _positive(text: str) -> bool:
     return text.isascii() and text.isdigit() and int(text) > 0  # no sign, spaces or empty string
+
+
+@dataclass(frozen=True)
+class DraftTarget:
+    """What building a drafter needs from the target (an :class:`~dflash2.decode.engine.Engine` has the same three
+    attributes, so either may be passed to :func:`build_drafter`)."""
+
+    target: Transformer  # the model the drafter drafts for (block drafters read its hidden states, embeddings, head)
+    tokenizer: Tokenizer  # its EOS ids stop n-gram drafts; a draft model must share its fingerprint
+    name: str = ""  # the target's store name, alias or path: picks "auto" and the shipped or paired drafter
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """What a drafter's builder (the table above) gets besides the target: :func:`build_drafter`'s
+    arguments, resolved."""
+
+    spec: DrafterSpec  # its name is the table's (no "auto", no "+ngram": the hybrid is built around the drafter)
+    num_draft_tokens: int | None  # k: the spec's, else the table's default (None: the drafter directory's own)
+    draft_model: str | None = None  # a drafter directory or store model; None: the drafter's default for the target
+    dtype: str = "bf16"
+    weights: str = "bf16"
+    pull: bool = True  # fetch what the store lacks
+    hardware: DraftHardware | None = None  # how the kernels here run the target (the defaults that depend on it)
