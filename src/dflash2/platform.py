@@ -12,6 +12,9 @@ Three things, each read once per process:
 - :func:`choose_backend`: which kernel runs each weight format (:data:`BACKENDS`, fastest first), given which of
   them loaded here; the kernel modules say what loaded, this says which one is used.
 
+And the types the drafter defaults are decided from (:class:`DraftHardware`, :class:`VerifyCosts`), so that the
+drafters take them as arguments and never ask the CPU.
+
 Imports nothing from dflash2 (nor torch, but where a non-Linux CPU must be asked through it), so every layer may
 use it.
 """
@@ -384,8 +387,8 @@ BACKENDS: dict[str, tuple[str, ...]] = {
 def choose_backend(weights: str, usable: Callable[[str], bool], profile: Settings | None = None) -> str:
     """The backend that runs ``weights`` (a key of :data:`BACKENDS`): the first one of its list that is
     ``usable`` here (a kernel module's "built and self-checked" test; a switched-off kernel never loads). For gguf
-    the one ``DFLASH2_GGUF_KERNEL`` names, else the first usable of its list, the AMX build only unless
-    ``DFLASH2_AMX=off``, else ``avx2`` (which the caller must find usable: no silent fallback)."""
+    the one ``DFLASH2_GGUF_KERNEL`` names, else the first usable of its list (the AMX build skipped where
+    ``DFLASH2_AMX=off``), else ``avx2`` (which the caller must find usable: no silent fallback)."""
     if weights not in BACKENDS:
         raise ValueError(f"unknown weight format {weights!r} (expected one of {', '.join(BACKENDS)})")
     profile = profile or settings()
@@ -416,8 +419,9 @@ def gguf_pair_min_rows(machine: CpuInfo | None = None, profile: Settings | None 
 
 
 # A tree of 13 rows (pard+ngram:4x3) against the chain's 4: measured on the Intel Xeon (AMX, model 207), where
-# 16 rows of the 1.5B cost 1.11x 1 row on AMX bf16 tiles (121 / 134 ms) and the tree won (docs/pard.md); on AVX-512
-# BF16 7 rows cost 1.45x 4 and the gguf AMX build 1.3-1.6x at 9 rows, where the chain won. 1.2 separates them.
+# 16 rows of the 1.5B cost 1.11x 1 row on AMX bf16 tiles (121 / 134 ms) and the tree won (docs/pard.md); on AVX2
+# (AMD EPYC Zen 3) 7 rows cost 1.45x 4 and on the gguf AMX build 9 rows 1.3-1.6x 1, where the chain won. 1.2
+# separates them.
 FLAT_TREE_COST = 1.2
 
 
