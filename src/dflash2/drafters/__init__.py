@@ -45,8 +45,11 @@ def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: 
     """
     if hardware is None:
         from dflash2.kernels.profile import draft_hardware
+        from dflash2.models.calibration import calibrated
 
         hardware = draft_hardware(target.target)
+        if not serving and DrafterSpec.parse(spec).name == "auto":  # a tree or a chain: measured where asked
+            hardware = calibrated(hardware, target.target)
     spec = DrafterSpec.parse(spec).merge(num_draft_tokens, num_candidates).resolved(
         target.name, serving=serving, hardware=hardware)
     if not spec.drafts:

@@ -75,17 +75,18 @@ class AutoDrafter:
 # What a row's ``verification`` asks of the target's kernels (:class:`dflash2.platform.DraftHardware`).
 VERIFICATION: dict[str, Callable[[DraftHardware], bool]] = {
     # linear layers on AMX tiles over the whole K (bf16, or int8 widened to bf16): 1-16 rows cost about one
-    "amx-tiles": lambda hardware: hardware.tile_verification,
+    # (or, with DFLASH2_VERIFY_CALIBRATION=on, where the target's measured 13 rows cost at most 1.2x its 4 rows)
+    "flat": lambda hardware: hardware.flat_verification,
     # on AMX tiles in any form, the gguf kernel's AMX build too (its per-block steps grow with the rows)
     "amx": lambda hardware: hardware.amx_verification,
     "any": lambda hardware: True,
 }
 
 # "auto", the one table: the first row for the target, the mode and the target's verification wins; targets not
-# named here draft with ngram. Elsewhere than AMX tiles more verified rows cost more (AVX-512 BF16: 7 rows 1.45x 4
-# rows; the gguf AMX build: no gain from trees), so one request drafts a chain there.
+# named here draft with ngram. Elsewhere than AMX tiles more verified rows cost more (AVX2 on the AMD EPYC Zen 3: 7
+# rows 1.45x 4 rows; the gguf AMX build: no gain from trees), so one request drafts a chain there.
 AUTO_DRAFTERS: tuple[AutoDrafter, ...] = (
-    AutoDrafter("qwen2.5-coder-1.5b-instruct", False, "amx-tiles", "pard+ngram:4x3",
+    AutoDrafter("qwen2.5-coder-1.5b-instruct", False, "flat", "pard+ngram:4x3",
                 "2026-12-04, Intel Xeon (AMX, model 207), 2 cores, commit 364940b: `dflash2 bench --suite "
                 "gsm8k,mt_bench --limit 4 --max-new-tokens 128 --drafters auto,pard+ngram:3x2,pard+ngram:4x3,...`, "
                 "two runs: 4x3 (13 rows) 2.62x / 2.01x plain against the chain's 2.23x / 1.66x; int8 2.28x / 1.74x "
