@@ -134,7 +134,9 @@ class RequestConstraint:
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """logits [m, V] raw target logits at the positions of ``tokens`` (m of them) -> their log-softmax entries."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [m, V]
+    # one row at a time: a reduction over one row may be split across threads differently when several rows come
+    # at once, and the values must not depend on how many tokens a pass emitted (plain = speculative, bitwise)
+    logp = torch.cat([torch.log_softmax(row[None].float(), dim=-1) for row in logits])  # [m, V]
     chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()  # [m]
     if top:
         values, ids = logp.topk(top, dim=-1)  # [m, top]
