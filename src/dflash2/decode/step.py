@@ -62,7 +62,6 @@ class Settled:
     outcome: StepOutcome
     observation: Observation
     start: int  # the cache's committed length before the step: the kept entries start here
-    verify_seconds: float  # the target pass and the commit (0 when the caller did not time it)
 
 
 class LogitsConstraint(Protocol):
@@ -108,7 +107,7 @@ def settle(
         constraint.advance(outcome.emitted)
     taps = select_taps(layers, hidden, outcome.kept_positions)
     observation = Observation(sequence + outcome.emitted, len(outcome.emitted) - 1, taps)
-    return Settled(outcome, observation, start, verify_seconds)
+    return Settled(outcome, observation, start)
 
 
 def prompt_observation(ids: list[int], start: int, taps: tuple[torch.Tensor, ...]) -> Observation:
