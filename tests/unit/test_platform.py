@@ -167,3 +167,11 @@ def test_the_cpu_is_read_from_cpuinfo(tmp_path):
     assert CpuInfo(machine="aarch64").lacks_avx2_fma() == "CPU architecture 'aarch64' is not x86"
     assert CpuInfo(flags=frozenset({"avx2"}), machine="x86_64").lacks_avx2_fma() == "CPU lacks FMA"
     assert platform.read_cpuinfo(tmp_path / "missing") == {}
+
+
+def test_the_cpu_is_read_in_the_platform_module_only():
+    """No other module opens /proc/cpuinfo: platform.cpu() reads it once for all."""
+    readers = [str(path.relative_to(ROOT)) for path in sorted(PACKAGE.rglob("*.py")) if path != PLATFORM and any(
+        isinstance(node, ast.Constant) and node.value == "/proc/cpuinfo"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))))]
+    assert not readers, f"read /proc/cpuinfo themselves: {readers}"

@@ -17,6 +17,7 @@ from dflash2.bench.datasets import BenchPrompt
 from dflash2.bench.peer_rows import own_plain_columns, peer_row
 from dflash2.drafters.spec import DrafterSpec
 from dflash2.models.loading import weight_format
+from dflash2.platform import cpu
 
 BASELINE = "none"
 
@@ -242,11 +243,7 @@ def _run_info(engine, config: BenchConfig) -> dict:
 
 
 def processor_name() -> str:
-    """The CPU's model name with its core count (platform.processor() is often empty on Linux)."""
-    name = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            name = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), name)
-    except OSError:
-        pass
+    """The CPU's model name (:func:`dflash2.platform.cpu`, read once; platform.processor() where /proc/cpuinfo has
+    none, which is often empty on Linux) with its core count."""
+    name = cpu().name or platform.processor()
     return f"{name or 'unknown CPU'}, {os.cpu_count()} logical CPUs"
