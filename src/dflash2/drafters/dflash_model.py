@@ -21,6 +21,7 @@ from dflash2.drafters.dflash2_parts import DynamicConv, PathSelector
 from dflash2.drafters.dflash_config import CONFIG_FILE, WEIGHTS_FILE, DFlashConfig
 from dflash2.models.attention import attend
 from dflash2.models.config import ModelConfig
+from dflash2.models.validate import ModelFileError, check_safetensors
 from dflash2.kernels.layer_ops import apply_rope
 from dflash2.models.decoder import FeedForward, RMSNorm, Transformer, rope_inverse_frequencies, rope_tables
 
@@ -313,13 +314,14 @@ class DFlashDraftModel(nn.Module):
         directory = Path(directory)
         try:
             config = DFlashConfig.from_hf_dict(json.loads((directory / CONFIG_FILE).read_text()))
+            check_safetensors(directory / WEIGHTS_FILE)  # offsets and sizes against the file before it is mapped
             with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as handle:
                 hf = {name: handle.get_tensor(name) for name in handle.keys()}
             if "draft_vocab" in hf or config.draft_vocab_size:
                 check_draft_vocab(hf.get("draft_vocab"), config)
             state = from_hf_state_dict(hf, config)
         except (OSError, ValueError, KeyError, RuntimeError) as error:
-            raise ValueError(f"{directory} is not a valid DFlash drafter: {error}") from error
+            raise ModelFileError(directory, f"is not a valid DFlash drafter: {error}") from error
         torch_dtype = parse_dtype(dtype)
         state = {k: v.to(device=device, dtype=torch_dtype if v.is_floating_point() else v.dtype)
                  for k, v in state.items()}
@@ -328,7 +330,7 @@ class DFlashDraftModel(nn.Module):
         try:
             model.load_state_dict(state, assign=True)
         except RuntimeError as error:  # missing / unexpected weights, wrong shapes
-            raise ValueError(f"{directory}: the weights do not match its config.json: {error}") from None
+            raise ModelFileError(directory, f"the weights do not match its config.json: {error}") from None
         model.inv_freq = rope_inverse_frequencies(config.layer_config()).to(device)
         return model.eval()
 

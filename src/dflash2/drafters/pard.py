@@ -40,6 +40,7 @@ from dflash2.drafters.lora import LORA_TARGETS, add_lora, load_adapter_state, me
 from dflash2.drafters.model import CachedModelDrafter
 from dflash2.drafters.pard_tree import Candidates, lead_tree, top_candidates
 from dflash2.models.decoder import SegmentedAttention, Transformer, float_outputs
+from dflash2.models.validate import ModelFileError, check_safetensors
 from dflash2.platform import DraftHardware
 from dflash2.verify.sampling import SamplingParams, greedy_ids, logits_to_probs, sample
 
@@ -70,9 +71,13 @@ class PardConfig:
 
     @classmethod
     def load(cls, directory: str | Path) -> "PardConfig":
-        data = json.loads((Path(directory) / PARD_CONFIG).read_text())
-        data["lora_targets"] = tuple(data["lora_targets"])
-        return cls(**data)
+        path = Path(directory) / PARD_CONFIG
+        try:
+            data = json.loads(path.read_text())
+            data["lora_targets"] = tuple(data["lora_targets"])
+            return cls(**data)
+        except (OSError, ValueError, TypeError, KeyError) as error:
+            raise ModelFileError(path, f"is not a PARD adapter config ({type(error).__name__}: {error})") from None
 
 
 def default_mask_token_id(vocab_size: int) -> int:
@@ -134,12 +139,20 @@ def load_pard_networks(adapter_dir: str | Path | None, base_dir: str | Path, dty
         mask_embedding = initial_mask_embedding(model, used_ids=config.mask_token_id)
     else:
         config = PardConfig.load(adapter_dir)
-        state = load_file(str(Path(adapter_dir) / ADAPTER_FILE))
-        if config.lora_rank > 0:
-            add_lora(model, config.lora_rank, config.lora_alpha, config.lora_targets)
-            load_adapter_state(model, state)
-            merge_lora(model)
-        mask_embedding = state["mask_embedding"]
+        adapter_file = Path(adapter_dir) / ADAPTER_FILE
+        check_safetensors(adapter_file)  # offsets and sizes against the file: one line if not
+        state = load_file(str(adapter_file))
+        try:  # a missing or misshapen tensor, or a mask id outside the vocabulary: one line naming the file
+            if not 0 <= config.mask_token_id < model.config.vocab_size:
+                raise KeyError(f"mask_token_id {config.mask_token_id} (the vocabulary has {model.config.vocab_size})")
+            if config.lora_rank > 0:
+                add_lora(model, config.lora_rank, config.lora_alpha, config.lora_targets)
+                load_adapter_state(model, state)
+                merge_lora(model)
+            mask_embedding = state["mask_embedding"].reshape(model.config.hidden_size)
+        except (KeyError, RuntimeError) as error:
+            reason = f"no {error.args[0]}" if isinstance(error, KeyError) else str(error)
+            raise ModelFileError(adapter_file, f"does not fit the base network {base_dir}: {reason}") from None
     model.embed.weight.data[config.mask_token_id] = mask_embedding.to(model.dtype)
     vocab = read_draft_vocab(adapter_dir) if draft_vocab and adapter_dir is not None else None
     if vocab is not None:
@@ -191,7 +204,11 @@ def read_draft_vocab(adapter_dir: str | Path) -> torch.Tensor | None:
     from safetensors.torch import load_file
 
     path = Path(adapter_dir) / DRAFT_VOCAB_FILE
-    return load_file(str(path))["draft_vocab"].to(torch.int64) if path.exists() else None
+    if not path.exists():
+        return None
+    if "draft_vocab" not in check_safetensors(path):
+        raise ModelFileError(path, "is missing", "tensor draft_vocab")
+    return load_file(str(path))["draft_vocab"].to(torch.int64)
 
 
 class VocabSubsetHead(nn.Module):

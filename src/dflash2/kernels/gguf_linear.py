@@ -43,6 +43,7 @@ import torch
 from dflash2 import platform
 from dflash2.kernels import jit
 from dflash2.kernels import packed_linear as _bf16
+from dflash2.kernels.boundary import check_packed_blocks
 from dflash2.kernels.gguf_packing import PANEL, PackedBlocks, pack_blocks, unpack_blocks
 from dflash2.kernels.gguf_blocks import (BLOCK, SUPPORTED_TYPES, BlockTensor, dequantize, integer_weights,
                                          random_blocks, take_rows)
@@ -270,6 +271,8 @@ class GgufLinear(_bf16.CpuLinear):
         super().__init__()
         if backend not in (*_BUILDS, TORCH):
             raise ValueError(f"unknown backend {backend!r} (expected one of {(*_BUILDS, TORCH)})")
+        for i, part in enumerate(parts):  # the C++ layer reads these through raw pointers
+            check_packed_blocks(part, f"gguf layer run {i} of {len(parts)}")
         widths = {p.weight.shape[1] * BLOCK for p in parts}
         if len(widths) != 1:
             raise ValueError(f"the runs of a GgufLinear must have the same input width, got {sorted(widths)}")

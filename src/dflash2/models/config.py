@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash2.models.validate import check_config
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
@@ -60,7 +62,9 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        return cls.from_hf_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+        path = Path(model_dir) / "config.json"
+        check_config(path)  # sizes positive, bounded and consistent: a one-line ModelFileError if not
+        return cls.from_hf_dict(json.loads(path.read_text()))
 
 
 def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:

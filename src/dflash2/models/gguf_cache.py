@@ -29,10 +29,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dflash2.kernels import gguf_blocks, gguf_packing
+from dflash2.kernels.boundary import check_packed_blocks
 from dflash2.kernels.gguf_packing import PackedBlocks
 from dflash2.models.config import ModelConfig
 from dflash2.models.quant_cache import QuantCacheError, _write_safetensors, cache_enabled
 from dflash2.models.store import home
+from dflash2.models.validate import check_safetensors
 
 __all__ = ["CACHE_VERSION", "GgufCache", "layout_tag"]
 
@@ -81,7 +83,7 @@ class GgufCache:
             return None
         try:
             return self._read(config)
-        except (QuantCacheError, SafetensorError, OSError, KeyError, ValueError) as error:
+        except (QuantCacheError, SafetensorError, OSError, KeyError, TypeError, ValueError) as error:
             warnings.warn(f"dflash2: ignoring the gguf block cache {self.path} ({error}); reading the GGUF again "
                           "and rewriting it", RuntimeWarning, stacklevel=3)
             return None
@@ -89,6 +91,7 @@ class GgufCache:
     def _read(self, config: ModelConfig) -> Layers:
         from dflash2.models.gguf_weights import layer_sources
 
+        check_safetensors(self.path)  # offsets and sizes against the file before it is mapped
         with safe_open(str(self.path), framework="pt") as handle:
             found = handle.metadata() or {}
             for key, value in self.metadata.items():
@@ -101,9 +104,11 @@ class GgufCache:
                 parts = []
                 for i, meta in enumerate(runs[layer]):
                     tensors = {p: handle.get_tensor(f"{layer}.{i}.{p}") for p in _PARTS if f"{layer}.{i}.{p}" in names}
-                    parts.append(PackedBlocks(weight=tensors["weight"], scale=tensors["scale"],
-                                                 offset=tensors.get("offset"), sub_scales=tensors.get("sub_scales"),
-                                                 offset_mult=tensors.get("offset_mult"), **meta))
+                    part = PackedBlocks(weight=tensors["weight"], scale=tensors["scale"], offset=tensors.get("offset"),
+                                        sub_scales=tensors.get("sub_scales"), offset_mult=tensors.get("offset_mult"),
+                                        **meta)
+                    check_packed_blocks(part, f"{layer} run {i}")  # a KernelInputError: rebuilt, not read past
+                    parts.append(part)
                 bias = handle.get_tensor(f"{layer}.bias") if f"{layer}.bias" in names else None
                 layers[layer] = (parts, bias)
         return layers

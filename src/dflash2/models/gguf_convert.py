@@ -30,6 +30,8 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from dflash2.models.validate_gguf import validate_gguf
+
 # Bumped whenever the converted output changes, so cached conversions made by an older converter are redone.
 CONVERTER_VERSION = 1
 
@@ -430,6 +432,7 @@ def convert_gguf(
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
     dtype = normalize_dtype(dtype)
+    validate_gguf(gguf_path)  # every tensor's bytes inside the file and its own, the metadata agreeing: else one line
     reader = GGUFReader(str(gguf_path))
     info = read_gguf_info(reader)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ import torch
 from dflash2.kernels.gguf_blocks import BlockTensor, GGUFBlockError, concat_rows, decode_blocks, take_rows
 from dflash2.kernels.gguf_packing import PackedBlocks, pack_blocks
 from dflash2.models.config import ModelConfig
+from dflash2.models.validate_gguf import validate_gguf
 
 __all__ = ["gguf_file_of", "layer_sources", "load_gguf_transformer", "read_gguf_layers"]
 
@@ -78,6 +79,7 @@ def read_gguf_layers(gguf: Path, config: ModelConfig, architecture: str) -> dict
     """{lean layer name: (packed runs, fp32 bias or None)} read from ``gguf``."""
     from gguf import GGUFReader
 
+    validate_gguf(gguf)  # the file may have changed since it was converted
     reader = GGUFReader(str(gguf))
     tensors = {t.name: t for t in reader.tensors}
     permuted = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads} if architecture == "llama" else {}

@@ -49,6 +49,7 @@ from dflash2.models.state_dict import (
     replace_linear_layers,
 )
 from dflash2.models.store import home
+from dflash2.models.validate import ModelFileError, check_safetensors
 
 __all__ = ["CACHE_FILE", "CACHE_VERSION", "QuantCache", "cache_enabled", "layout_tag", "load_quantized_transformer"]
 
@@ -102,7 +103,7 @@ class QuantCache:
             return None
         try:
             return self._read(model)
-        except (QuantCacheError, SafetensorError, OSError) as error:
+        except (QuantCacheError, ModelFileError, SafetensorError, OSError) as error:
             warnings.warn(f"dflash2: ignoring the quantized-weight cache {self.path} ({error}); quantizing again "
                           "and rewriting it", RuntimeWarning, stacklevel=3)
             return None
@@ -110,6 +111,7 @@ class QuantCache:
     def _read(self, model: Transformer) -> dict[str, ql.QuantLinear]:
         backend = ql.default_quant_backend(self.metadata["format"])
         expected = _linear_layers(model)
+        check_safetensors(self.path)  # offsets and sizes against the file before it is mapped
         with safe_open(str(self.path), framework="pt") as handle:
             found = handle.metadata() or {}
             differing = sorted(key for key in self.metadata if found.get(key) != self.metadata[key])

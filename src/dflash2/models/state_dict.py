@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from dflash2.models.config import ModelConfig
 from dflash2.models.decoder import Transformer, rope_inverse_frequencies
+from dflash2.models.validate import check_model_dir
 
 __all__ = ["DTYPES", "build_transformer", "hf_to_lean_state_dict", "is_hf_linear", "parse_dtype", "quantize_linear_layers",
            "read_safetensors", "replace_layer_projections", "replace_linear_layers"]
@@ -40,6 +41,7 @@ def read_safetensors(model_dir: Path, keep: Callable[[str], bool] | None = None,
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    check_model_dir(model_dir)  # headers against the files, shapes against config.json: one line if not
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         if not mapped:
