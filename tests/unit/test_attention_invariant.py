@@ -184,7 +184,68 @@ def test_the_16_lane_functions_give_the_8_lane_bits(dtype) -> None:
             args = (q, k, v, m, causal, dh ** -0.5)
             wide, narrow = op(*args, 16), op(*args, 8)
             assert torch.equal(wide, narrow), (heads, dh, slots, causal)
-            assert torch.equal(op(*args), wide)  # the default here
+            if not _dots(dtype, dh):
+                assert torch.equal(op(*args), wide)  # the default here
+
+
+def _dots(dtype: torch.dtype, dh: int) -> bool:
+    """Whether the default takes the bf16 dot products here (AVX512-BF16, bf16, head dim a multiple of 32)."""
+    return dtype == torch.bfloat16 and dh % 32 == 0 and "avx512_bf16" in cpu().flags
+
+
+needs_bf16_dots = pytest.mark.skipif("avx512_bf16" not in cpu().flags, reason="no AVX512-BF16")
+
+
+@needs_bf16_dots
+def test_bf16_dot_products_are_the_default_for_bf16_and_close_to_sdpa() -> None:
+    """lanes=32 (VDPBF16PS): the default for bf16 q / k / v here; its own bits (another order than the fp32 chains),
+    within the bf16 tolerance of SDPA in fp64 for odd and even key counts, grouped heads and masks."""
+    from dflash2.kernels import attention
+
+    op = attention._state["op"]
+    for heads, dh, slots in (((12, 2), 128, 209), ((14, 2), 64, 301), ((8, 1), 32, 7), ((4, 4), 96, 1),
+                             ((9, 3), 128, 66)):
+        q, k, v = _qkv(2, 5, slots, torch.bfloat16, seed=dh + slots, heads=heads, dh=dh)
+        mask = torch.rand(2, 5, slots, generator=torch.Generator().manual_seed(slots)) > 0.3
+        mask[..., 0] = True
+        for m, causal in ((None, True), (mask, False)):
+            args = (q, k, v, m, causal, dh ** -0.5)
+            dots = op(*args, 32)
+            assert torch.equal(op(*args), dots), (heads, dh, slots)
+            visible = mask[:, None] if m is not None else torch.ones(5, slots, dtype=torch.bool).tril(slots - 5)
+            group = heads[0] // heads[1]
+            ref = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(group, 1),
+                                                 v.double().repeat_interleave(group, 1), attn_mask=visible)
+            torch.testing.assert_close(dots.double(), ref, rtol=8e-3, atol=8e-3)
+    with pytest.raises(RuntimeError, match="lanes"):
+        op(q.float(), k.float(), v.float(), None, True, 0.1, 32)  # bf16 only
+
+
+@needs_bf16_dots
+def test_bf16_dot_products_keep_a_row_the_same_in_any_block_and_tree() -> None:
+    """Row invariance of the VDPBF16PS path forced (lanes=32): each row of causal blocks of 1..17 rows over odd and
+    even cached lengths equals the row alone, and a tree row equals its path attended alone."""
+    from dflash2.kernels import attention
+
+    op = attention._state["op"]
+    heads, dh = (12, 2), 128
+    for cached in (40, 41):
+        for tokens in (1, 2, 5, 9, 17):
+            q, k, v = _qkv(1, tokens, cached + tokens, torch.bfloat16, seed=tokens + cached, heads=heads, dh=dh)
+            block = op(q, k, v, None, True, dh ** -0.5, 32)
+            for t in range(tokens):
+                n = cached + t + 1
+                alone = op(q[:, :, t : t + 1], k[:, :, :n], v[:, :, :n], None, True, dh ** -0.5, 32)
+                assert torch.equal(block[:, :, t : t + 1], alone), (cached, tokens, t)
+    q, k, v = _qkv(1, 4, 30, torch.bfloat16, seed=3, heads=heads, dh=dh)
+    mask = torch.zeros(1, 4, 30, dtype=torch.bool)
+    mask[0, :, :26] = True
+    mask[0, 1, 26], mask[0, 2, [26, 27]], mask[0, 3, [26, 28]] = True, True, True  # a tree over 26 cached slots
+    tree = op(q, k, v, mask, False, dh ** -0.5, 32)
+    for t in range(4):
+        slots = mask[0, t].nonzero()[:, 0]
+        alone = op(q[:, :, t : t + 1], k[:, :, slots], v[:, :, slots], None, False, dh ** -0.5, 32)
+        assert torch.equal(tree[:, :, t : t + 1], alone), t
 
 
 def test_a_row_with_no_visible_slot_gives_zeros() -> None:

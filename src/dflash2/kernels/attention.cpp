@@ -33,6 +33,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -387,6 +389,182 @@ DFLASH2_AVX512 void head_group16(const float* q, int64_t dh, const T* k, int64_t
   }
 }
 
+// ---- bf16 dot products (AVX512-BF16, bf16 q / k / v) -------------------------------------------------------
+// Where the CPU has AVX512-BF16 and q, k, v are bf16 (a bf16 model's attention), the products run on VDPBF16PS: each
+// instruction adds two bf16 products per fp32 lane (exact products, fp32 sums), twice the multiply-adds of an fp32
+// FMA per instruction. Per query row, still one fixed order over its list of visible keys (so a row's result does
+// not depend on the other rows: decoding, verification and trees agree bit for bit), but another order than the
+// fp32 chains above (so other bits than the AVX2 / AVX-512 fp32 paths; the bf16 kernel is chosen per CPU, as the
+// bf16 linear layers' VDPBF16PS kernel is):
+//   * scores: keys j and j + 1 in the two halves of a vector, 16 dims per VDPBF16PS (lane i of a half: dims 2i,
+//     2i + 1 of the chunk), chunks in order, each half folded by fold8's tree, times alpha;
+//   * the softmax weights p_j = 2^(s_j - max) as above, then rounded to bf16 (to nearest even; they are in (0, 1],
+//     normal or exactly 0); the denominator is the sum of the rounded weights (8 lanes j mod 8, folded by fold8);
+//   * values: keys j, j + 1 in the two bf16 halves of each lane (a last odd key with weight 0), 32 dims per pair
+//     of VDPBF16PS, key pairs in order; then divided by the denominator.
+// The weights' rounding to bf16 is the one precision this path gives up against the fp32 chains (relative 2^-9 per
+// weight, the same as the bf16 output's own rounding); the tests compare it with SDPA in fp64.
+#define DFLASH2_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool has_avx512bf16() {
+  static const bool yes = has_avx512() && __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// 16 bf16 of a and 16 of b in the two halves (keys j, j + 1 of a score step).
+DFLASH2_AVX512BF16 inline __m512bh two16(const c10::BFloat16* a, const c10::BFloat16* b) {
+  return (__m512bh)_mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+// 16 bf16 of q broadcast to both halves.
+DFLASH2_AVX512BF16 inline __m512bh both16(const c10::BFloat16* q) {
+  return (__m512bh)_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+}
+
+template <int GB>
+DFLASH2_AVX512BF16 void scores_bf16(const c10::BFloat16* q, int64_t dh, const c10::BFloat16* k, int64_t ks,
+                                    const int32_t* idx, int64_t n, float alpha, float* s, int64_t ld) {
+  const int64_t chunks = dh / 16;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {  // two pairs of keys per step: each q chunk serves two products
+    const c10::BFloat16* k0 = k + idx[j] * ks;
+    const c10::BFloat16* k1 = k + idx[j + 1] * ks;
+    const c10::BFloat16* k2 = k + idx[j + 2] * ks;
+    const c10::BFloat16* k3 = k + idx[j + 3] * ks;
+    __m512 a[GB], b[GB];
+    for (int g = 0; g < GB; ++g) a[g] = b[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512bh x = two16(k0 + 16 * c, k1 + 16 * c), y = two16(k2 + 16 * c, k3 + 16 * c);
+      for (int g = 0; g < GB; ++g) {
+        const __m512bh qc = both16(q + g * dh + 16 * c);
+        a[g] = _mm512_dpbf16_ps(a[g], qc, x);
+        b[g] = _mm512_dpbf16_ps(b[g], qc, y);
+      }
+    }
+    for (int g = 0; g < GB; ++g) put_quad(a[g], b[g], alpha, s + g * ld + j);
+  }
+  for (; j < n; j += 2) {  // a last pair, or a last key (in both halves; the second score dropped)
+    const c10::BFloat16* k0 = k + idx[j] * ks;
+    const c10::BFloat16* k1 = k + idx[j + 1 < n ? j + 1 : j] * ks;
+    __m512 a[GB];
+    for (int g = 0; g < GB; ++g) a[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512bh x = two16(k0 + 16 * c, k1 + 16 * c);
+      for (int g = 0; g < GB; ++g) a[g] = _mm512_dpbf16_ps(a[g], both16(q + g * dh + 16 * c), x);
+    }
+    for (int g = 0; g < GB; ++g) {
+      float two[2];
+      put_pair(a[g], alpha, two);
+      s[g * ld + j] = two[0];
+      if (j + 1 < n) s[g * ld + j + 1] = two[1];
+    }
+  }
+}
+
+// Scores -> weights rounded to bf16 (w[j], pad lanes up to ld + 2 hold 0); returns the sum of the rounded weights.
+DFLASH2_AVX512BF16 inline float softmax_weights_bf16(float* s, int64_t n, int64_t ld, uint16_t* w) {
+  const float m = max_of(s, n);
+  const __m512 mv = _mm512_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < ld; j += 2 * kLanes) {  // (ld is a multiple of 16 here)
+    const __m512 p = exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+    const __m256i r = (__m256i)_mm512_cvtneps_pbh(p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), r);
+    const __m512 pr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
+    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(pr));     // lanes j .. j + 7
+    sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(pr, 1));  // then j + 8 .. j + 15
+  }
+  w[ld] = w[ld + 1] = 0;
+  return fold8(sum);
+}
+
+// The 32 dims of an accumulator pair back in order: lo holds dims 8L .. 8L + 3 of each 128-bit lane L, hi 8L + 4 ..
+// 8L + 7 (what VPUNPCKLWD / VPUNPCKHWD made of the two keys' rows).
+DFLASH2_AVX512BF16 inline void store_dims32(__m512 lo, __m512 hi, __m512 denom, float* out) {
+  const __m512 t0 = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));  // lo.L0 lo.L1 hi.L0 hi.L1
+  const __m512 t1 = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));
+  _mm512_storeu_ps(out, _mm512_div_ps(_mm512_shuffle_f32x4(t0, t0, _MM_SHUFFLE(3, 1, 2, 0)), denom));
+  _mm512_storeu_ps(out + 16, _mm512_div_ps(_mm512_shuffle_f32x4(t1, t1, _MM_SHUFFLE(3, 1, 2, 0)), denom));
+}
+
+// out[g, d] = (chain over key pairs of w_j v_j[d] + w_j+1 v_j+1[d]) / sums[g], DB * 32 dims per pass.
+template <int GB, int DB>
+DFLASH2_AVX512BF16 void weighted_values_bf16(const uint16_t* w, int64_t ld, const float* sums, const c10::BFloat16* v,
+                                             int64_t vs, const int32_t* idx, int64_t n, int64_t dh, float* out,
+                                             int64_t ohs) {
+  for (int64_t d0 = 0; d0 < dh; d0 += DB * 32) {
+    __m512 lo[GB][DB], hi[GB][DB];
+    for (int g = 0; g < GB; ++g)
+      for (int u = 0; u < DB; ++u) lo[g][u] = hi[g][u] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 2) {
+      const c10::BFloat16* v0 = v + idx[j] * vs + d0;
+      const c10::BFloat16* v1 = v + idx[j + 1 < n ? j + 1 : j] * vs + d0;  // (a last odd key: weight 0)
+      __m512bh xl[DB], xh[DB];
+      for (int u = 0; u < DB; ++u) {
+        const __m512i a = _mm512_loadu_si512(v0 + 32 * u), b = _mm512_loadu_si512(v1 + 32 * u);
+        xl[u] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        xh[u] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      }
+      for (int g = 0; g < GB; ++g) {
+        uint32_t pair;
+        std::memcpy(&pair, w + g * (ld + 2) + j, 4);
+        const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int u = 0; u < DB; ++u) {
+          lo[g][u] = _mm512_dpbf16_ps(lo[g][u], pj, xl[u]);
+          hi[g][u] = _mm512_dpbf16_ps(hi[g][u], pj, xh[u]);
+        }
+      }
+    }
+    for (int g = 0; g < GB; ++g) {
+      const __m512 denom = _mm512_set1_ps(sums[g]);
+      for (int u = 0; u < DB; ++u) store_dims32(lo[g][u], hi[g][u], denom, out + g * ohs + d0 + 32 * u);
+    }
+  }
+}
+
+// s: GB rows of ld floats (ld a multiple of 16); w: GB rows of ld + 2 bf16 weights.
+template <int GB>
+DFLASH2_AVX512BF16 void head_group_bf16(const c10::BFloat16* q, int64_t dh, const c10::BFloat16* k, int64_t ks,
+                                        const c10::BFloat16* v, int64_t vs, const int32_t* idx, int64_t n, float alpha,
+                                        float* s, uint16_t* w, int64_t ld, float* out, int64_t ohs) {
+  scores_bf16<GB>(q, dh, k, ks, idx, n, alpha, s, ld);
+  float sums[GB];
+  for (int g = 0; g < GB; ++g) {
+    for (int64_t j = n; j < ld; ++j) s[g * ld + j] = -INFINITY;
+    sums[g] = softmax_weights_bf16(s + g * ld, n, ld, w + g * (ld + 2));
+  }
+  if (dh % 64 == 0 && GB <= 6) {  // (the dims per pass change the register use only)
+    weighted_values_bf16<GB, 2>(w, ld, sums, v, vs, idx, n, dh, out, ohs);
+  } else {
+    weighted_values_bf16<GB, 1>(w, ld, sums, v, vs, idx, n, dh, out, ohs);
+  }
+}
+
+// f(std::integral_constant<int, GB>{}) for a head group of gb = 1 .. 8 heads (more: 8), GB a template argument.
+template <class F>
+void with_group(int gb, F&& f) {
+  switch (gb) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+void run_group_bf16(int gb, const c10::BFloat16* q, int64_t dh, const c10::BFloat16* k, int64_t ks,
+                    const c10::BFloat16* v, int64_t vs, const int32_t* idx, int64_t n, float alpha, float* s,
+                    uint16_t* w, int64_t ld, float* out, int64_t ohs) {
+  with_group(gb, [&](auto group) {
+    head_group_bf16<decltype(group)::value>(q, dh, k, ks, v, vs, idx, n, alpha, s, w, ld, out, ohs);
+  });
+}
+
 template <int GB, typename T>
 void head_group_any(bool wide, const float* q, int64_t dh, const T* k, int64_t ks, const T* v, int64_t vs,
                     const int32_t* idx, int64_t n, float alpha, float* s, int64_t ld, float* out, int64_t ohs) {
@@ -398,21 +576,15 @@ void head_group_any(bool wide, const float* q, int64_t dh, const T* k, int64_t k
 template <typename T>
 void run_group(bool wide, int gb, const float* q, int64_t dh, const T* k, int64_t ks, const T* v, int64_t vs,
                const int32_t* idx, int64_t n, float alpha, float* s, int64_t ld, float* out, int64_t ohs) {
-  switch (gb) {
-    case 1: return head_group_any<1>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    case 2: return head_group_any<2>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    case 3: return head_group_any<3>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    case 4: return head_group_any<4>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    case 5: return head_group_any<5>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    case 6: return head_group_any<6>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    case 7: return head_group_any<7>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-    default: return head_group_any<8>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
-  }
+  with_group(gb, [&](auto group) {
+    head_group_any<decltype(group)::value>(wide, q, dh, k, ks, v, vs, idx, n, alpha, s, ld, out, ohs);
+  });
 }
 
+// dots: the bf16 dot-product functions (T = bf16 only), else wide / 8 lanes.
 template <typename T>
 void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask, MaskStrides ms,
-                    bool causal, float scale, bool wide, at::Tensor& out) {
+                    bool causal, float scale, bool wide, bool dots, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), dh = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2);
   const int64_t G = H / Hkv;
@@ -430,9 +602,11 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_item);
   chunked_threads(items, grain, [&](Chunks& chunks) {  // (items in chunks: a slower core takes fewer)
     std::vector<int32_t> idx(S);
-    const int64_t ld_max = (S + kLanes - 1) / kLanes * kLanes;
-    std::vector<float> s(kMaxGroup * std::max<int64_t>(ld_max, kLanes));
+    const int64_t ld_max = (S + 2 * kLanes - 1) / (2 * kLanes) * 2 * kLanes;  // (a multiple of 16)
+    std::vector<float> s(kMaxGroup * std::max<int64_t>(ld_max, 2 * kLanes));
     std::vector<float> qf(kMaxGroup * dh);
+    std::vector<uint16_t> w(dots ? kMaxGroup * (ld_max + 2) : 0);  // the bf16 weights (dots)
+    std::vector<T> qb(dots ? kMaxGroup * dh : 0);
     chunks.each([&](int64_t item) {
       const int64_t t = item % T_;
       const int64_t hk = (item / T_) % Hkv;
@@ -444,7 +618,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         if (!mrow || mrow[slot * ms.s]) idx[n++] = static_cast<int32_t>(slot);
       const T* kb = kp + b * ks.b + hk * ks.h;
       const T* vb = vp + b * vs.b + hk * vs.h;
-      const int64_t ld = std::max<int64_t>(kLanes, (n + kLanes - 1) / kLanes * kLanes);
+      const int64_t lane_step = dots ? 2 * kLanes : kLanes;
+      const int64_t ld = std::max<int64_t>(lane_step, (n + lane_step - 1) / lane_step * lane_step);
       for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup) {
         const int gb = static_cast<int>(std::min<int64_t>(kMaxGroup, G - g0));
         const int64_t h0 = hk * G + g0;
@@ -452,6 +627,15 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         if (n == 0) {  // no visible key: zeros (torch gives NaN)
           for (int g = 0; g < gb; ++g) std::fill(o + g * T_ * dh, o + g * T_ * dh + dh, 0.0f);
           continue;
+        }
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (dots) {
+            for (int g = 0; g < gb; ++g)
+              std::copy_n(qp + b * qs.b + (h0 + g) * qs.h + t * qs.t, dh, qb.data() + g * dh);
+            run_group_bf16(gb, qb.data(), dh, kb, ks.t, vb, vs.t, idx.data(), n, alpha, s.data(), w.data(), ld, o,
+                           T_ * dh);
+            continue;
+          }
         }
         for (int g = 0; g < gb; ++g) {
           const T* qr = qp + b * qs.b + (h0 + g) * qs.h + t * qs.t;
@@ -466,7 +650,8 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 // q [B, H, T, Dh], k / v [B, H_kv, S, Dh] (bf16 or fp32, one dtype; any strides with a contiguous last dim);
 // mask: bool [B or 1, T or 1, S] with any strides (None: all slots); causal: also hide slots past S - T + t.
 // Returns fp32 [B, H, T, Dh].
-// lanes: 16 (AVX-512), 8 (AVX2 + FMA) or 0 (the widest this CPU runs); the same bits either way.
+// lanes: 16 (AVX-512), 8 (AVX2 + FMA): the same bits either way; 32: bf16 q / k / v on VDPBF16PS (AVX512-BF16, head
+// dim a multiple of 32; bits of its own); 0: the fastest this CPU runs for the dtype.
 at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const c10::optional<at::Tensor>& mask, bool causal, double scale, int64_t lanes) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention_rows: q, k, v must be 4-D");
@@ -492,18 +677,22 @@ at::Tensor attention_rows(const at::Tensor& q, const at::Tensor& k, const at::Te
     ms = MaskStrides{m.size(0) == 1 ? 0 : m.stride(0), m.size(1) == 1 ? 0 : m.stride(1), m.stride(2)};
     mp = m.data_ptr<bool>();
   }
-  TORCH_CHECK(lanes == 0 || lanes == 8 || (lanes == 16 && has_avx512()), "attention_rows: lanes 0, 8 or 16 "
-              "(AVX-512)");
+  TORCH_CHECK(lanes == 0 || lanes == 8 || (lanes == 16 && has_avx512()) ||
+                  (lanes == 32 && has_avx512bf16() && q.scalar_type() == at::kBFloat16 && dh % 32 == 0),
+              "attention_rows: lanes 0, 8, 16 (AVX-512) or 32 (AVX512-BF16 dot products: bf16, head dim a multiple "
+              "of 32)");
+  const bool dots = (lanes == 32 || (lanes == 0 && has_avx512bf16())) && q.scalar_type() == at::kBFloat16 &&
+                    dh % 32 == 0;
   const bool wide = (lanes == 16 || (lanes == 0 && has_avx512())) && dh % (2 * kLanes) == 0;
   at::Tensor out = at::empty({B, H, T_, dh}, q.options().dtype(at::kFloat));
   if (q.numel() == 0) return out;
   const float sc = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
-    attention_impl<float>(q, k, v, mp, ms, causal, sc, wide, out);
+    attention_impl<float>(q, k, v, mp, ms, causal, sc, wide, false, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    attention_impl<c10::BFloat16>(q, k, v, mp, ms, causal, sc, wide, out);
+    attention_impl<c10::BFloat16>(q, k, v, mp, ms, causal, sc, wide, dots, out);
   } else {
-    attention_impl<c10::Half>(q, k, v, mp, ms, causal, sc, wide, out);
+    attention_impl<c10::Half>(q, k, v, mp, ms, causal, sc, wide, false, out);
   }
   return out;
 }
