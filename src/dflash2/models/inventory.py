@@ -151,6 +151,8 @@ def _format(directory: Path) -> str:
         return f"safetensors {name}"
     if name == "gguf-blocks":
         return "packed GGUF blocks (--weights gguf)"
+    if "-packed-" in name:
+        return f"packed panels for the {name.split('-packed-')[1]} kernel"
     if "-" in name and name.split("-")[0] in DTYPES:
         return f"quantized layers ({name})"
     return name

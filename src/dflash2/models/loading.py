@@ -60,6 +60,14 @@ def load_transformer(
 
         return move_linear_weights(own_memory(load_quantized_transformer(model_dir, config, torch_dtype, weights)))
     pack = packed if packed is not None else should_pack(device, torch_dtype)
+    cache = None
+    if pack:  # the store's packed copy of this model, mapped as it is (models/packed_cache.py)
+        from dflash2.models.packed_cache import PackedCache
+
+        cache = PackedCache.for_model(model_dir, torch_dtype)
+        model = cache.read(config, torch_dtype) if cache is not None else None
+        if model is not None:
+            return model
     # Tensors that the CPU model uses as read get their own memory (a view of the map would pin the file's pages).
     mapped = pack or torch.device(device).type != "cpu"
     state = hf_to_lean_state_dict(read_safetensors(model_dir, mapped=mapped), config)
@@ -67,6 +75,8 @@ def load_transformer(
     if pack:
         pack_linear_layers(model)
         own_memory(model)
+        if cache is not None:
+            cache.write(model)
         move_linear_weights(model)  # onto 2 MiB pages: every decoding step streams them
     return model
 

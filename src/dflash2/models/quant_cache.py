@@ -57,7 +57,8 @@ CACHE_VERSION = "1"  # of this file's layout (tensor names, metadata keys)
 CACHE_FILE = "quantized.safetensors"
 _ENV = "DFLASH2_QUANT_CACHE"
 _PROGRESS_BYTES = 64 << 20  # progress bars from this many bytes of quantized weights (real models, not tests)
-_SAFETENSORS_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32"}
+_SAFETENSORS_DTYPES = {torch.int8: "I8", torch.uint8: "U8", torch.float32: "F32", torch.bfloat16: "BF16",
+                       torch.float16: "F16"}
 
 
 class QuantCacheError(ValueError):
