@@ -21,8 +21,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,15 +33,17 @@ from dflash2.kernels import packed_linear as pl
 from dflash2.models.config import ModelConfig
 from dflash2.models.decoder import Transformer
 from dflash2.models.quant_cache import (
+    QuantCacheError,
     _dtype_name,
     _install,
     _linear_layers,
-    _write_safetensors,
     cache_enabled,
+    metadata_mismatch,
     source_identity,
+    store_source,
+    write_cache_file,
 )
 from dflash2.models.state_dict import build_transformer
-from dflash2.models.store import home
 from dflash2.models.validate import ModelFileError, check_safetensors
 
 __all__ = ["CACHE_FILE", "CACHE_VERSION", "PackedCache", "layout_tag"]
@@ -51,10 +51,6 @@ __all__ = ["CACHE_FILE", "CACHE_VERSION", "PackedCache", "layout_tag"]
 CACHE_VERSION = "1"
 CACHE_FILE = "packed.safetensors"
 STATE_PREFIX = "state."
-
-
-class PackedCacheError(ValueError):
-    """A cache that must not be used: why, in words."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +66,10 @@ class PackedCache:
         store, or where the kernels do not run (the torch fallback keeps the plain weights)."""
         if not cache_enabled():
             return None
-        source = model_dir.resolve()
-        try:
-            name, source_dtype = source.relative_to((home() / "models").resolve()).parts
-        except ValueError:  # not models/<name>/<dtype> of the store
+        source = store_source(model_dir)
+        if source is None:
             return None
+        source_dtype = source.name
         backend = pl.default_backend()
         if backend == pl.TORCH:
             return None
@@ -91,7 +86,7 @@ class PackedCache:
             return None
         try:
             return self._read(config, dtype)
-        except (PackedCacheError, ModelFileError, SafetensorError, OSError, KeyError) as error:
+        except (QuantCacheError, ModelFileError, SafetensorError, OSError, KeyError) as error:
             warnings.warn(f"dflash2: ignoring the packed-weight cache {self.path} ({error}); packing again and "
                           "rewriting it", RuntimeWarning, stacklevel=3)
             return None
@@ -99,11 +94,9 @@ class PackedCache:
     def _read(self, config: ModelConfig, dtype: torch.dtype) -> Transformer:
         check_safetensors(self.path)  # offsets and sizes against the file before it is mapped
         with safe_open(str(self.path), framework="pt") as handle:
-            found = handle.metadata() or {}
-            differing = sorted(key for key in self.metadata if found.get(key) != self.metadata[key])
-            if differing:
-                key = differing[0]
-                raise PackedCacheError(f"{key} is {found.get(key)!r}, expected {self.metadata[key]!r}")
+            mismatch = metadata_mismatch(handle.metadata() or {}, self.metadata)
+            if mismatch:
+                raise QuantCacheError(mismatch)
             names = set(handle.keys())
             state = {name[len(STATE_PREFIX):]: handle.get_tensor(name) for name in names
                      if name.startswith(STATE_PREFIX)}
@@ -126,18 +119,7 @@ class PackedCache:
                 tensors[f"{layer}.bias"] = module.bias_data
         for name, tensor in model.state_dict().items():
             tensors[STATE_PREFIX + name] = tensor
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".part", dir=self.path.parent)
-        try:
-            with os.fdopen(handle, "wb") as out:
-                _write_safetensors(out, _unique(tensors), self.metadata, f"writing {self.path.parent.name} cache")
-                out.flush()
-                os.fsync(out.fileno())
-            os.chmod(temp, 0o644)  # mkstemp made it private; the store is meant to be shared
-            os.replace(temp, self.path)
-        except BaseException:
-            Path(temp).unlink(missing_ok=True)
-            raise
+        write_cache_file(self.path, _unique(tensors), self.metadata)
 
 
 def _unique(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -156,10 +138,10 @@ def _layer(linear: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | N
     p = -(-n // pl.PANEL)
     shape = (p, -(-k // amx.STEP), pl.PANEL, amx.STEP) if backend in pl.TILE_LAYOUT else (p, k, pl.PANEL)
     if tuple(weight.shape) != shape or weight.dtype != torch.bfloat16:
-        raise PackedCacheError(f"weight of a [{n}, {k}] layer is {weight.dtype} {tuple(weight.shape)}, expected "
+        raise QuantCacheError(f"weight of a [{n}, {k}] layer is {weight.dtype} {tuple(weight.shape)}, expected "
                                f"bfloat16 {shape}")
     if (linear.bias is not None) != (bias is not None) or (bias is not None and tuple(bias.shape) != (n,)):
-        raise PackedCacheError(f"bias of a [{n}, {k}] layer does not match")
+        raise QuantCacheError(f"bias of a [{n}, {k}] layer does not match")
     return pl.PackedLinear(weight, bias, k, n, backend)
 
 

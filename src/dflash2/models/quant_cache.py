@@ -77,11 +77,10 @@ class QuantCache:
         """The cache of ``model_dir`` loaded in ``dtype`` as ``weights``; None when disabled or outside the store."""
         if not cache_enabled():
             return None
-        source = model_dir.resolve()
-        try:
-            name, source_dtype = source.relative_to((home() / "models").resolve()).parts
-        except ValueError:  # not models/<name>/<dtype> of the store
+        source = store_source(model_dir)
+        if source is None:
             return None
+        source_dtype = source.name
         load = _dtype_name(dtype)
         folder = f"{source_dtype}-{weights}" if load == source_dtype else f"{source_dtype}-as-{load}-{weights}"
         metadata = {
@@ -114,11 +113,9 @@ class QuantCache:
         expected = _linear_layers(model)
         check_safetensors(self.path)  # offsets and sizes against the file before it is mapped
         with safe_open(str(self.path), framework="pt") as handle:
-            found = handle.metadata() or {}
-            differing = sorted(key for key in self.metadata if found.get(key) != self.metadata[key])
-            if differing:
-                key = differing[0]
-                raise QuantCacheError(f"{key} is {found.get(key)!r}, expected {self.metadata[key]!r}")
+            mismatch = metadata_mismatch(handle.metadata() or {}, self.metadata)
+            if mismatch:
+                raise QuantCacheError(mismatch)
             names = set(handle.keys())
             wanted = {f"{layer}.{part}" for layer, linear in expected.items()
                       for part in (("weight", "scale", "bias") if linear.bias is not None else ("weight", "scale"))}
@@ -143,18 +140,7 @@ class QuantCache:
             tensors[f"{layer}.weight"], tensors[f"{layer}.scale"] = weight, scale
             if module.bias_data is not None:
                 tensors[f"{layer}.bias"] = module.bias_data
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".part", dir=self.path.parent)
-        try:
-            with os.fdopen(handle, "wb") as out:
-                _write_safetensors(out, tensors, self.metadata, f"writing {self.path.parent.name} cache")
-                out.flush()
-                os.fsync(out.fileno())
-            os.chmod(temp, 0o644)  # mkstemp made it private; the store is meant to be shared
-            os.replace(temp, self.path)
-        except BaseException:
-            Path(temp).unlink(missing_ok=True)
-            raise
+        write_cache_file(self.path, tensors, self.metadata)
 
 
 def load_quantized_transformer(model_dir: Path, config: ModelConfig, dtype: torch.dtype, weights: str) -> Transformer:
@@ -200,6 +186,39 @@ def source_identity(model_dir: Path) -> str:
     """Name, size and mtime (ns) of ``model_dir``'s config.json and *.safetensors, as one JSON string."""
     files = [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors"))]
     return json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files], separators=(",", ":"))
+
+
+def store_source(model_dir: Path) -> Path | None:
+    """``model_dir`` resolved when it is a converted directory of the store (``models/<name>/<dtype>``), the only
+    ones whose derived forms are cached beside them; else None."""
+    source = model_dir.resolve()
+    try:
+        parts = source.relative_to((home() / "models").resolve()).parts
+    except ValueError:
+        return None
+    return source if len(parts) == 2 else None
+
+
+def metadata_mismatch(found: dict[str, str], expected: dict[str, str]) -> str:
+    """The first key whose value in a cache file's metadata differs from what it must be, in words ("" if none)."""
+    key = next((key for key in sorted(expected) if found.get(key) != expected[key]), None)
+    return "" if key is None else f"{key} is {found.get(key)!r}, expected {expected[key]!r}"
+
+
+def write_cache_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write a safetensors cache file atomically: a temporary file beside it, synced, renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            _write_safetensors(out, tensors, metadata, f"writing {path.parent.name} cache")
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(temp, 0o644)  # mkstemp made it private; the store is meant to be shared
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
 
 
 # ----------------------------------------------------------------------------------------------- helpers
