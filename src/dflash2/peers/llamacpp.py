@@ -21,6 +21,8 @@ from typing import Sequence
 from dflash2.peers.base import PeerError, PeerResult, PeerSetup, cut_at_eos, require_draft
 
 SPECULATIVE_TOOL = "llama-speculative-simple"
+# llama.cpp's assertion when a draft needs the target's hidden states and the target's graph does not expose them
+LAYER_INPUTS_MISSING = "layer input tensor is null"
 TOOL_TRAILER = "\n\n\n\n"  # the tool prints two blank lines after the generated text and two after its statistics
 
 
@@ -139,6 +141,10 @@ class LlamaCppSpeculativePeer:
         done = subprocess.run(self.command(prompt_text, max_new_tokens), capture_output=True, text=True, env=env,
                               errors="replace")
         if done.returncode != 0:
+            if LAYER_INPUTS_MISSING in done.stderr:
+                raise PeerError(f"{SPECULATIVE_TOOL} cannot run {self.spec_type} on this target: llama.cpp's graph for "
+                                "its architecture exposes no layer inputs to tap (llama.cpp 0c1e570 registers them "
+                                "for llama, qwen3 and newer families, not qwen2: src/models/qwen2.cpp)")
             raise PeerError(f"{SPECULATIVE_TOOL} failed ({done.returncode}): {done.stderr.strip()[-800:]}")
         return self._parse(done.stdout, done.stderr, prompt_text, len(prompt_ids), max_new_tokens)
 
