@@ -224,12 +224,13 @@ def test_bf16_dot_products_are_the_default_for_bf16_and_close_to_sdpa() -> None:
 @needs_bf16_dots
 def test_bf16_dot_products_keep_a_row_the_same_in_any_block_and_tree() -> None:
     """Row invariance of the VDPBF16PS path forced (lanes=32): each row of causal blocks of 1..17 rows over odd and
-    even cached lengths equals the row alone, and a tree row equals its path attended alone."""
+    even cached lengths (short and past 128 keys) equals the row alone, and a tree row equals its path attended
+    alone."""
     from dflash2.kernels import attention
 
     op = attention._state["op"]
     heads, dh = (12, 2), 128
-    for cached in (40, 41):
+    for cached in (40, 41, 126, 129):
         for tokens in (1, 2, 5, 9, 17):
             q, k, v = _qkv(1, tokens, cached + tokens, torch.bfloat16, seed=tokens + cached, heads=heads, dh=dh)
             block = op(q, k, v, None, True, dh ** -0.5, 32)

@@ -427,7 +427,7 @@ void tile_pair_rows(const Args& a, const TileRows& t, int64_t p, int64_t q, int6
   tile_barrier();
   const Unit last = unit_of(units - 1);
   finish(last, 0, last.rows);
-  for (int r = 0; r < mr; ++r) store_pair(a, m0 + r, p, keep, _mm512_load_ps(yacc[r]));
+  for (int r = 0; r < mr; ++r) store_pair(a, m0 + r, p, q, keep, _mm512_load_ps(yacc[r]));
 }
 
 struct Tiles {  // the AMX family: one function per (kind, sub-scales, offset); rows are a run-time argument

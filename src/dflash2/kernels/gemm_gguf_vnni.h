@@ -1,11 +1,11 @@
 // The AVX512-VNNI micro-kernel of gemm_gguf_avx2.cpp (included there, inside its namespace, when built with
 // -mavx512vnni; used from gguf_pair_min_rows rows, which Python sets per CPU): two panels (16 outputs) per 64-byte
 // vector, so each row's broadcast activation bytes, VPDPBUSD and per-block bookkeeping serve twice the outputs of the
-// 256-bit path. Lanes 0-7 are panel p's outputs, lanes 8-15 panel p + 1's, each lane the 256-bit path's lane: the
+// 256-bit path. Lanes 0-7 are panel p's outputs, lanes 8-15 panel q's, each lane the 256-bit path's lane: the
 // same exact integers and the same fp32 sequence per output (y = y + (A * dx) * float(J), then the offset term), so
 // the same bits (tested against the reference).
 
-// Panel p's 32 bytes at `off` in the low half, panel p + 1's in the high half.
+// Panel p's 32 bytes at p0 in the low half, panel q's at p1 in the high half.
 inline __m512i load_pair(const uint8_t* p0, const uint8_t* p1) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1)), 1);
@@ -26,22 +26,28 @@ inline __m512 float_pair(const float* p0, const float* p1) {
                                              _mm256_castps_pd(_mm256_loadu_ps(p1)), 1));
 }
 
-// Row `row`'s outputs 8p .. 8p + 15 where `keep` holds (lanes 8-15: panel p + 1's), as store_panel: the bias
+// Row `row`'s outputs of panels p (lanes 0-7) and q (lanes 8-15) where `keep` holds, as store_panel: the bias
 // added, stored as fp32 or bf16, or rounded to bf16 and stored as fp32 (the same rounding: bf16_bits16).
-inline void store_pair(const Args& a, int64_t row, int64_t p, __mmask16 keep, __m512 v) {
+inline void store_pair(const Args& a, int64_t row, int64_t p, int64_t q, __mmask16 keep, __m512 v) {
   const Output& o = a.out;
-  const int64_t col = p * kPanel;
-  if (o.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, o.bias + col));
+  const int64_t c0 = p * kPanel, c1 = q * kPanel;
+  const __mmask8 k0 = static_cast<__mmask8>(keep), k1 = static_cast<__mmask8>(keep >> 8);
+  if (o.bias != nullptr)
+    v = _mm512_add_ps(v, _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_maskz_loadu_ps(k0, o.bias + c0)),
+                                            _mm256_maskz_loadu_ps(k1, o.bias + c1), 1));
+  __m512 f = v;
   if (o.yb != nullptr || o.round_bf16) {
     const __m512i r = bf16_bits16(v);  // (tile_store.h)
-    if (o.yb == nullptr) {  // the bf16 value widened back to fp32
-      _mm512_mask_storeu_ps(o.y + row * o.ld + col, keep, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+    if (o.yb != nullptr) {
+      const __m256i h = _mm512_cvtepi32_epi16(r);
+      _mm_mask_storeu_epi16(o.yb + row * o.ld + c0, k0, _mm256_castsi256_si128(h));
+      _mm_mask_storeu_epi16(o.yb + row * o.ld + c1, k1, _mm256_extracti128_si256(h, 1));
       return;
     }
-    _mm256_mask_storeu_epi16(o.yb + row * o.ld + col, keep, _mm512_cvtepi32_epi16(r));
-  } else {
-    _mm512_mask_storeu_ps(o.y + row * o.ld + col, keep, v);
+    f = _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));  // the bf16 value widened back to fp32
   }
+  _mm256_mask_storeu_ps(o.y + row * o.ld + c0, k0, _mm512_castps512_ps256(f));
+  _mm256_mask_storeu_ps(o.y + row * o.ld + c1, k1, _mm512_extractf32x8_ps(f, 1));
 }
 
 inline __m512i xload16(const int8_t* row, int64_t k) {
@@ -139,8 +145,8 @@ inline __m512i pair16_512(__m512i lo, __m512i hi) {
 
 constexpr int64_t kMaxPairGroup = 8;  // blocks per scale group (K-quants: 8)
 
-// Rows m0 .. m0 + MR - 1 of panels p and q (p + 1; or p again for a last, lone panel), the outputs in `keep`
-// stored (lane i: output 8p + i). Per scale group: first the blocks' integers J of every row (the hot loop: only
+// Rows m0 .. m0 + MR - 1 of panels p and q (lanes 0-7 and 8-15; q = p: a last, lone panel), the outputs in `keep`
+// stored. Per scale group: first the blocks' integers J of every row (the hot loop: only
 // the rows' sums live), then per row the zero-point and offset terms, int16 pair dot products of the blocks'
 // multipliers (kept from the first pass) with the row's half sums, and the group's fp32 steps.
 template <int MR, int KIND, int H, int OFF>
@@ -201,7 +207,7 @@ void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) 
       }
     }
   }
-  for (int r = 0; r < MR; ++r) store_pair(a, m0 + r, p, keep, yv[r]);
+  for (int r = 0; r < MR; ++r) store_pair(a, m0 + r, p, q, keep, yv[r]);
 }
 
 // Panels p and q in one 512-bit vector, 1-12 rows per call (gemm_gguf_avx2.cpp's pick: 9 rows in one call, whose
