@@ -50,7 +50,7 @@ from dflash2.kernels.quant_linear import QuantLinear
 from dflash2.models.loading import load_transformer
 from dflash2.models.store import resolve_model
 from dflash2.models.tokenizer import Tokenizer
-from dflash2.platform import reload_settings
+from dflash2.platform import cpu, reload_settings
 
 clock = time.perf_counter  # or time.process_time (--cpu-time)
 
@@ -240,6 +240,19 @@ def report(formats, models, times, rates, shared, args) -> None:
         print(f"greedy agreement with {formats[0]}, {fmt}: identical {full}/{len(same)}, shared tokens {same}")
 
 
+# The CPU features that decide which kernels run (docs/kernels.md): printed with every table, since the row ratios
+# depend on them far more than on the model.
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_line() -> str:
+    """``model name`` and the kernel-relevant flags of this CPU (:func:`dflash2.platform.cpu`)."""
+    info = cpu()
+    flags = " ".join(f for f in KERNEL_FLAGS if f in info.flags)
+    return (f"cpu: {info.name or info.machine} (vendor {info.vendor}, family {info.family}, model {info.model}); "
+            f"flags: {flags}")
+
+
 def round_ratios(ms: list[float], base_ms: list[float]) -> list[float]:
     """Each round's time over the base pass's time of the same round: on a shared machine whose speed drifts
     (docs/benchmarking.md, "On a shared machine") the passes of one round see about the same machine."""
@@ -247,8 +260,8 @@ def round_ratios(ms: list[float], base_ms: list[float]) -> list[float]:
 
 
 def timing_table(formats, models, times, rates, shared, args) -> None:
-    print(f"\nthreads={torch.get_num_threads()} model={args.model} rounds={args.rounds} clock={clock.__name__} "
-          "(medians; formats interleaved)")
+    print(f"\n{cpu_line()}\nthreads={torch.get_num_threads()} model={args.model} rounds={args.rounds} "
+          f"clock={clock.__name__} cached={args.cached} (medians; formats interleaved)")
     base, more = args.rows[0], args.rows[1:]
     header = " | ".join([f"{'weights':>9}", f"{'GB/step':>7}", *(f"{r} rows ms" for r in args.rows),
                          *(f"{r}/{base}" for r in more), "plain tok/s", "roofline tok/s", "of roofline"])
@@ -275,7 +288,7 @@ def timing_table(formats, models, times, rates, shared, args) -> None:
             f"{r}/{base} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for r, v in ratios))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"cpu": cpu_line(), "cached": args.cached, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":
