@@ -405,14 +405,16 @@ def gguf_pair_min_rows(machine: CpuInfo | None = None, profile: Settings | None 
     """From how many rows the gguf kernel's AVX512-VNNI and AMX builds multiply two panels (16 outputs) per 512-bit
     vector; fewer rows take the 256-bit micro-kernel (the AMX build's tiles start at 4 rows). Measured, both
     kernels prefetching their codes: on the Intel Xeon (AMX, model 207) the 256-bit kernel is faster for 1-3 rows
-    (a one-row forward of the 1.5B 62-66 -> 54-58 ms in six runs), even at 4, slower from 5; on AMD Zen 4
-    (family 25), which runs a 512-bit operation as two 256-bit halves, it streamed 1-4 rows faster (before the
-    prefetch), so the pairs start at 5 rows there. ``DFLASH2_GGUF_PAIR_ROWS`` sets it. Either gives the same bits."""
+    (a one-row forward of the 1.5B 62-66 -> 54-58 ms in six runs), even at 4, slower from 5 (pairs of adjacent
+    panels, as until 2026-12-06). On AMD Zen 4 (family 25) the pairs of panels far apart (since 2026-12-06) stream as
+    fast as the 256-bit kernel at one row for Q4_K and faster for Q6_K (one thread, weights from memory: Q4_K [8960,
+    1536] 34-37 vs 37-38 cycles per pair of blocks, Q6_K [1536, 8960] 50-52 vs 59-64; 3-5 rows: as fast or
+    faster), so they start at one row there. ``DFLASH2_GGUF_PAIR_ROWS`` sets it. Either gives the same bits."""
     profile = profile or settings()
     profile.check("DFLASH2_GGUF_PAIR_ROWS")
     if profile.gguf_pair_rows is not None:
         return profile.gguf_pair_rows
-    return 5 if (machine or cpu()).zen else 4
+    return 1 if (machine or cpu()).zen else 4
 
 
 # ------------------------------------------------------------------------------------------------ drafting
