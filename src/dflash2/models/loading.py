@@ -66,8 +66,8 @@ def load_transformer(
 
         cache = PackedCache.for_model(model_dir, torch_dtype)
         model = cache.read(config, torch_dtype) if cache is not None else None
-        if model is not None:
-            return model
+        if model is not None:  # copied out of the map as a packing load leaves them: the same pages, the same speed
+            return move_linear_weights(own_memory(model))
     # Tensors that the CPU model uses as read get their own memory (a view of the map would pin the file's pages).
     mapped = pack or torch.device(device).type != "cpu"
     state = hf_to_lean_state_dict(read_safetensors(model_dir, mapped=mapped), config)
