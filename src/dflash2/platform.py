@@ -406,15 +406,17 @@ def gguf_pair_min_rows(machine: CpuInfo | None = None, profile: Settings | None 
     vector; fewer rows take the 256-bit micro-kernel (the AMX build's tiles start at 4 rows). Measured, both
     kernels prefetching their codes: on the Intel Xeon (AMX, model 207) the 256-bit kernel is faster for 1-3 rows
     (a one-row forward of the 1.5B 62-66 -> 54-58 ms in six runs), even at 4, slower from 5 (pairs of adjacent
-    panels, as until 2026-12-06). On AMD Zen 4 (family 25) the pairs of panels far apart (since 2026-12-06) stream as
-    fast as the 256-bit kernel at one row for Q4_K and faster for Q6_K (one thread, weights from memory: Q4_K [8960,
-    1536] 34-37 vs 37-38 cycles per pair of blocks, Q6_K [1536, 8960] 50-52 vs 59-64; 3-5 rows: as fast or
-    faster), so they start at one row there. ``DFLASH2_GGUF_PAIR_ROWS`` sets it. Either gives the same bits."""
+    panels, as until 2026-12-06). On AMD Zen 4 (family 25) they start at 5 rows: the pairs of panels far apart
+    (since 2026-12-06) stream as fast as the 256-bit kernel at one row in a single layer (one thread, weights from
+    memory: Q4_K [8960, 1536] 34-37 vs 37-38 cycles per pair of blocks, Q6_K [1536, 8960] 50-52 vs 59-64), but the
+    whole 1.5B forward was not faster with them (one thread, CPU time, the two settings alternating in one process,
+    medians of 7: 1 / 4 rows 56.3 / 93.8 ms from 1 row against 55.1 / 90.1 from 5). ``DFLASH2_GGUF_PAIR_ROWS`` sets
+    it. Either gives the same bits."""
     profile = profile or settings()
     profile.check("DFLASH2_GGUF_PAIR_ROWS")
     if profile.gguf_pair_rows is not None:
         return profile.gguf_pair_rows
-    return 1 if (machine or cpu()).zen else 4
+    return 5 if (machine or cpu()).zen else 4
 
 
 # ------------------------------------------------------------------------------------------------ drafting

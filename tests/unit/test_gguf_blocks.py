@@ -165,7 +165,7 @@ def test_kernel_equals_reference_and_is_row_count_invariant(qtype, backend):
 
 def test_pair_rows_setting_follows_the_cpu_and_the_switch():
     unset = Settings.from_environ({})
-    assert gguf_pair_min_rows(CpuInfo("AuthenticAMD", 25), unset) == 1  # Zen 3 / Zen 4: pairs from one row
+    assert gguf_pair_min_rows(CpuInfo("AuthenticAMD", 25), unset) == 5  # Zen 3 / Zen 4
     for vendor, family in (("GenuineIntel", 6), ("AuthenticAMD", 26), ("", -1)):
         assert gguf_pair_min_rows(CpuInfo(vendor, family), unset) == 4
     assert gguf_pair_min_rows(CpuInfo("AuthenticAMD", 25), Settings.from_environ({gl.PAIRS_ENV: "3"})) == 3
