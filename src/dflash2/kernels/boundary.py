@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KernelInputError", "check_packed_blocks", "check_tensor"]
+__all__ = ["KernelInputError", "check_packed_blocks", "check_quant_panels", "check_tensor"]
 
 _GGUF_PANEL = 8  # outputs per panel of the gguf kernels (kPanel in gemm_gguf_avx2.cpp)
 
@@ -55,3 +55,23 @@ def check_packed_blocks(pb, where: str = "gguf layer") -> None:
         if pb.offset is None:
             raise KernelInputError(f"{where}: offset multipliers come without an offset")
         check_tensor("offset_mult", pb.offset_mult, torch.int8, p * b * _GGUF_PANEL, where)
+
+
+_QUANT_PANEL = 16  # outputs per panel of the int8 / int4 kernels (kPanel in gemm_quant_avx2.cpp)
+
+
+def check_quant_panels(weights: str, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, k: int, n: int,
+                       where: str = "quantized layer") -> None:
+    """The AVX2 int8 / int4 kernels' panels for an [n, k] layer: int8 [P, K, 16] with fp32 [N] scales, or int4 uint8
+    [P, K/2, 16] with fp32 [P, K/32, 16] scales (P = ceil(N / 16)); an fp32 [N] bias or none."""
+    p = -(-n // _QUANT_PANEL)
+    if k < 1 or n < 1 or (weights == "int4" and k % 32):
+        raise KernelInputError(f"{where}: a [{n}, {k}] layer has no {weights} kernel layout")
+    if weights == "int8":
+        check_tensor("weight", q, torch.int8, p * k * _QUANT_PANEL, where)
+        check_tensor("scale", scale, torch.float32, n, where)
+    else:
+        check_tensor("weight", q, torch.uint8, p * (k // 2) * _QUANT_PANEL, where)
+        check_tensor("scale", scale, torch.float32, p * (k // 32) * _QUANT_PANEL, where)
+    if bias is not None:
+        check_tensor("bias", bias, torch.float32, n, where)

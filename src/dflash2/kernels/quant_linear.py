@@ -28,6 +28,7 @@ from torch import nn
 from dflash2 import platform
 from dflash2.kernels import amx, jit
 from dflash2.kernels import packed_linear as _bf16
+from dflash2.kernels.boundary import check_quant_panels
 
 __all__ = ["QUANT_FORMATS", "QuantLinear", "quant_kernel_status", "quant_kernels_available", "quantize_int4",
            "quantize_int8", "pack_int4", "pack_int8"]
@@ -200,6 +201,8 @@ class QuantLinear(_bf16.CpuLinear):
         if weights not in QUANT_FORMATS:
             raise ValueError(f"unknown quantized format {weights!r} (expected one of {', '.join(QUANT_FORMATS)})")
         _check_backend(weights, backend)
+        if backend == KERNEL:  # the C++ kernel reads these panels through raw pointers
+            check_quant_panels(weights, q, scale, bias, int(in_features), int(out_features))
         self.weights = weights
         self.in_features = int(in_features)
         self.out_features = int(out_features)
