@@ -25,7 +25,7 @@ NICE="nice -n ${NICE:-15}"
 COMMON=(--base qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct --features "$FEATURES"
         --init-adapter "$INIT" --threads "${THREADS:-1}" --num-draft-tokens 8 --lora-rank 16 --lora-alpha 32
         --keep-ratio 0.7 --decay 0.9 --ce-weight 0.1 --anchors 32 --sequences-per-step 2 --max-seq-len 768
-        --mask-lr 2e-4 --conditioning-lr 5e-4 --eval-anchors 16 --checkpoint-every 5)
+        --mask-lr 2e-4 --conditioning-lr 5e-6 --eval-anchors 16 --checkpoint-every 5)
 case "${1:-}" in
   features)
     $NICE .venv/bin/dflash2 train features --data "$REGEN" --out "$FEATURES" --layers 1,13,25 \
