@@ -147,6 +147,8 @@ def test_parse_reply_splits_text_and_calls():
                                                                                   {"city": "Rome"}]
     assert parsed.tool_calls[0]["function"]["name"] == "get_weather"
     assert parse_reply("<tool_call>not json</tool_call>").tool_calls == []
+    as_text = parse_reply('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>').tool_calls
+    assert json.loads(as_text[0]["function"]["arguments"]) == {"x": 1}
     assert parse_reply("plain").content == "plain"
 
 

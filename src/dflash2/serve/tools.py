@@ -102,8 +102,9 @@ def tool_call(payload: str) -> dict[str, Any] | None:
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)  # a model may write them as text
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": data["name"], "arguments": json.dumps(arguments)}}
+            "function": {"name": data["name"], "arguments": text}}
 
 
 class ToolCallStream:
