@@ -8,7 +8,8 @@ itself with every count bounded by the bytes left, and checks what llama.cpp's `
 - every key once, value types known, strings valid UTF-8, ``general.alignment`` a power of two;
 - every tensor named once, 1-4 dimensions each in 1 .. 2**31, a known block type whose block size divides the
   first dimension, its offset aligned and equal to the previous tensor's end padded to the alignment (so no two
-  overlap and no bytes are left between them), its last byte inside the file.
+  overlap and no bytes are left between them), its last byte inside the file, and nothing after the last tensor's
+  padding (a last tensor whose type or shape shrank would otherwise leave its bytes unread unnoticed).
 
 Then, for the architectures dflash2 runs (``llama``, ``qwen2``), the metadata must agree with the tensors: the
 hyperparameters positive and bounded, the hidden size a multiple of the head count (unless a key length is given),
@@ -234,6 +235,9 @@ def _place(cur: _Cursor, infos, alignment: int, data_start: int) -> dict[str, GG
                            f"{cur.size}: truncated or damaged", where)
         tensors[name] = previous = GGUFTensor(name, shape, type_id, type_name, offset, nbytes)
         expected = offset + nbytes + (-nbytes % alignment)
+    if previous is not None and cur.size > data_start + expected:  # writers pad the last tensor, nothing after it
+        raise cur.fail(f"{cur.size - data_start - expected} bytes follow its padded end, where the file should end: "
+                       "its type or shape is damaged", f"tensor {previous.name} (the last)")
     return tensors
 
 
