@@ -1,4 +1,4 @@
-"""The decoder's configuration, read from a Hugging Face style ``config.json`` (Llama / Qwen2 family)."""
+"""The decoder's configuration, read from a Hugging Face style ``config.json`` (Llama / Qwen2 / Qwen3 family)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from dflash2.models.validate import check_config
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # Llama 3.x: "llama" with llama3 RoPE scaling
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # None | {"rope_type": "linear" | "llama3", ...}
     max_position_embeddings: int = 4096
     qkv_bias: bool = False  # Qwen2 has biases on q/k/v, none on o
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (weights [head_dim]) before RoPE
     tie_word_embeddings: bool = False
     model_type: str = "llama"
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -35,7 +36,8 @@ class ModelConfig:
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         model_type = raw.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; dflash2 runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(f"unsupported model_type {model_type!r}; dflash2 runs {', '.join(SUPPORTED_MODEL_TYPES)} "
+                             "(Llama 3.x as llama)")
         num_heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         eos = raw.get("eos_token_id")
@@ -54,6 +56,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling(raw),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             qkv_bias=qkv_bias,
+            qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             model_type=model_type,
             eos_token_ids=eos_ids,

@@ -1,9 +1,10 @@
-"""A lean decoder for the Llama / Qwen2 family, written for this engine.
+"""A lean decoder for the Llama / Qwen2 / Qwen3 family, written for this engine.
 
-RMSNorm, rotary embeddings (the model's theta and scaling), grouped-query attention, SwiGLU, q/k/v biases
-where Qwen2 has them, tied or untied head. The forward pass takes token ids, explicit positions, an optional
-explicit attention mask (tree verification) and a :class:`~dflash2.kv.StaticKVCache`, and can return the
-hidden states of any layers (drafters read them). Device and dtype are whatever the weights are on.
+RMSNorm, rotary embeddings (the model's theta and scaling: Llama 3.x's llama3), grouped-query attention, SwiGLU,
+q/k/v biases where Qwen2 has them, per-head q/k norms where Qwen3 has them, tied or untied head. The forward pass
+takes token ids, explicit positions, an optional explicit attention mask (tree verification) and a
+:class:`~dflash2.kv.StaticKVCache`, and can return the hidden states of any layers (drafters read them). Device and
+dtype are whatever the weights are on.
 
 Linear layers are fused where the math allows it (q/k/v into one, gate/up into one): fewer, larger
 matrix-vector products are what memory-bound decoding wants.
@@ -93,6 +94,9 @@ class Attention(nn.Module):
         self.split_sizes = (q_width, kv_width, kv_width)
         self.wqkv = nn.Linear(config.hidden_size, q_width + 2 * kv_width, bias=config.qkv_bias)
         self.wo = nn.Linear(q_width, config.hidden_size, bias=False)
+        # Qwen3: q and k normalised per head before RoPE (weights [Dh]); None elsewhere
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -105,9 +109,23 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         qkv = self.wqkv(x)  # [B, T, (H + 2 H_kv) Dh]
         # q [B, H, T, Dh], k / v [B, H_kv, T, Dh]; q and k rotated (RoPE), in one call where the kernel runs
-        q, k, v = layer_ops.run_qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        if self.q_norm is None:
+            q, k, v = layer_ops.run_qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        else:
+            q, k, v = self._normed_qkv_rope(qkv, cos, sin)
         out = context.attend(layer, q, k, v)  # [B, H, T, Dh]
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+    def _normed_qkv_rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Qwen3's order: split, RMSNorm each head's q and k, then RoPE; q [B, H, T, Dh], k / v [B, H_kv, T, Dh]."""
+        batch, seq, _ = qkv.shape
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        q = self.q_norm(q.reshape(batch, seq, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.reshape(batch, seq, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return layer_ops.apply_rope(q, cos, sin), layer_ops.apply_rope(k, cos, sin), v
 
 
 class AttentionContext(Protocol):
@@ -266,7 +284,8 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)  # [B, T, D]
         if input_offsets is not None:
             x = x + input_offsets.to(x.dtype)
-        fused = fused_layers(self, context, x)  # GGUF blocks: each layer in one C++ call (same bits), or None
+        # GGUF blocks: each layer in one C++ call (same bits), or None; that call has no q/k norms
+        fused = None if self.config.qk_norm else fused_layers(self, context, x)
         for index, layer in enumerate(self.layers):
             x = fused(x, cos, sin, index) if fused is not None else layer(x, cos, sin, index, context)
             if index in wanted:

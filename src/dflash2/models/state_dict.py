@@ -105,6 +105,9 @@ def hf_to_lean_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig, *, l
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         state[dst + "attn_norm.weight"] = hf.pop(src + "input_layernorm.weight")
         state[dst + "ffn_norm.weight"] = hf.pop(src + "post_attention_layernorm.weight")
+        if config.qk_norm:  # Qwen3
+            state[dst + "attn.q_norm.weight"] = hf.pop(src + "self_attn.q_norm.weight")
+            state[dst + "attn.k_norm.weight"] = hf.pop(src + "self_attn.k_norm.weight")
         if not linear:
             continue
         attn = src + "self_attn."

@@ -171,6 +171,7 @@ def _config_sizes(path: Path) -> dict[str, int]:
         sizes["head_dim"] = sizes["hidden_size"] // heads
     sizes["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
     sizes["qkv_bias"] = raw.get("model_type") == "qwen2" or bool(raw.get("attention_bias", False))
+    sizes["qk_norm"] = raw.get("model_type") == "qwen3"
     return sizes
 
 
@@ -190,6 +191,9 @@ def expected_shapes(sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
                        p + "mlp.down_proj.weight": (hidden, ffn)})
         for name, rows in (("q", q), ("k", kv), ("v", kv)):
             shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
+        if sizes.get("qk_norm"):  # Qwen3
+            shapes.update({p + "self_attn.q_norm.weight": (sizes["head_dim"],),
+                           p + "self_attn.k_norm.weight": (sizes["head_dim"],)})
     return shapes
 
 
