@@ -220,14 +220,6 @@ struct TileRows {
   const int16_t* xsum;  // folded only: each row's sum of x over each block, [rows, B]
 };
 
-// Each row's sums of its activation bytes over each block of 32 (|sum| <= 32 * 127: int16), from the half sums
-// (Args::bs), for the folded path's offset term.
-inline std::vector<int16_t> block_sums(const int32_t* half_sums, int64_t M, int64_t B) {
-  std::vector<int16_t> sums(static_cast<size_t>(M * B));
-  for (int64_t i = 0; i < M * B; ++i) sums[i] = static_cast<int16_t>(half_sums[2 * i] + half_sums[2 * i + 1]);
-  return sums;
-}
-
 constexpr int kPassRows = 64;  // rows whose sums one pass keeps (4 tile chunks per widened group of blocks)
 
 // A scale group's tile operands, made before its tiles: the codes widened (B tiles) and the offset rows (O).

@@ -131,7 +131,16 @@ struct Args {
   int64_t K, B, G, group, N;
   int zshift;           // log2(zero), -1 for zero == 0
   Output out;
+  const int16_t* xsum = nullptr;  // [M, B] each block's sum of xq (block_sums), where a kernel asked for it
 };
+
+// Each row's sums of its activation bytes over each block of 32 (|sum| <= 32 * 127: int16), from the half sums
+// (Args::bs): the offset term's operand where two blocks share a VPDPWSSD (the AMX build's folded Q4_K, the pairs).
+inline std::vector<int16_t> block_sums(const int32_t* half_sums, int64_t M, int64_t B) {
+  std::vector<int16_t> sums(static_cast<size_t>(M * B));
+  for (int64_t i = 0; i < M * B; ++i) sums[i] = static_cast<int16_t>(half_sums[2 * i] + half_sums[2 * i + 1]);
+  return sums;
+}
 
 // The codes of panels p and q `ahead` blocks past block b (past the panels' end: those of the next pair, p + 1 and
 // q + 1, which this thread reads next within its chunk: paired_panels pairs panel i with panel i + ceil(P / 2)).
@@ -353,8 +362,14 @@ std::atomic<int64_t> pair_min_rows{4};
 // streams a few KB apart, which streamed at half the speed of one panel on the AMD EPYC Zen 4 (one Q4_K [8960,
 // 1536] row from memory, 1 thread: 70 cycles per pair of blocks, 36 for the 256-bit panels one after the other);
 // paired far apart: 34, and 9 rows 150 -> 124, a Q6_K [1536, 8960] row 64 -> 52 (this pairing needs no other layout).
-void paired_panels(const Args& a, int kind, int h, int off, int64_t M, int64_t P, int64_t grain) {
+void paired_panels(const Args& args, int kind, int h, int off, int64_t M, int64_t P, int64_t grain) {
   const int64_t half = (P + 1) / 2;
+  Args a = args;
+  std::vector<int16_t> xsum;
+  if (off == 2 && a.group % 2 == 0) {  // (Q4_K: the offset term two blocks per VPDPWSSD)
+    xsum = block_sums(a.bs, M, a.B);
+    a.xsum = xsum.data();
+  }
   chunked_for(half, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = i, q = i + half < P ? i + half : i;

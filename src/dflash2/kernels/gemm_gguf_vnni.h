@@ -161,6 +161,8 @@ void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) 
   const __m128i shift = _mm_cvtsi32_si128(zero ? a.zshift : 0);
   const __m512i ones = _mm512_set1_epi16(1);
   __m512i spair[kMaxPairGroup], cpair[kMaxPairGroup];  // per block: (s_0, s_1) and (c, c) as int16 pairs
+  __m512i cmult[kMaxPairGroup];  // per block: c (OFF == 2)
+  const bool two = OFF == 2 && a.xsum != nullptr;  // the offset term two blocks per VPDPWSSD (an even group)
   for (int64_t g = 0; g < a.G; ++g) {
     const int64_t b0 = g * a.group;
     __m512i Jg[MR];
@@ -182,11 +184,13 @@ void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) 
       }
       cpair[j] = ones;  // c * bsum_0 + c * bsum_1 per output
       if constexpr (OFF == 2) {
-        const __m512i c = int8_pair(a.cm + (p * a.B + b) * 8, a.cm + (q * a.B + b) * 8);
-        cpair[j] = pair16_512(c, c);
+        cmult[j] = int8_pair(a.cm + (p * a.B + b) * 8, a.cm + (q * a.B + b) * 8);
+        cpair[j] = pair16_512(cmult[j], cmult[j]);
       }
       pair_block_accumulate<MR, KIND, H>(a, p, q, b, xr, S0, S1, Jg);
     }
+    if (two)  // (c_2i, c_2i+1) per output, with each row's (X_2i, X_2i+1): the same T, half the VPDPWSSD
+      for (int64_t i = 0; i < a.group / 2; ++i) cpair[i] = pair16_512(cmult[2 * i], cmult[2 * i + 1]);
     const __m512 Av = float_pair(a.A + (p * a.G + g) * kPanel, a.A + (q * a.G + g) * kPanel);
     __m512 Cv = _mm512_setzero_ps();
     if constexpr (OFF != 0) Cv = float_pair(a.C + (p * a.G + g) * kPanel, a.C + (q * a.G + g) * kPanel);
@@ -202,7 +206,16 @@ void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) 
       yv[r] = _mm512_add_ps(yv[r], _mm512_mul_ps(_mm512_mul_ps(Av, d), _mm512_cvtepi32_ps(J)));
       if constexpr (OFF != 0) {  // T = sum_b c_b * (bsum_0 + bsum_1)
         __m512i T = _mm512_setzero_si512();
-        for (int64_t j = 0; j < a.group; ++j) T = _mm512_dpwssd_epi32(T, cpair[j], _mm512_set1_epi32(bp[j]));
+        if (two) {
+          const int16_t* xs = a.xsum + (m0 + r) * a.B + b0;
+          for (int64_t i = 0; i < a.group / 2; ++i) {
+            int32_t both;
+            std::memcpy(&both, xs + 2 * i, 4);
+            T = _mm512_dpwssd_epi32(T, cpair[i], _mm512_set1_epi32(both));
+          }
+        } else {
+          for (int64_t j = 0; j < a.group; ++j) T = _mm512_dpwssd_epi32(T, cpair[j], _mm512_set1_epi32(bp[j]));
+        }
         yv[r] = _mm512_add_ps(yv[r], _mm512_mul_ps(_mm512_mul_ps(Cv, d), _mm512_cvtepi32_ps(T)));
       }
     }
