@@ -421,7 +421,8 @@ def resolve_model(ref: str, dtype: str = "bf16", *, pull: bool = True) -> Path:
     - a registry name or alias -> its converted ``dtype`` directory, pulled and converted when missing
       (``pull=False``: raise ModelStoreError instead);
     - a directory holding config.json and *.safetensors -> that directory (``dtype`` is not applied);
-    - a path to a .gguf file -> its conversion in ``models/gguf-<sha256[:12]>/<dtype>/``.
+    - a path to a .gguf file -> its conversion in ``models/gguf-<sha256[:12]>/<dtype>/``;
+    - a Hugging Face repo id ``org/name`` -> its snapshot in huggingface_hub's local cache (:mod:`.hub`).
     """
     dtype = _checked_dtype(dtype)
     name = canonical_name(ref)
@@ -441,9 +442,13 @@ def resolve_model(ref: str, dtype: str = "bf16", *, pull: bool = True) -> Path:
         return path.resolve()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _resolve_gguf_file(path, dtype, progress=True)
+    from dflash2.models.hub import cached_snapshot, is_repo_id
+
+    if is_repo_id(str(ref)):
+        return cached_snapshot(str(ref))
     raise ModelStoreError(
         f"unknown model {ref!r}: not a registry model ({_known_names()}), "
-        f"a directory with config.json and *.safetensors, or a .gguf file"
+        f"a directory with config.json and *.safetensors, a .gguf file, or a Hugging Face repo id (org/name)"
     )
 
 
