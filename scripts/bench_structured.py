@@ -61,7 +61,7 @@ def run(batch: BatchEngine, grammars: Grammars, vocab: int, prompt_ids: list[int
         valid = False
     return {"tokens": result.token_ids, "text": result.text, "valid": valid, "finish": result.finish_reason,
             "decode_s": stats.decode_seconds, "forwards": stats.target_forwards, "grammar_s": constraint.seconds,
-            "tau": stats.tau}
+            "tau": stats.tau, "drafted": stats.drafted_by_position, "accepted": stats.accepted_by_position}
 
 
 def main() -> None:
@@ -71,12 +71,16 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="first N prompts only (0: all)")
     parser.add_argument("--out", default="/tmp/structured.jsonl")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--fixed-draft-length", action="store_true",
+                        help="always draft the drafter's length (default: the server's planner, which drafts less "
+                             "where its measured step costs say drafting does not pay)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = dflash2.load(args.model, drafter="auto", serving=True)
     drafter, k = engine.drafter.name, engine.drafter.num_draft_tokens
-    batch = BatchEngine(engine, BatchConfig(num_blocks=512, block_size=16), request_drafters(engine))
+    config = BatchConfig(num_blocks=512, block_size=16, adaptive_drafts=not args.fixed_draft_length)
+    batch = BatchEngine(engine, config, request_drafters(engine))
     vocab = engine.target.config.vocab_size
     grammars = Grammars(engine.tokenizer.hf, vocab, engine.tokenizer.eos_token_ids)
     rows = [json.loads(line) for line in DATA.read_text().splitlines()][: args.limit or None]

@@ -23,6 +23,7 @@ from dflash2.drafters.base import Draft
 from dflash2.verify.grammar import apply_bitmask, decided_rows, draft_masks
 
 GRAMMAR_EXTRA = "pip install 'dflash2[grammar]'"
+MAX_WHITESPACE = 24  # characters between two JSON elements (a newline and 4 levels of 4-space indent fit)
 
 
 class GrammarUnavailable(RuntimeError):
@@ -74,8 +75,11 @@ class Grammars:
             return self._compiler
 
     def json_schema(self, schema: dict[str, Any]):
-        """A compiled grammar of JSON values of ``schema``; compact separators, so that no whitespace can run on."""
-        return self.compiler().compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        """A compiled grammar of JSON values of ``schema``. Whitespace between elements is free, so the target keeps
+        its own layout (a drafter predicts it; forcing compact JSON on a model that indents cost the default
+        target's drafts nearly all their acceptance), but bounded per gap, so that no whitespace can run on."""
+        return self.compiler().compile_json_schema(json.dumps(schema), any_whitespace=True, strict_mode=True,
+                                                   max_whitespace_cnt=MAX_WHITESPACE)
 
     def tool_call(self, tools: list[tuple[str, dict[str, Any]]]):
         """One ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` of one of ``tools`` (name,
