@@ -54,6 +54,7 @@ def test_three_turns_reuse_the_kept_cache_and_reset_forgets():
     assert len([line for line in proc.stdout.splitlines() if line.strip()]) >= 4  # four replies printed
 
 
+@pytest.mark.slow  # a second chat process (~1 min on a busy 2-core machine); make test-all runs it
 def test_sigint_stops_the_reply_not_the_program():
     model_dir(SMOLLM2, "bf16")
     proc = subprocess.Popen([*CHAT, "--max-new-tokens", "2000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
