@@ -46,11 +46,17 @@ def full_bitmask(rows: int, vocab: int) -> torch.Tensor:
     return torch.full((rows, bitmask_width(vocab)), -1, dtype=torch.int32)
 
 
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]: the bits of each byte value
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """bitmask [R, W] int32 -> allowed [R, vocab] bool (bit t of word t // 32 is token t)."""
-    shifts = torch.arange(32, dtype=torch.int32)  # [32]
-    bits = (bitmask[:, :, None] >> shifts) & 1  # [R, W, 32]
-    return bits.flatten(1)[:, :vocab].bool()
+    """bitmask [R, W] int32 -> allowed [R, vocab] bool (bit t of word t // 32 is token t), by bytes through a
+    256-entry table (one gather instead of 32 shifts of every word)."""
+    words = bitmask.contiguous()
+    little = words.new_tensor([1]).view(torch.uint8)[0] == 1  # a word's low byte comes first in memory
+    raw = words.view(torch.uint8).view(words.shape[0], -1, 4)  # [R, W, 4]
+    in_order = raw if little else raw.flip(-1)
+    return _BYTE_BITS[in_order.long()].flatten(1)[:, :vocab]  # [R, W * 32] -> [R, vocab]
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
