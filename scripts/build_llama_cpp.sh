@@ -3,7 +3,7 @@
 # llama-cpp-python sdist (PyPI), for `dflash2 bench --peers llamacpp,llamacpp-spec`. Installs the Python
 # package without compiling it a second time; the library is found through ~/.cache/dflash2/llama.cpp/bin.
 # About 15-40 min on 2 busy cores. Usage: [WITH_SERVER=1] scripts/build_llama_cpp.sh [PYTHON]
-# WITH_SERVER=1 also builds llama-server (scripts/bench_http.py's `llamacpp`; ~15 min more).
+# WITH_SERVER=1 also builds llama-server (dflash2 bench serve http's `llamacpp`; ~15 min more).
 set -euo pipefail
 PY=${1:-.venv/bin/python}
 VERSION=0.3.36

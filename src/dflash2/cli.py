@@ -19,6 +19,11 @@ DEFAULT_PROMPT_HINT = "Write a Python function that checks whether a number is p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "serve"]:  # the serving benchmarks parse their own options
+        from dflash2.bench.serve_cli import main as serve_bench
+
+        return serve_bench(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):

@@ -1,4 +1,4 @@
-"""scripts/bench_http.py end to end on SmolLM2: real `dflash2 serve` processes, plain and speculative requests over
+"""`dflash2 bench serve http` end to end on SmolLM2: real `dflash2 serve` processes, plain and speculative requests over
 HTTP."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_http_bench_serves_every_configuration_with_the_same_greedy_tokens(tmp_path):
     out = tmp_path / "http"
-    command = [sys.executable, str(ROOT / "scripts" / "bench_http.py"), "--model", SMOLLM2, "--weights", "bf16",
+    command = [sys.executable, "-m", "dflash2.cli", "bench", "serve", "http", "--model", SMOLLM2, "--weights", "bf16",
                "--configs", "dflash2-plain,dflash2,dflash2@ngram:4", "--clients", "1,2", "--requests", "3", "--max-tokens", "12",
                "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -37,6 +37,6 @@ def test_http_bench_serves_every_configuration_with_the_same_greedy_tokens(tmp_p
 
 
 def test_http_bench_refuses_unknown_configurations(tmp_path):
-    command = [sys.executable, str(ROOT / "scripts" / "bench_http.py"), "--configs", "vllm", "--out", str(tmp_path)]
+    command = [sys.executable, "-m", "dflash2.cli", "bench", "serve", "http", "--configs", "vllm", "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "unknown ['vllm']" in done.stderr

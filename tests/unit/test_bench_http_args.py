@@ -1,25 +1,14 @@
-"""scripts/bench_http.py's pure parts: llama-server's command lines and the summary's draft acceptance."""
+"""`dflash2 bench serve http`'s pure parts (dflash2.bench.serve_http): llama-server's command lines and the summary's
+draft acceptance."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_http.py"
+from dflash2.bench import serve_http as bench_http
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("_bench_http", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_http = _load_script()
 BIN, TARGET, DRAFT = Path("/bin/llama-server"), Path("/m/target.gguf"), Path("/m/draft.gguf")
 
 

@@ -15,7 +15,9 @@ def add_bench_parser(commands) -> None:
 
     p = commands.add_parser("bench", help="benchmark drafters against plain decoding on eval suites",
                             description="dflash2 bench [options] runs a benchmark; "
-                                        "dflash2 bench report RUN_DIR [--html] writes its report")
+                                        "dflash2 bench report RUN_DIR [--html] writes its report; "
+                                        "dflash2 bench serve http|batch|load|ttft [options] runs a serving "
+                                        "benchmark (dflash2 bench serve --help)")
     p.add_argument("action", nargs="?", choices=("report",), help="report: write RUN_DIR's Markdown report")
     p.add_argument("run_dir", nargs="?", type=Path, help="the run directory to report on")
     p.add_argument("--html", action="store_true", help="report: also write report.html")

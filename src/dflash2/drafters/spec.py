@@ -98,13 +98,13 @@ AUTO_DRAFTERS: tuple[AutoDrafter, ...] = (
                 "1.68x against 1.58x) (docs/pard.md)"),
     AutoDrafter("qwen2.5-coder-1.5b-instruct", True, "amx", "pard+ngram",
                 "2026-12-05, Intel Xeon (AMX, model 207), 2 cores, commit 35c4558 (adopted in b640fc5): "
-                "`scripts/bench_serve.py --model qwen2.5-coder-1.5b-instruct --dtype bf16 --drafter D --streams 8 "
+                "`dflash2 bench serve batch --model qwen2.5-coder-1.5b-instruct --dtype bf16 --drafter D --streams 8 "
                 "--modes plain,adaptive --requests 24 --max-tokens 128 --suite humaneval,gsm8k,mt_bench --threads 2`"
-                ", 96 new tokens: 1.13-1.24x plain against dflash2+ngram's 1.07-1.09x; on the gguf AMX build over HTTP (2026-12-06, commit d640876, `scripts/bench_http.py "
+                ", 96 new tokens: 1.13-1.24x plain against dflash2+ngram's 1.07-1.09x; on the gguf AMX build over HTTP (2026-12-06, commit d640876, `dflash2 bench serve http "
                 "--weights gguf --clients 4,8 --requests 16 --max-tokens 128`) 1.55x / 1.91x plain at 4 / 8 clients "
                 "against 1.38x / 1.81x (docs/serving.md)"),
     AutoDrafter("qwen2.5-coder-1.5b-instruct", True, "any", "dflash2+ngram",
-                "2026-12-03, AMD EPYC Zen 3 (AVX2), 2 cores, commit 32ed2e9: `scripts/bench_serve.py --model "
+                "2026-12-03, AMD EPYC Zen 3 (AVX2), 2 cores, commit 32ed2e9: `dflash2 bench serve batch --model "
                 "qwen2.5-coder-1.5b-instruct --dtype bf16 --drafter D --streams 8 --requests 8 --max-tokens 128 "
                 "--suite humaneval,gsm8k,mt_bench`: 24.2 tokens/s against pard+ngram's 17.5 (plain 23.0); pard's own "
                 "pass per request stayed below plain at 8 clients on AVX2 and AVX-512 BF16 (docs/pard.md)"),

@@ -1,8 +1,8 @@
 """Time to first token of a chat's second turn (prefix cache) against a cold request of the same length, through
 the official `openai` client against a `dflash2 serve` this script starts (streaming, greedy).
 
-    PYTHONPATH=src python scripts/ttft_prefix_cache.py --rounds 3 --out runs/ttft-prefix.json
-    PYTHONPATH=src python scripts/ttft_prefix_cache.py --serve-args "--no-prefix-cache" --rounds 2
+    .venv/bin/dflash2 bench serve ttft --rounds 3 --out runs/ttft-prefix.json
+    .venv/bin/dflash2 bench serve ttft --serve-args "--no-prefix-cache" --rounds 2
 
 Each round: turn 1 is a new conversation of about --prompt-tokens tokens (a unique first line, so nothing but the
 chat template's system lines can be cached); turn 2 is turn 1 + its answer + a follow-up question (its prefix is
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+SRC = Path(__file__).resolve().parents[2]  # the source root this package runs from
 FOLLOW_UP = "Thanks. Now list the three most important functions in that file, one line each."
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "DFLASH2_API_KEY": "ttft"}
+    env = {**os.environ, "PYTHONPATH": str(SRC), "DFLASH2_API_KEY": "ttft"}
     command = [sys.executable, "-m", "dflash2.cli", "serve", "--model", args.model, "--port", str(args.port),
                *shlex.split(args.serve_args)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr)
@@ -52,7 +52,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 def document(tokens: int) -> str:
     """About ``tokens`` tokens of source code to talk about (this repository's batch engine; Qwen2.5's tokenizer
     reads it at about 4.3 characters a token)."""
-    text = (ROOT / "src/dflash2/decode/batch.py").read_text()
+    text = (SRC / "dflash2/decode/batch.py").read_text()
     return text[: int(tokens * 4.3)]
 
 
@@ -107,7 +107,7 @@ def run_round(client, args: argparse.Namespace) -> dict:
             "ttft_ratio": round(two["ttft_s"] / cold["ttft_s"], 4)}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--serve-args", default="", help="extra `dflash2 serve` arguments (one string)")
@@ -117,7 +117,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import openai
 
     process, url = start_server(args)
@@ -139,7 +139,3 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

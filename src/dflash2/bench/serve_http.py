@@ -13,7 +13,7 @@ decoding, `--spec-type TYPE`: `llamacpp@draft-simple` drafts with --draft-model'
 the default target; `llamacpp@ngram-mod` and the other n-gram types need no model; --llama-draft-max sets
 `--spec-draft-n-max`, else llama.cpp's default).
 
-    .venv/bin/python scripts/bench_http.py --model qwen2.5-coder-1.5b-instruct --weights gguf --clients 1,4 \\
+    .venv/bin/dflash2 bench serve http --model qwen2.5-coder-1.5b-instruct --weights gguf --clients 1,4 \\
         --requests 8 --max-tokens 128 --configs dflash2-plain,dflash2,llamacpp --out runs/http
 
 Reports per configuration and client count: requests, generated tokens, wall seconds, tokens/s over all clients,
@@ -38,12 +38,9 @@ from pathlib import Path
 import httpx
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load_serve import SRC, Server  # noqa: E402  (the servers' start and stop, shared with the load test)
-
-sys.path.insert(0, SRC)
-from dflash2.bench.datasets import load_suites  # noqa: E402
-from dflash2.models import store  # noqa: E402
+from dflash2.bench.datasets import load_suites
+from dflash2.bench.serve_load import Server  # the servers' start and stop, shared with the load test
+from dflash2.models import store
 
 CONFIGS = ("dflash2", "dflash2-plain", "llamacpp")
 
@@ -210,7 +207,7 @@ def table(lines: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--weights", default="gguf", help="dflash2's weights (gguf: the same file llama-server reads)")
@@ -227,7 +224,7 @@ def main() -> int:
     ap.add_argument("--llama-draft-max", type=int, default=None, help="llamacpp@TYPE: --spec-draft-n-max")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("serve_args", nargs="*", help="extra `dflash2 serve` arguments (after --)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS and not c.startswith(("dflash2@", "llamacpp@"))]
     clients = [int(c) for c in args.clients.split(",")]
@@ -278,7 +275,3 @@ def main() -> int:
     (out / "summary.md").write_text(header + "\n\n" + table(lines) + "\n")
     print(f"\n{header}\n\n{table(lines)}\n\nrows: {out / 'requests.jsonl'}")
     return 0 if all(line["failed"] == 0 for line in lines) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,10 +3,10 @@ short and long prompts, some streams cancelled after their first tokens) for D s
 requests that must be refused (or, for a tiny temperature, served greedily); counts failed good requests, the bad
 ones' statuses, p50 / p99 latency, generated tokens/s, and samples the server's resident memory every second.
 
-    PYTHONPATH=src python scripts/load_serve.py --model smollm2-135m-instruct --clients 16 --seconds 60 \\
+    PYTHONPATH=src .venv/bin/dflash2 bench serve load --model smollm2-135m-instruct --clients 16 --seconds 60 \\
         --out runs/load-smollm2.json
     # the soak: 30 minutes, memory compared from minute 5, then a SIGKILL mid-request and a restart on the store
-    PYTHONPATH=src nice -n 15 python scripts/load_serve.py --model smollm2-135m-instruct --clients 8 \\
+    PYTHONPATH=src nice -n 15 .venv/bin/dflash2 bench serve load --model smollm2-135m-instruct --clients 8 \\
         --seconds 1800 --warmup-seconds 300 --kill-restart --out runs/soak-smollm2.json
 
 Passes (exit 0) when no good request failed, /health answers 200 at the end, the resident memory (median of the
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2])  # the source root this package runs from, for the servers it starts
 LONG_WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu")
 QUESTIONS = [
     "Write a Python function that reverses a string.", "What is 17 times 23? Answer briefly.",
@@ -62,7 +62,7 @@ def bad_requests(model: str) -> list[tuple[str, dict, bytes | None, dict]]:
 
 class Server:
     """`dflash2 serve --model MODEL EXTRA...` on a free loopback port, or ``command(port)`` (another server that
-    answers GET /health with 200 once ready: scripts/bench_http.py's llama-server), started and waited for."""
+    answers GET /health with 200 once ready: dflash2 bench serve http's llama-server), started and waited for."""
 
     def __init__(self, model: str, extra: list[str], command: Callable[[int], list[str]] | None = None) -> None:
         import socket
@@ -185,7 +185,7 @@ def bad_client(server: Server, model: str, stop_at: float, every_s: float, out: 
             time.sleep(every_s)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--clients", type=int, default=16)
@@ -202,7 +202,7 @@ def main() -> int:
                         help="then SIGKILL the server mid-request, start it again on the same store, check it serves")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("serve_args", nargs="*", help="extra `dflash2 serve` arguments (after --)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     warmup = args.warmup_seconds if args.warmup_seconds is not None else min(300.0, 0.2 * args.seconds)
 
     server = Server(args.model, args.serve_args)
@@ -280,7 +280,6 @@ def kill_and_restart(server: Server, model: str, args) -> dict:
 
 def _store_leftovers(model: str) -> list[Path]:
     """Temporary files of an interrupted write left beside the model in the store (none may be used or stay)."""
-    sys.path.insert(0, SRC)
     from dflash2.models.store import canonical_name, home
 
     name = canonical_name(model)
@@ -318,7 +317,3 @@ def summary(args, good: dict, bad: Counter, rss, elapsed: float, warmup: float, 
         "kill_restart": restart, "rss_samples": rss,
         "metrics_tail": [line for line in metrics.splitlines() if "requests_finished" in line],
     }
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,8 +4,8 @@ Each stream is a client thread that submits a request, waits for its result and 
 loop), through the same loop thread ``dflash2 serve`` runs (no HTTP in the measurement). Configurations are
 interleaved round by round so that machine noise hits them alike. Raw runs go to --out as JSONL.
 
-    PYTHONPATH=src python scripts/bench_serve.py --model smollm2-135m-instruct --dtype fp32 --streams 1,8
-    .venv/bin/python scripts/bench_serve.py --model qwen2.5-coder-1.5b-instruct --dtype bf16 --drafter auto \
+    .venv/bin/dflash2 bench serve batch --model smollm2-135m-instruct --dtype fp32 --streams 1,8
+    .venv/bin/dflash2 bench serve batch --model qwen2.5-coder-1.5b-instruct --dtype bf16 --drafter auto \
         --streams 8 --modes plain,spec --requests 8 --max-tokens 128 --rounds 1
 
 ``--drafter`` is what ``dflash2 serve --drafter`` takes (a spec: ``auto``, ``pard+ngram:3``, ``ngram:8``...; ``auto``
@@ -81,7 +81,7 @@ def run_streams(batch: BatchEngine, prompts: list[list[int]], streams: int, draf
             "tau": committed / forwards if forwards else 1.0}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="fp32")
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="JSONL of raw runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = dflash2.load(args.model, drafter=DrafterSpec.parse(args.drafter), dtype=args.dtype, weights=args.weights,
@@ -137,12 +137,9 @@ def main() -> None:
         tau = sum(r["tau"] for r in runs) / len(runs)
         ratio = f"{rate / base:.2f}" if base else "-"
         print(f"{s:>7} {mode:>9} {rate:>9.1f} {tau:>5.2f} {ratio:>17}")
+    return 0
 
 
 def _rate(runs: list[dict]) -> float:
     """Aggregate tokens per second over all rounds (ratio of sums)."""
     return sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs)
-
-
-if __name__ == "__main__":
-    main()
