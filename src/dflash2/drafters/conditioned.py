@@ -89,13 +89,14 @@ def build_conditioned_drafter(target, draft_model: str | Path | None, num_draft_
                               num_paths: int = 1) -> ConditionedPardDrafter:
     """The ``dflash2`` drafter for ``target`` (a :class:`~dflash2.drafters.DraftTarget`): ``draft_model`` is a
     trained adapter directory with its conditioning (``pard_config.json`` + ``conditioning.json``); None = the one
-    shipped for the target (``drafters/trained/<target>-dflash2``). The network loads as the PARD drafter's
-    (:func:`~dflash2.drafters.pard.build_pard_drafter`: weight format, draft vocabulary, prompt reader)."""
+    shipped for the target (``drafters/trained/<target>-dflash2-conditioned``, none yet). The network loads as the
+    PARD drafter's (:func:`~dflash2.drafters.pard.build_pard_drafter`: weight format, draft vocabulary, prompt
+    reader)."""
     from dflash2.drafters.pard import SHIPPED_DIR, build_pard_drafter
     from dflash2.models.store import canonical_name
 
     if draft_model is None:
-        draft_model = SHIPPED_DIR / f"{canonical_name(target.name) or target.name}-dflash2"
+        draft_model = SHIPPED_DIR / f"{canonical_name(target.name) or target.name}-dflash2-conditioned"
     directory = Path(draft_model)
     if not ((directory / PARD_CONFIG).exists() and has_conditioning(directory)):
         raise ValueError(f"no target-conditioned drafter in {directory}: train one with `dflash2 train pard "
