@@ -9,7 +9,7 @@ fails; the group is killed whenever the program ends, so nothing it started outl
 machine against accidents (a memory bomb, a fork bomb, an endless loop), not against hostile code: run untrusted
 code in a real sandbox.
 
-The scorers are pure apart from :func:`run_program`'s subprocess; ``scripts/bench_quant.py --pass-rate`` uses them
+The scorers are pure apart from :func:`run_program`'s subprocess; ``scripts/kernels/bench_quant.py --pass-rate`` uses them
 to compare weight formats.
 """
 

@@ -4,8 +4,8 @@ kernel (dflash2.kernels.attention) against PyTorch's SDPA path (DFLASH2_ATTENTIO
 verification blocks (causal) over a cache of N slots, and a prefill. Best of --repeats calls (a shared machine's
 slow calls are other jobs), in milliseconds per layer; multiply by 28 layers for a forward.
 
-    python scripts/bench_attention.py                       # 1 thread
-    python scripts/bench_attention.py --threads 2 --cached 200,1000,2000 --rows 1,3,7,9,17
+    python scripts/kernels/bench_attention.py                       # 1 thread
+    python scripts/kernels/bench_attention.py --threads 2 --cached 200,1000,2000 --rows 1,3,7,9,17
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ of a few repeats, on --threads threads:
   bf16     200 bf16 matmuls of 512^3 (ms and GFLOPS; oneDNN runs them on AMX tiles where the CPU has them: ~650-870
            GFLOPS on the Intel Xeon (AMX, model 207) when quiet, ~300-400 with a neighbour on the tile unit)
 
-    python scripts/phase_probe.py
+    python scripts/kernels/phase_probe.py
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 """Time CPU linear layers at LLM-decoding shapes: torch bf16 F.linear, torch fp32 F.linear and
 dflash2's PackedLinear (bf16 packed weights, AVX2/FMA kernel).
 
-    python scripts/bench_kernels.py                       # all shapes, M in 1..64
-    python scripts/bench_kernels.py --shapes 8960x1536 --rows 1,8,16 --reps 5
-    python scripts/bench_kernels.py --skip-fp32           # the fp32 copy of the lm head is 0.9 GB
+    python scripts/kernels/bench_kernels.py                       # all shapes, M in 1..64
+    python scripts/kernels/bench_kernels.py --shapes 8960x1536 --rows 1,8,16 --reps 5
+    python scripts/kernels/bench_kernels.py --skip-fp32           # the fp32 copy of the lm head is 0.9 GB
 
 Shapes are N x K (out x in features).  GB/s is the bf16 weight bytes (N*K*2) per call divided by
 the time (fp32 F.linear is charged the same bytes, so the columns compare end-to-end speed).

@@ -2,8 +2,8 @@
 """Time one linear layer per weight format (packed bf16, int8, int4) at the row counts of decoding (1) and of
 verifying 8 / 16 drafts (9 / 17), formats interleaved, on the 1.5B target's MLP shapes.
 
-    python scripts/bench_quant_kernels.py                         # wall clock, torch's thread count
-    python scripts/bench_quant_kernels.py --threads 1 --cpu-time  # busy machine: CPU time of one thread
+    python scripts/kernels/bench_quant_kernels.py                         # wall clock, torch's thread count
+    python scripts/kernels/bench_quant_kernels.py --threads 1 --cpu-time  # busy machine: CPU time of one thread
 
 Each cell is the lower quartile of --reps calls (after one warm-up call) in ms; GB/s = weight bytes / time.
 """

@@ -3,14 +3,14 @@
 8 and 16 drafts (9 and 17 rows, all logits; --rows sets them) at the same cache position, plus plain decoding
 tokens/s, with the formats interleaved in every round (same process, same prompt, same threads).
 
-    python scripts/bench_quant.py                                   # 1.5B target, bf16 / int8 / int4
-    python scripts/bench_quant.py --model smollm2 --rounds 3 --decode-tokens 32
-    python scripts/bench_quant.py --bandwidth 21                    # GB/s for the roofline column
-    python scripts/bench_quant.py --threads 1 --cpu-time --agreement 2   # busy machine: CPU seconds, 1 thread
-    python scripts/bench_quant.py --rounds 0 --pass-rate 10 --out runs/quant-pass   # accuracy only
-    python scripts/bench_quant.py --formats bf16 --rows 1,3,7,13 --cached 200        # verification cost by rows
-    python scripts/bench_quant.py --formats int8,gguf --rows 1,2,4,9,17 --threads 1 --cpu-time   # the GGUF's blocks
-    python scripts/bench_quant.py --formats gguf@avx2,gguf@vnni --rows 1,4,9,17      # two gguf kernels, A/B
+    python scripts/kernels/bench_quant.py                                   # 1.5B target, bf16 / int8 / int4
+    python scripts/kernels/bench_quant.py --model smollm2 --rounds 3 --decode-tokens 32
+    python scripts/kernels/bench_quant.py --bandwidth 21                    # GB/s for the roofline column
+    python scripts/kernels/bench_quant.py --threads 1 --cpu-time --agreement 2   # busy machine: CPU seconds, 1 thread
+    python scripts/kernels/bench_quant.py --rounds 0 --pass-rate 10 --out runs/quant-pass   # accuracy only
+    python scripts/kernels/bench_quant.py --formats bf16 --rows 1,3,7,13 --cached 200        # verification cost by rows
+    python scripts/kernels/bench_quant.py --formats int8,gguf --rows 1,2,4,9,17 --threads 1 --cpu-time   # the GGUF's blocks
+    python scripts/kernels/bench_quant.py --formats gguf@avx2,gguf@vnni --rows 1,4,9,17      # two gguf kernels, A/B
 
 --cpu-time times with the process's CPU time instead of the wall clock (use with --threads 1): on a machine
 shared with other jobs it measures what the work costs, not how long the scheduler kept it waiting.
@@ -24,7 +24,7 @@ per-prompt rows (texts included) go to --out/pass_rate.jsonl.  --rounds 0 skips 
 
 Roofline: the bytes of linear-layer weights read per decoding step (packed bf16: 2 B per weight; int8: 1 B +
 4 B per output; int4: 0.5 B + 4 B per 32 weights; gguf: the packed blocks and their scales) over --bandwidth GB/s
-(scripts/bench_kernels.py measures the machine's read bandwidth); the plain decoding rate is compared with it.
+(scripts/kernels/bench_kernels.py measures the machine's read bandwidth); the plain decoding rate is compared with it.
 Times are medians over rounds; the row ratios are also given per round (each pass over the first --rows pass of
 its round, a few seconds apart), the steadier measure where the machine's speed drifts.
 """

@@ -3,8 +3,8 @@
 ROWS rows after a cached prompt (1 row = a plain decode step, more = a verification block), in interleaved rounds
 (DFLASH2_LAYER_OPS=torch vs on, toggled between rounds in one process), medians of the rounds.
 
-    python scripts/bench_layer_ops.py --weights gguf,bf16 --rows 1,4 --rounds 8 --json runs/layer-ops.json
-    python scripts/bench_layer_ops.py --model qwen2.5-coder-0.5b-instruct --weights int8 --rows 1,8
+    python scripts/kernels/bench_layer_ops.py --weights gguf,bf16 --rows 1,4 --rounds 8 --json runs/layer-ops.json
+    python scripts/kernels/bench_layer_ops.py --model qwen2.5-coder-0.5b-instruct --weights int8 --rows 1,8
 """
 
 from __future__ import annotations
