@@ -1,5 +1,5 @@
-"""The shipped DFlash drafters (SmolLM2: scripts/train_smollm2_dflash.sh; the Qwen target:
-scripts/train_qwen_dflash.sh): lossless, and their drafts are accepted.
+"""The shipped DFlash drafters (SmolLM2: scripts/train/train_smollm2_dflash.sh; the Qwen target:
+scripts/train/train_qwen_dflash.sh): lossless, and their drafts are accepted.
 
 The SmolLM2 drafter was trained on only 192 regenerated sequences for 600 steps (held-out tau 1.46): the test checks
 that trained weights carry real signal (an untrained drafter's first-position acceptance is ~0 over a 49152-token vocabulary).

@@ -2,15 +2,15 @@
 # The DFlash drafter recipe for the default target, Qwen2.5-Coder-1.5B-Instruct. A multi-hour job on 2 CPU cores:
 # every step resumes where it stopped (SIGTERM / Ctrl-C keep what is done), so run it again until it finishes.
 # The shipped drafter (src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct) came from two stages:
-#   NUM_SEQUENCES=224 STEPS=450 scripts/train_qwen_dflash.sh      (first 14 shards; 450 steps, 21 minutes)
+#   NUM_SEQUENCES=224 STEPS=450 scripts/train/train_qwen_dflash.sh      (first 14 shards; 450 steps, 21 minutes)
 #   RUN=runs/dflash-qwen1.5b-stage2 INIT_FROM=runs/dflash-qwen1.5b/drafter NUM_SEQUENCES=608 STEPS=600 LR=4e-4 \
-#       scripts/train_qwen_dflash.sh                               (first 38 shards; 600 steps, 30 minutes)
+#       scripts/train/train_qwen_dflash.sh                               (first 38 shards; 600 steps, 30 minutes)
 #   Stage 3 (the shipped drafter now, commit 8e57b15, 2026-12-02) came from a run cut off before it recorded its
 #   command. What its weights and the committed files say: a warm start from stage 2 with a draft vocabulary ranked anew
 #   (REFRESH_VOCAB=1, the draft_vocab ids differ), on the code/math shards plus the chat directory
 #   (CHAT_SEQUENCES=704), i.e. most likely
 #   RUN=runs/dflash-qwen1.5b-stage3 INIT_FROM=runs/dflash-qwen1.5b-stage2/drafter REFRESH_VOCAB=1 NUM_SEQUENCES=704 \
-#       CHAT_SEQUENCES=704 STEPS=<not recorded> LR=4e-4 scripts/train_qwen_dflash.sh
+#       CHAT_SEQUENCES=704 STEPS=<not recorded> LR=4e-4 scripts/train/train_qwen_dflash.sh
 #   Measured against stage 2 on the eval sets (dflash2 bench, README): the same tau on HumanEval, +2% on GSM8K,
 #   +9% on MT-bench.
 # Data generation: about 10 s per sequence on 2 Xeon cores, 5.3 s on 2 Zen 4 cores (16 rows per step).
@@ -19,7 +19,7 @@
 # Token shards are committed (data/dflash-train/), hidden states stay under $DFLASH2_HOME/train-hidden/ (GBs);
 # shards whose hidden states are missing (a fresh machine) are recomputed by one target forward when trained on.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DATA=data/dflash-train/qwen2.5-coder-1.5b-instruct
 CHAT=data/dflash-train/qwen2.5-coder-1.5b-instruct-chat  # --sources chat, its own directory (not in the shipped drafter)
 RUN=${RUN:-runs/dflash-qwen1.5b}

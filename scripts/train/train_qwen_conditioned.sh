@@ -4,17 +4,17 @@
 # Qwen2.5-Coder-1.5B-Instruct's hidden states at layers 1, 13, 25 of the last verified position, added to the
 # inputs of the drafting rows (drafters/conditioning.py, drafters/conditioned.py). Stages, each resumable (kill and
 # re-run the same command):
-#   scripts/train_qwen_conditioned.sh features    # one target pass per sequence: soft labels (top-16) + taps
-#   scripts/train_qwen_conditioned.sh experiment  # the same warm start trained with and without conditioning
-#   scripts/train_qwen_conditioned.sh train       # the long run (conditioned)
-#   scripts/train_qwen_conditioned.sh ship        # adapter + conditioning + draft vocabulary into the package
+#   scripts/train/train_qwen_conditioned.sh features    # one target pass per sequence: soft labels (top-16) + taps
+#   scripts/train/train_qwen_conditioned.sh experiment  # the same warm start trained with and without conditioning
+#   scripts/train/train_qwen_conditioned.sh train       # the long run (conditioned)
+#   scripts/train/train_qwen_conditioned.sh ship        # adapter + conditioning + draft vocabulary into the package
 # Data: the committed regenerated token shards (the target's greedy responses; never data/eval), the last 12 of
 # each directory held out, and the target's greedy answers to the last 4 MT-bench questions (held out only: the
 # bench reads the first ones). Features stay under runs/ (~9 KB per token).
 # FEATURES / RUN / SHIPPED: directories; SEQUENCES: training sequences to featurise; STEPS; THREADS (default 1);
 # EXTRA: more `dflash2 train pard` options.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 FEATURES=${FEATURES:-runs/features/v1}
 RUN=${RUN:-runs/conditioned/v1}
 INIT=${INIT:-src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct-pard}

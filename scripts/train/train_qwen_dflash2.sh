@@ -3,9 +3,9 @@
 # the 16384-id draft vocabulary, top-16 candidates) and two-tap dynamic convolutions (channel group 16), trained
 # jointly on the same token shards. The new parts start as the identity / a zero gate, so step 0 drafts exactly like
 # the DFlash drafter. Rank 128 keeps the shipped bf16 weights under git's 100 MB file limit (256 would be ~104 MB).
-# Resumable like scripts/train_qwen_dflash.sh (run it again after an interruption).
+# Resumable like scripts/train/train_qwen_dflash.sh (run it again after an interruption).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DATA=data/dflash-train/qwen2.5-coder-1.5b-instruct
 CHAT=data/dflash-train/qwen2.5-coder-1.5b-instruct-chat
 TRAIN_DATA=$DATA

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Reproduces the DFlash drafter shipped for SmolLM2-135M-Instruct (src/dflash2/drafters/trained/smollm2-135m-instruct).
 # Every step resumes where it stopped when re-run (SIGTERM / Ctrl-C keep what is done).
-# The shipped drafter: NUM_SEQUENCES=208 scripts/train_smollm2_dflash.sh (the 13 committed shards, the last 16
+# The shipped drafter: NUM_SEQUENCES=208 scripts/train/train_smollm2_dflash.sh (the 13 committed shards, the last 16
 # sequences held out; 600 steps, 6 minutes on 2 shared cores; held-out tau 1.46). Training reads every shard
 # present, so reproducing it exactly needs that shard count.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 DATA=data/dflash-train/smollm2-135m-instruct
 RUN=runs/dflash-smollm2
 # Batched greedy generation by the target; its tapped hidden states (layers 1, 7, 14, 20, 27) are stored under

@@ -3,11 +3,11 @@
 # (LoRA rank 16 on every projection + a learned mask embedding) to draft 8 tokens per forward, distilled from
 # Qwen2.5-Coder-1.5B-Instruct. Two resumable stages, each safe to kill and re-run (both continue where they
 # stopped); run them side by side (training picks up new label shards when it is restarted):
-#   scripts/train_qwen_pard.sh labels   # the target's top-16 distributions over text (teacher-forced passes)
-#   scripts/train_qwen_pard.sh train    # LoRA training on those soft labels + the regenerated shards' hard labels
-#   scripts/train_qwen_pard.sh ship     # copy the adapter of the run into the package (bf16, ~16 MB) + draft vocab
-#   scripts/train_qwen_pard.sh export   # the shipped drafter as a plain Hugging Face directory (OUT=dir)
-#   scripts/train_qwen_pard.sh cost     # draft pass vs verify pass (scripts/pard_cost.py)
+#   scripts/train/train_qwen_pard.sh labels   # the target's top-16 distributions over text (teacher-forced passes)
+#   scripts/train/train_qwen_pard.sh train    # LoRA training on those soft labels + the regenerated shards' hard labels
+#   scripts/train/train_qwen_pard.sh ship     # copy the adapter of the run into the package (bf16, ~16 MB) + draft vocab
+#   scripts/train/train_qwen_pard.sh export   # the shipped drafter as a plain Hugging Face directory (OUT=dir)
+#   scripts/train/train_qwen_pard.sh cost     # draft pass vs verify pass (scripts/pard_cost.py)
 # Data: the committed regenerated token shards (data/dflash-train/qwen2.5-coder-1.5b-instruct{,-chat}: the
 # target's greedy responses to GSM8K-train / stdlib-docstring / synthetic chat prompts), GSM8K train solutions
 # (data/train/gsm8k_train.jsonl, MIT) as chats, and this interpreter's standard-library sources (PSF) as code
@@ -22,7 +22,7 @@
 # slower than 1 (threads wait for each other when the cores are oversubscribed: SmolLM2 fp32 speculative steps took
 # 12 s with 2 threads vs 1.7 s with 1 at load average ~9); use 2 on an idle machine.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 LABELS=${LABELS:-runs/pard-labels/v1}
 RUN=${RUN:-runs/pard-train/v1}
 REGEN=data/dflash-train/qwen2.5-coder-1.5b-instruct,data/dflash-train/qwen2.5-coder-1.5b-instruct-chat
