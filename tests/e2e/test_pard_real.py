@@ -70,7 +70,7 @@ def _export_matches_drafter(base_name: str, adapter, tmp_path, dtype: str = "fp3
 @pytest.mark.model
 def test_smollm2_hf_export_matches_the_drafter(tmp_path):
     """A random adapter (rank 4) on the real SmolLM2 (tied embeddings, Llama layout), exported and reloaded."""
-    from tests.unit.test_pard import write_random_adapter
+    from tests.unit.drafters.test_pard import write_random_adapter
 
     base = model_dir(SMOLLM2, "fp32")
     mask_id = default_mask_token_id(json.loads((base / "config.json").read_text())["vocab_size"])

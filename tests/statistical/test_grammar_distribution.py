@@ -19,7 +19,7 @@ from dflash2.verify.grammar import apply_bitmask, full_bitmask
 from dflash2.verify.sampling import logits_to_probs
 from tests.statistical.decode_paths import DEPTH, VOCAB, assert_caught, assert_lossless, tiny_target
 from tests.statistical.test_batch_distribution import batch_engine
-from tests.unit.test_grammar_constraint import ModGrammar
+from tests.unit.verify.test_grammar_constraint import ModGrammar
 
 REQUESTS = 1200
 BROKEN_REQUESTS = 300

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from dflash2.locking import LockTimeout, exclusive_flock
 from dflash2 import platform
+from dflash2.locking import LockTimeout, exclusive_flock
 
 __all__ = [
     "build_dir",
