@@ -135,14 +135,14 @@ def _peer_setup(args: argparse.Namespace, engine, prompts):
 def _llama_cpp_dflash(target: str):
     """The DFlash drafter shipped for ``target`` if llama.cpp can load its layout, else None."""
     from dflash2.drafters import shipped_dflash_drafter
-    from dflash2.drafters.dflash_model import DFlashDraftModel
+    from dflash2.drafters.dflash_config import CONFIG_FILE, DFlashConfig
     from dflash2.train.export import dflash_layout_problems
 
     try:
         directory = shipped_dflash_drafter(target)
     except ValueError:
         return None
-    config = DFlashDraftModel.from_pretrained(directory, "bf16").config
+    config = DFlashConfig.from_hf_dict(json.loads((directory / CONFIG_FILE).read_text()))  # no weights read
     return None if dflash_layout_problems(config) else directory
 
 

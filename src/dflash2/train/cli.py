@@ -453,22 +453,12 @@ def run_pard_vocab(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from dflash2.drafters.pard import PardConfig
-    from dflash2.models.store import resolve_model
     from dflash2.train.export import ExportError, export_drafter
-    from dflash2.train.pard_export import export_pard, shipped_or_given_adapter
 
+    drafter = None if args.drafter == "untrained" else _shipped_drafter(args.drafter, args.target)
     try:
-        if args.drafter == "untrained" or (args.drafter == "pard" and args.base):
-            adapter = shipped_or_given_adapter("" if args.drafter == "pard" else args.drafter, args.target)
-            base = args.base or (PardConfig.load(adapter).base_model if adapter else "qwen2.5-coder-0.5b-instruct")
-            if args.engine != "vllm":
-                raise ExportError(f"{args.engine} has no parallel-drafting mode for a draft model: export PARD for vllm")
-            print(export_pard(adapter, resolve_model(base, args.dtype), args.out, args.dtype,
-                              num_draft_tokens=args.num_draft_tokens))
-            return 0
-        result = export_drafter(_shipped_drafter(args.drafter, args.target), args.engine, args.out,
-                                target=args.target, dtype=args.dtype, num_draft_tokens=args.num_draft_tokens)
+        result = export_drafter(drafter, args.engine, args.out, target=args.target, dtype=args.dtype,
+                                num_draft_tokens=args.num_draft_tokens, base=args.base)
     except ExportError as error:
         print(f"dflash2 train export: {error}", file=sys.stderr)
         return 2

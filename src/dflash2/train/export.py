@@ -52,32 +52,33 @@ def drafter_kind(directory: Path) -> str:
                       "dflash_config)")
 
 
-def export_drafter(drafter: str | Path, engine: str, out_dir: str | Path, *, target: str, dtype: str = "bf16",
-                   num_draft_tokens: int | None = None) -> ExportResult:
-    """Write ``drafter`` (a trained drafter directory) for ``engine`` into ``out_dir``."""
+def export_drafter(drafter: str | Path | None, engine: str, out_dir: str | Path, *, target: str, dtype: str = "bf16",
+                   num_draft_tokens: int | None = None, base: str | None = None) -> ExportResult:
+    """Write ``drafter`` (a trained drafter directory; None: the untrained PARD drafter over ``base``) for
+    ``engine`` into ``out_dir``. ``base`` (PARD only) overrides the adapter's base network."""
     if engine not in ENGINES:
         raise ExportError(f"unknown engine {engine!r}: one of {', '.join(ENGINES)}")
-    drafter, out_dir = Path(drafter), Path(out_dir)
-    kind = drafter_kind(drafter)
-    if kind == "pard":
-        return _export_pard(drafter, engine, out_dir, target, dtype, num_draft_tokens)
-    return _export_dflash(drafter, engine, out_dir, target, dtype)
+    out_dir = Path(out_dir)
+    if drafter is None or drafter_kind(Path(drafter)) == "pard":
+        return _export_pard(None if drafter is None else Path(drafter), engine, out_dir, target, dtype,
+                            num_draft_tokens, base)
+    return _export_dflash(Path(drafter), engine, out_dir, target, dtype)
 
 
 # ---- PARD -> vLLM parallel drafting ----------------------------------------------------------------------------
 
-def _export_pard(adapter: Path, engine: str, out_dir: Path, target: str, dtype: str,
-                 num_draft_tokens: int | None) -> ExportResult:
+def _export_pard(adapter: Path | None, engine: str, out_dir: Path, target: str, dtype: str,
+                 num_draft_tokens: int | None, base: str | None) -> ExportResult:
     from dflash2.drafters.pard import PardConfig
-    from dflash2.models.store import resolve_model
+    from dflash2.models.store import DEFAULT_DRAFT, resolve_model
     from dflash2.train.pard_export import export_pard
 
     if engine != "vllm":
         raise ExportError(f"{engine} has no parallel-drafting mode for a draft model (it serves PARD drafters one "
                           "token per pass, which loses the parallel adaptation): export PARD for vllm, or a DFlash "
                           "drafter for llama.cpp")
-    base = resolve_model(PardConfig.load(adapter).base_model, dtype)
-    export_pard(adapter, base, out_dir, dtype, num_draft_tokens=num_draft_tokens)
+    base = base or (PardConfig.load(adapter).base_model if adapter is not None else DEFAULT_DRAFT)
+    export_pard(adapter, resolve_model(base, dtype), out_dir, dtype, num_draft_tokens=num_draft_tokens)
     k = json.loads((out_dir / "config.json").read_text())["block_size"]
     spec = json.dumps({"method": "draft_model", "model": str(out_dir), "num_speculative_tokens": k,
                        "parallel_drafting": True})
