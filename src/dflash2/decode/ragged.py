@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash2.kv.paged import BlockTable, PagedKVPool
-from dflash2.models.attention import attend
+from dflash2.models.attention import SlidingWindow, attend
 from dflash2.models.decoder import Transformer
 from dflash2.verify.tree import compile_tree, target_positions, tree_attention_mask
 
@@ -63,6 +63,7 @@ class AttentionGroup:
     key_slots: torch.Tensor  # [B_g, S_g] int64, pool slots of row r's visible keys (padding: 0)
     mask: torch.Tensor  # [B_g, 1, T_g, S_g] bool, True = may attend
     workspace_bytes: int  # the padded transient bytes of one layer's attention over this group
+    key_positions: torch.Tensor  # [B_g, S_g] int64, the position of each visible key (padding: 0)
 
 
 @dataclass
@@ -137,6 +138,7 @@ def _group(rows: list[RaggedRow], starts: list[int], cost: WorkspaceCost | None,
     batch = len(rows)
     query_index = torch.zeros(batch, t_max, dtype=torch.int64)
     key_slots = torch.zeros(batch, s_max, dtype=torch.int64)
+    key_positions = torch.zeros(batch, s_max, dtype=torch.int64)
     mask = torch.zeros(batch, 1, t_max, s_max, dtype=torch.bool)
     mask[:, 0, :, 0] = True  # padded queries see one slot (their output is dropped) so softmax stays finite
     for r, (row, n, span, flat) in enumerate(zip(rows, lengths, spans, starts)):
@@ -145,8 +147,12 @@ def _group(rows: list[RaggedRow], starts: list[int], cost: WorkspaceCost | None,
         query_index[r, :n] = torch.arange(flat, flat + n)
         if row.parents is None:
             mask[r, 0, :n, :span] = torch.arange(span)[None, :] <= torch.arange(start, span)[:, None]  # causal
+            key_positions[r, :span] = torch.arange(span)
         else:  # each node sees the cached slots, the pending token and its ancestors
-            mask[r, 0, :n, :span] = tree_attention_mask(compile_tree(row.parents), start)
+            tree = compile_tree(row.parents)
+            mask[r, 0, :n, :span] = tree_attention_mask(tree, start)
+            key_positions[r, :start] = torch.arange(start)
+            key_positions[r, start:span] = target_positions(tree, start)  # start + depth
     valid = torch.arange(t_max)[None, :] < torch.tensor(lengths)[:, None]  # [B_g, T_max]
     return AttentionGroup(
         flat_index=query_index[valid].to(device),
@@ -155,6 +161,7 @@ def _group(rows: list[RaggedRow], starts: list[int], cost: WorkspaceCost | None,
         key_slots=key_slots.to(device),
         mask=mask.to(device),
         workspace_bytes=cost.bytes(batch, t_max, s_max) if cost is not None else 0,
+        key_positions=key_positions.to(device),
     )
 
 
@@ -192,19 +199,23 @@ class RaggedAttention:
 
     def __init__(self, pool: PagedKVPool, layout: RaggedLayout) -> None:
         self.pool, self.layout = pool, layout
+        self._windowed: dict[tuple[int, int], torch.Tensor] = {}  # (group, window) -> mask: once per forward
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [1, H, N, Dh], k / v [1, H_kv, N, Dh] over the N real tokens -> [1, H, N, Dh]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: SlidingWindow | None = None) -> torch.Tensor:
+        """q [1, H, N, Dh], k / v [1, H_kv, N, Dh] over the N real tokens -> [1, H, N, Dh]; ``window``: a
+        sliding-window layer's limit on top of each row's mask (by the rows' positions)."""
         layout, pool = self.layout, self.pool
         pool.keys[layer].index_copy_(0, layout.write_slots, k[0].transpose(0, 1))  # [N, H_kv, Dh]
         pool.values[layer].index_copy_(0, layout.write_slots, v[0].transpose(0, 1))
         flat_q = q[0].transpose(0, 1)  # [N, H, Dh]
         out: torch.Tensor | None = None
-        for group in layout.groups:
+        for index, group in enumerate(layout.groups):
             keys = _gather(pool.keys[layer], group.key_slots)  # [B_g, H_kv, S_g, Dh]
             values = _gather(pool.values[layer], group.key_slots)  # [B_g, H_kv, S_g, Dh]
             queries = _gather(flat_q, group.query_index)  # [B_g, H, T_g, Dh]
-            attended = attend(queries, keys, values, group.mask)  # [B_g, H, T_g, Dh]
+            mask = group.mask if window is None else self._window_mask(index, group, window)
+            attended = attend(queries, keys, values, mask)  # [B_g, H, T_g, Dh]
             real = attended.transpose(1, 2)[group.query_valid]  # [n_g, H, Dh], rows in order
             if len(layout.groups) == 1:
                 return real.transpose(0, 1)[None]
@@ -215,6 +226,16 @@ class RaggedAttention:
 
     def finish(self, num_tokens: int) -> None:
         """Nothing to advance: the caller commits each row's table."""
+
+    def _window_mask(self, index: int, group: AttentionGroup, window: SlidingWindow) -> torch.Tensor:
+        """[B_g, 1, T_g, S_g]: the group's mask within the window (a row's cached slot i holds position i)."""
+        key = (index, window.size)
+        if key not in self._windowed:
+            queries = self.layout.positions[group.query_index]  # [B_g, T_g]
+            mask = window.restrict(group.mask, group.key_positions, queries)
+            mask[:, 0, :, 0] |= ~group.query_valid  # padded queries keep their one slot (softmax stays finite)
+            self._windowed[key] = mask
+        return self._windowed[key]
 
 
 def _gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

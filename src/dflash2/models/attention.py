@@ -18,6 +18,8 @@ attended alone, as before. Long query blocks (prefill) keep the unfolded call, w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -62,3 +64,23 @@ def _fold_mask(mask: torch.Tensor | None, group: int, tokens: int) -> torch.Tens
         return mask
     rows, _, _, slots = mask.shape
     return mask[:, :, None].expand(rows, 1, group, tokens, slots).reshape(rows, 1, group * tokens, slots)
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """A sliding-window layer's limit (Gemma 3's local layers): the query at position p sees only the keys at
+    positions k with p - k < size (and k <= p, which the causal or tree mask already says).
+
+    By positions, not slots, so one rule serves a chain, a tree (a node's position is the cache length plus its
+    depth) and the paged pool (a row's committed slots hold positions 0 .. length - 1)."""
+
+    size: int
+    positions: torch.Tensor  # [B, T] int64, the forward's query positions
+
+    def restrict(self, mask: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """mask [B or 1, 1, T, S] bool and key_positions [B or 1, S] -> the mask with the keys outside every query's
+        window cleared ([B, 1, T, S]); query_positions [B, T] (default: this forward's positions)."""
+        queries = self.positions if query_positions is None else query_positions
+        inside = (queries[:, :, None] - key_positions[:, None, :]) < self.size  # [B, T, S]
+        return mask & inside[:, None]

@@ -1,7 +1,8 @@
-"""A lean decoder for the Llama / Qwen2 / Qwen3 family, written for this engine.
+"""A lean decoder for the Llama / Qwen2 / Qwen3 family and Gemma 3, written for this engine.
 
 RMSNorm, rotary embeddings (the model's theta and scaling: Llama 3.x's llama3), grouped-query attention, SwiGLU,
-q/k/v biases where Qwen2 has them, per-head q/k norms where Qwen3 has them, tied or untied head. The forward pass
+q/k/v biases where Qwen2 has them, per-head q/k norms where Qwen3 has them, tied or untied head; Gemma 3's layers
+(:mod:`dflash2.models.gemma3`: sliding-window layers, four norms, GeGLU) where the config has them. The forward pass
 takes token ids, explicit positions, an optional explicit attention mask (tree verification) and a
 :class:`~dflash2.kv.StaticKVCache`, and can return the hidden states of any layers (drafters read them). Device and
 dtype are whatever the weights are on.
@@ -22,8 +23,10 @@ from torch import nn
 from dflash2.kernels import layer_ops
 from dflash2.kernels.gguf_layer import fused_layers
 from dflash2.kv.static import StaticKVCache
-from dflash2.models.attention import attend
+from dflash2.models.attention import SlidingWindow, attend
 from dflash2.models.config import ModelConfig
+from dflash2.models.gemma3 import Gemma3Layer, GemmaRMSNorm, local_inverse_frequencies, scaled_embeddings, soft_capped
+from dflash2.models.projections import AttentionProjections, GatedProjections
 
 LogitsSelection = Literal["all", "last", "none"]
 
@@ -83,17 +86,9 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(wavelength < original / high, inv_freq, scaled)
 
 
-class Attention(nn.Module):
+class Attention(AttentionProjections):
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        q_width = config.num_heads * config.head_dim
-        kv_width = config.num_kv_heads * config.head_dim
-        self.split_sizes = (q_width, kv_width, kv_width)
-        self.wqkv = nn.Linear(config.hidden_size, q_width + 2 * kv_width, bias=config.qkv_bias)
-        self.wo = nn.Linear(q_width, config.hidden_size, bias=False)
+        super().__init__(config)
         # Qwen3: q and k normalised per head before RoPE (weights [Dh]); None elsewhere
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -133,8 +128,10 @@ class AttentionContext(Protocol):
     (:class:`CachedAttention`) or the paged pool of a ragged batch (``decode.ragged.RaggedAttention``). The
     decoder's forward (embedding, RoPE, layer loop, taps, logits) is the same for both."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [B, H, T, Dh], new k / v [B, H_kv, T, Dh] (after RoPE) -> attention output [B, H, T, Dh]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: SlidingWindow | None = None) -> torch.Tensor:
+        """q [B, H, T, Dh], new k / v [B, H_kv, T, Dh] (after RoPE) -> attention output [B, H, T, Dh]; ``window``:
+        a sliding-window layer's limit, applied on top of the context's own mask (Gemma 3's local layers)."""
 
     def finish(self, num_tokens: int) -> None:
         """After the last layer: commit the forward's writes (a static cache advances its length)."""
@@ -146,16 +143,32 @@ class CachedAttention:
     def __init__(self, cache: StaticKVCache | None, mask: torch.Tensor | None) -> None:
         self.cache = cache
         self.mask = mask  # [B or 1, 1, T, S] bool, True = may attend; None = causal
+        self._windowed: dict[tuple[int, int], torch.Tensor] = {}  # (S, window) -> mask: built once per forward
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: SlidingWindow | None = None) -> torch.Tensor:
         seq = q.shape[2]
         if self.cache is not None:
             k, v = self.cache.write(layer, k, v)  # [B, H_kv, S, Dh], S = cached + T
+        if window is not None:
+            return attend(q, k, v, self._window_mask(window, k.shape[2], q.device))
         mask = self.mask
         is_causal = mask is None and seq > 1 and k.shape[2] == seq
         if mask is None and seq > 1 and k.shape[2] > seq:
             mask = causal_mask(seq, k.shape[2], q.device)
         return attend(q, k, v, mask, is_causal)
+
+    def _window_mask(self, window: SlidingWindow, slots: int, device: torch.device) -> torch.Tensor:
+        """[B, 1, T, S]: the causal (or explicit tree) mask within the window. The cache's committed slots hold
+        positions 0 .. S - T - 1 (slot = position); the new slots hold this forward's positions."""
+        key = (slots, window.size)
+        if key not in self._windowed:
+            positions = window.positions  # [B, T]
+            batch, seq = positions.shape
+            base = self.mask if self.mask is not None else causal_mask(seq, slots, device)
+            cached = torch.arange(slots - seq, device=device).expand(batch, slots - seq)
+            self._windowed[key] = window.restrict(base, torch.cat((cached, positions.to(device)), dim=1))
+        return self._windowed[key]
 
     def finish(self, num_tokens: int) -> None:
         if self.cache is not None:
@@ -173,10 +186,15 @@ class SegmentedAttention:
         self.parts = [CachedAttention(cache, None) for cache in caches]
         self.lengths = list(lengths)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: SlidingWindow | None = None) -> torch.Tensor:
         """q [1, H, N, Dh], k / v [1, H_kv, N, Dh] -> [1, H, N, Dh], each segment attended as if alone."""
         split = [t.split(self.lengths, dim=2) for t in (q, k, v)]
-        return torch.cat([part.attend(layer, *qkv) for part, *qkv in zip(self.parts, *split)], dim=2)
+        windows: list[SlidingWindow | None] = [None] * len(self.parts)
+        if window is not None:  # each segment's own query positions
+            windows = [SlidingWindow(window.size, p) for p in window.positions.split(self.lengths, dim=1)]
+        return torch.cat([part.attend(layer, *qkv, window=w)
+                          for part, w, *qkv in zip(self.parts, windows, *split)], dim=2)
 
     def finish(self, num_tokens: int) -> None:
         for part, length in zip(self.parts, self.lengths):
@@ -189,13 +207,7 @@ def causal_mask(num_queries: int, num_keys: int, device: torch.device | str) -> 
     return (torch.arange(num_keys, device=device)[None, :] <= query_slots)[None, None]
 
 
-class FeedForward(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
+class FeedForward(GatedProjections):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, D] -> [B, T, D]
         gate_up = self.w_gate_up(x)  # [B, T, 2I]
         return self.w_down(layer_ops.run_silu_mul(gate_up))  # one call where the kernel runs (kernels/layer_ops.py)
@@ -231,12 +243,22 @@ class Transformer(nn.Module):
         on_meta = torch.get_default_device().type == "meta"
         empty = torch.empty(config.vocab_size, config.hidden_size) if on_meta else None
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, _weight=empty)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        gemma3 = config.gemma3 is not None
+        self.layers = nn.ModuleList((Gemma3Layer if gemma3 else DecoderLayer)(config) for _ in range(config.num_layers))
+        self.norm = (GemmaRMSNorm if gemma3 else RMSNorm)(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        # Gemma 3's sliding layers rotate with a base of their own; None elsewhere
+        self.register_buffer("inv_freq_local", local_inverse_frequencies(config) if gemma3 else None,
+                             persistent=False)
+
+    def reset_rope(self, device: torch.device | str) -> None:
+        """Recompute the RoPE buffers on ``device`` (a model built on the meta device has none to move)."""
+        self.inv_freq = rope_inverse_frequencies(self.config).to(device)
+        if self.config.gemma3 is not None:
+            self.inv_freq_local = local_inverse_frequencies(self.config).to(device)
 
     @property
     def device(self) -> torch.device:
@@ -257,8 +279,10 @@ class Transformer(nn.Module):
         return rope_tables(positions, self.inv_freq, self.dtype)
 
     def float_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The head over normed states h [..., D] -> fp32 logits [..., V] (:func:`float_outputs`)."""
-        return float_outputs(self.lm_head, h)
+        """The head over normed states h [..., D] -> fp32 logits [..., V] (:func:`float_outputs`; Gemma's soft cap
+        where the config has one)."""
+        logits = float_outputs(self.lm_head, h)
+        return logits if self.config.gemma3 is None else soft_capped(logits, self.config.gemma3.final_logit_softcapping)
 
     def forward(
         self,
@@ -282,12 +306,24 @@ class Transformer(nn.Module):
         wanted = set(hidden_layers)
         taps: dict[int, torch.Tensor] = {}
         x = self.embed(input_ids)  # [B, T, D]
+        gemma3 = self.config.gemma3
+        if gemma3 is not None:
+            x = scaled_embeddings(x, self.config.hidden_size)
         if input_offsets is not None:
             x = x + input_offsets.to(x.dtype)
-        # GGUF blocks: each layer in one C++ call (same bits), or None; that call has no q/k norms
-        fused = None if self.config.qk_norm else fused_layers(self, context, x)
+        # GGUF blocks: each layer in one C++ call (same bits), or None; that call has no q/k norms (nor Gemma's layer)
+        fused = None if self.config.qk_norm or gemma3 is not None else fused_layers(self, context, x)
+        if gemma3 is not None:  # the sliding layers: their own RoPE tables and the window
+            local = rope_tables(positions, self.inv_freq_local, self.dtype)
+            window = SlidingWindow(gemma3.sliding_window, positions)
         for index, layer in enumerate(self.layers):
-            x = fused(x, cos, sin, index) if fused is not None else layer(x, cos, sin, index, context)
+            if gemma3 is not None:
+                sliding = gemma3.is_sliding(index)
+                x = layer(x, *(local if sliding else (cos, sin)), index, context, window if sliding else None)
+            elif fused is not None:
+                x = fused(x, cos, sin, index)
+            else:
+                x = layer(x, cos, sin, index, context)
             if index in wanted:
                 taps[index] = x
         context.finish(seq)

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from dflash2.models.config import ModelConfig
-from dflash2.models.decoder import Transformer, rope_inverse_frequencies
+from dflash2.models.decoder import Transformer
 from dflash2.models.validate import check_model_dir
 
 __all__ = ["DTYPES", "build_transformer", "hf_to_lean_state_dict", "is_hf_linear", "parse_dtype", "quantize_linear_layers",
@@ -104,7 +104,11 @@ def hf_to_lean_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig, *, l
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         state[dst + "attn_norm.weight"] = hf.pop(src + "input_layernorm.weight")
-        state[dst + "ffn_norm.weight"] = hf.pop(src + "post_attention_layernorm.weight")
+        if config.gemma3 is not None:  # four norms: the post-attention one is not the feed-forward's
+            for lean, hf_name in GEMMA3_NORMS.items():
+                state[dst + lean] = hf.pop(src + hf_name)
+        else:
+            state[dst + "ffn_norm.weight"] = hf.pop(src + "post_attention_layernorm.weight")
         if config.qk_norm:  # Qwen3
             state[dst + "attn.q_norm.weight"] = hf.pop(src + "self_attn.q_norm.weight")
             state[dst + "attn.k_norm.weight"] = hf.pop(src + "self_attn.k_norm.weight")
@@ -118,6 +122,13 @@ def hf_to_lean_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig, *, l
         state[dst + "ffn.w_gate_up.weight"] = torch.cat([hf.pop(src + f"mlp.{p}_proj.weight") for p in ("gate", "up")])
         state[dst + "ffn.w_down.weight"] = hf.pop(src + "mlp.down_proj.weight")
     return state
+
+
+# Gemma 3's per-layer norms beyond input_layernorm: lean name -> Hugging Face name
+GEMMA3_NORMS = {"post_attn_norm.weight": "post_attention_layernorm.weight",
+                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+                "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"}
 
 
 def build_transformer(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -138,7 +149,7 @@ def build_transformer(config: ModelConfig, state: dict[str, torch.Tensor], dtype
         missing = [name for name in missing if not _is_lean_linear(name)]
     if missing or unexpected:
         raise ValueError(f"state dict does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    model.inv_freq = rope_inverse_frequencies(config).to(device)
+    model.reset_rope(device)
     return model.eval().requires_grad_(False)
 
 

@@ -172,6 +172,7 @@ def _config_sizes(path: Path) -> dict[str, int]:
     sizes["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
     sizes["qkv_bias"] = raw.get("model_type") == "qwen2" or bool(raw.get("attention_bias", False))
     sizes["qk_norm"] = raw.get("model_type") == "qwen3"
+    sizes["gemma3"] = raw.get("model_type") == "gemma3_text"
     return sizes
 
 
@@ -191,9 +192,12 @@ def expected_shapes(sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
                        p + "mlp.down_proj.weight": (hidden, ffn)})
         for name, rows in (("q", q), ("k", kv), ("v", kv)):
             shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
-        if sizes.get("qk_norm"):  # Qwen3
+        if sizes.get("qk_norm") or sizes.get("gemma3"):  # Qwen3, Gemma 3
             shapes.update({p + "self_attn.q_norm.weight": (sizes["head_dim"],),
                            p + "self_attn.k_norm.weight": (sizes["head_dim"],)})
+        if sizes.get("gemma3"):  # its norms before the feed-forward and after either branch
+            shapes.update({p + f"{name}_layernorm.weight": (hidden,) for name in ("pre_feedforward",
+                                                                                 "post_feedforward")})
     return shapes
 
 
