@@ -1,9 +1,12 @@
 """Structured output with and without speculation, through the server's batch engine (one request at a time).
 
 For every prompt of data/eval/structured/extraction.jsonl (24 extraction tasks with a JSON schema each), greedy:
-the reply under the schema's grammar with plain decoding and with the server's ``auto`` drafter. Checks that every
-reply parses and validates and that both replies are the same tokens; reports tokens/s of each and the grammar's
-cost (the constraint's mask and advance time) per target pass, as a share of a plain pass. Raw rows to --out.
+the reply under the schema's grammar with plain decoding and with the server's ``auto`` drafter, whose drafts the
+grammar shapes (drafters/grammar.py: forced tokens drafted, forbidden ones not), one after the other per prompt
+(``--unguided``: also ``auto`` with the drafter's own drafts, as before the shaping). Checks that every reply parses
+and validates and that the replies are the same tokens; reports tokens/s of each, acceptance by draft position,
+and the grammar's cost (the constraint's mask and advance time) per target pass, as a share of a plain pass. Raw
+rows to --out.
 
     nice -n 10 .venv/bin/python scripts/bench_structured.py --out /tmp/structured.jsonl [--threads 1]
 
@@ -33,6 +36,12 @@ class TimedConstraint(RequestConstraint):
     """The server's constraint, timing its own work (the grammar's part of each pass)."""
 
     seconds: float = 0.0
+    guided: bool = True  # drafts shaped by the grammar (False: the drafter's own, masked only at verification)
+    drafter = None  # the request's drafter as the engine wrapped it
+
+    def guide(self, drafter):
+        self.drafter = super().guide(drafter) if self.guided else drafter
+        return self.drafter
 
     def constrain(self, draft, logits):
         started = time.perf_counter()
@@ -48,8 +57,9 @@ class TimedConstraint(RequestConstraint):
 
 
 def run(batch: BatchEngine, grammars: Grammars, vocab: int, prompt_ids: list[int], schema: dict, drafter: str,
-        k: int, max_tokens: int) -> dict:
+        k: int, max_tokens: int, guided: bool = True) -> dict:
     constraint = TimedConstraint(XgrammarState(grammars.json_schema(schema)), vocab)
+    constraint.guided = guided
     request = BatchRequest(prompt_ids, max_tokens, drafter=drafter if k else "none", num_draft_tokens=k,
                            constraint=constraint)
     result = run_to_completion(batch, [request])[0]
@@ -61,7 +71,9 @@ def run(batch: BatchEngine, grammars: Grammars, vocab: int, prompt_ids: list[int
         valid = False
     return {"tokens": result.token_ids, "text": result.text, "valid": valid, "finish": result.finish_reason,
             "decode_s": stats.decode_seconds, "forwards": stats.target_forwards, "grammar_s": constraint.seconds,
-            "tau": stats.tau, "drafted": stats.drafted_by_position, "accepted": stats.accepted_by_position}
+            "tau": stats.tau, "drafted": stats.drafted_by_position, "accepted": stats.accepted_by_position,
+            "forced_drafts": getattr(constraint.drafter, "forced_drafts", 0),
+            "cut_drafts": getattr(constraint.drafter, "cut_drafts", 0)}
 
 
 def main() -> None:
@@ -71,6 +83,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="first N prompts only (0: all)")
     parser.add_argument("--out", default="/tmp/structured.jsonl")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--unguided", action="store_true", help="also run auto with unshaped drafts")
     parser.add_argument("--fixed-draft-length", action="store_true",
                         help="always draft the drafter's length (default: the server's planner, which drafts less "
                              "where its measured step costs say drafting does not pay)")
@@ -94,12 +107,37 @@ def main() -> None:
             auto = run(batch, grammars, vocab, prompt_ids, row["schema"], drafter, k, args.max_tokens)
             record = {"id": row["id"], "drafter": drafter, "k": k, "plain": plain, "auto": auto,
                       "identical": plain["tokens"] == auto["tokens"]}
+            if args.unguided:
+                record["unguided"] = run(batch, grammars, vocab, prompt_ids, row["schema"], drafter, k,
+                                         args.max_tokens, guided=False)
+                record["identical"] &= plain["tokens"] == record["unguided"]["tokens"]
             out.write(json.dumps(record) + "\n")
             out.flush()
             print(f"{row['id']:12s} tokens {len(plain['tokens']):3d} valid {plain['valid']}/{auto['valid']} "
                   f"identical {record['identical']} plain {len(plain['tokens']) / plain['decode_s']:.2f} tok/s, "
-                  f"auto {len(auto['tokens']) / auto['decode_s']:.2f} tok/s (tau {auto['tau']:.2f})", flush=True)
+                  f"auto {len(auto['tokens']) / auto['decode_s']:.2f} tok/s (tau {auto['tau']:.2f}, forced "
+                  f"{auto['forced_drafts']})" + (f", unguided {rate(record['unguided']):.2f} tok/s (tau "
+                                                   f"{record['unguided']['tau']:.2f})" if args.unguided else ""),
+                  flush=True)
     summarize(args.out)
+
+
+def rate(method: dict) -> float:
+    return len(method["tokens"]) / method["decode_s"]
+
+
+def acceptance(records: list[dict], method: str) -> str:
+    """Pooled acceptance by draft position: accepted / drafted at each position."""
+    drafted: list[int] = []
+    accepted: list[int] = []
+    for r in records:
+        for position, (d, a) in enumerate(zip(r[method]["drafted"], r[method]["accepted"])):
+            if position == len(drafted):
+                drafted.append(0)
+                accepted.append(0)
+            drafted[position] += d
+            accepted[position] += a
+    return " ".join(f"{100 * a / d:.0f}%" for d, a in zip(drafted, accepted) if d)
 
 
 def summarize(path: str) -> None:
@@ -115,6 +153,14 @@ def summarize(path: str) -> None:
           f"{sum(r['auto']['valid'] for r in records)}; identical {sum(r['identical'] for r in records)}")
     print(f"plain {plain_tokens / plain_s:.2f} tok/s, auto {auto_tokens / auto_s:.2f} tok/s "
           f"({plain_s / plain_tokens / (auto_s / auto_tokens):.2f}x)")
+    for method in ("auto", "unguided"):
+        if method in records[0]:
+            tokens = sum(len(r[method]["tokens"]) for r in records)
+            seconds = sum(r[method]["decode_s"] for r in records)
+            forwards = sum(r[method]["forwards"] for r in records)
+            print(f"{method}: {tokens / seconds:.2f} tok/s = {plain_s / plain_tokens / (seconds / tokens):.2f}x plain, "
+                  f"tau {tokens / forwards:.2f}, forced drafts {sum(r[method]['forced_drafts'] for r in records)}, "
+                  f"acceptance by position {acceptance(records, method)}")
     print(f"grammar per plain pass {1e3 * grammar_s / forwards:.2f} ms = {100 * grammar_s / forwards / step:.2f}% of "
           f"a plain pass ({1e3 * step:.1f} ms)")
 

@@ -1,7 +1,9 @@
 """Constrained decoding at T > 0 through the batch engine: with a grammar, requests decoded with DFlash drafts
 (sampled, q given), n-gram drafts and no drafts keep exactly the target's distribution renormalised over the
 allowed tokens at every position (the mask applied before the warps, as plain constrained decoding applies it),
-jointly and by position over their first four tokens (checks: tests/statistical/decode_paths.py).
+jointly and by position over their first four tokens (checks: tests/statistical/decode_paths.py). The drafts are
+shaped by the grammar on the way (drafters/grammar.py: forbidden sampled drafts replaced, forced tokens drafted,
+here also forced guesses that are not the only allowed token).
 
 The companion masks only the first row of a verify pass (the drafts' rows unmasked, as if the grammar state were
 not walked along the draft) and must be caught with fewer requests.
@@ -74,7 +76,19 @@ class RowZeroOnly(RequestConstraint):
                 self.grammar.accepted.append(token)
 
 
-def constrained_samples(target, count: int, constraint_type=RequestConstraint) -> dict[tuple[int, ...], torch.Tensor]:
+class GuessingGrammar(ModGrammar):
+    """ModGrammar that names a "forced" token after every odd number of tokens: its least allowed one, though others
+    are allowed too (a wrong jump-forward guess). The drafts then mix forced tokens (one-hot rows) with the drafter's
+    own tokens and its replaced forbidden ones (drafters/grammar.py); the distribution must not move."""
+
+    def forced_tokens(self) -> list[int]:
+        if len(self.accepted) % 2 == 0:
+            return []
+        return [next(t for t in range(self.vocab) if self.allowed(t))]
+
+
+def constrained_samples(target, count: int, constraint_type=RequestConstraint, grammar_type=ModGrammar
+                        ) -> dict[tuple[int, ...], torch.Tensor]:
     prompts = list(PROMPTS)
     requests = []
     for index in range(count):
@@ -83,7 +97,7 @@ def constrained_samples(target, count: int, constraint_type=RequestConstraint) -
         warp = PROMPTS[prompt]
         requests.append(BatchRequest(list(prompt), DEPTH, SamplingParams(temperature=warp.temperature, seed=index),
                                      drafter=drafter, num_draft_tokens=0 if drafter == "none" else 3,
-                                     constraint=constraint_type(ModGrammar(VOCAB), VOCAB)))
+                                     constraint=constraint_type(grammar_type(VOCAB), VOCAB)))
     results = run_to_completion(batch_engine(target), requests)
     out: dict[tuple[int, ...], list[list[int]]] = {prompt: [] for prompt in prompts}
     for request, result in zip(requests, results):
@@ -93,6 +107,11 @@ def constrained_samples(target, count: int, constraint_type=RequestConstraint) -
 
 def test_constrained_requests_have_the_masked_target_distribution(target):
     for prompt, samples in constrained_samples(target, REQUESTS).items():
+        assert_lossless(samples, exact_constrained_joint(target, list(prompt), PROMPTS[prompt]))
+
+
+def test_forced_drafts_keep_the_masked_target_distribution(target):
+    for prompt, samples in constrained_samples(target, REQUESTS, grammar_type=GuessingGrammar).items():
         assert_lossless(samples, exact_constrained_joint(target, list(prompt), PROMPTS[prompt]))
 
 

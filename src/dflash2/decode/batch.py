@@ -46,7 +46,7 @@ from dflash2.decode.ragged import RaggedRow, ragged_forward
 from dflash2.decode.batch_drafting import BatchDrafting
 from dflash2.decode.cost_model import Acceptance, ForwardCost
 from dflash2.decode.stats import DecodeStats
-from dflash2.decode.step import Hidden, empty_draft, prompt_observation, select_taps, settle
+from dflash2.decode.step import Hidden, empty_draft, guided, prompt_observation, select_taps, settle
 from dflash2.drafters.base import Draft, for_request, state_bytes
 from dflash2.kernels.threads import release_openmp_pool
 from dflash2.kv.paged import KVBudgetError, PagedKVPool
@@ -143,7 +143,7 @@ class BatchEngine:
     def _new_row(self, request: BatchRequest, handle: RequestHandle, sink: Sink) -> BatchRow:
         drafter = None
         if request.num_draft_tokens:
-            drafter = self.drafters[request.drafter]()
+            drafter = guided(self.drafters[request.drafter](), request.constraint)
         generator = None if request.params.greedy else request.params.make_generator(self.engine.target.device)
         return BatchRow(request, handle, sink, time.perf_counter(), drafter, generator,
                          OutputTracker(self.engine.tokenizer, request.max_new_tokens, request.stop),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -75,6 +75,22 @@ class LogitsConstraint(Protocol):
 
     def advance(self, emitted: list[int]) -> None:
         """The tokens the step committed (its state rolls back any speculative walk over the drafts)."""
+
+
+@runtime_checkable
+class GuidesDrafts(Protocol):
+    """A constraint that also shapes the request's drafts (a grammar: its forced tokens, no forbidden ones): drafts
+    are proposals only, so this changes speed, never the output."""
+
+    def guide(self, drafter: Drafter) -> Drafter:
+        """The request's drafter proposing under the constraint (``drafter`` itself when there is nothing to add)."""
+
+
+def guided(drafter: Drafter | None, constraint: LogitsConstraint | None) -> Drafter | None:
+    """The drafter a constrained request drafts with."""
+    if drafter is None or not isinstance(constraint, GuidesDrafts):
+        return drafter
+    return constraint.guide(drafter)
 
 
 def settle(

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from dflash2.drafters.base import Draft
+from dflash2.drafters.base import Draft, Drafter
+from dflash2.drafters.grammar import GrammarDrafter
 from dflash2.verify.grammar import apply_bitmask, decided_rows, draft_masks
 
 GRAMMAR_EXTRA = "pip install 'dflash2[grammar]'"
@@ -50,6 +51,12 @@ class XgrammarState:
 
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces from here (``drafters.grammar.DraftGrammar``): xgrammar's jump-forward
+        tokens (the last left out where a longer token could extend it); none with an xgrammar without them."""
+        find = getattr(self.matcher, "find_jump_forward_tokens", None)
+        return [] if find is None else list(find())
 
 
 class Grammars:
@@ -122,6 +129,11 @@ class RequestConstraint:
             return logits
         masks = draft_masks(self.grammar, draft.tokens.tolist(), draft.parents, self.vocab)  # [n + 1, W]
         return apply_bitmask(logits, masks.to(logits.device))
+
+    def guide(self, drafter: Drafter) -> Drafter:
+        """The request's drafter proposing under its grammar (``decode.step.GuidesDrafts``): forced tokens drafted,
+        forbidden ones not (proposals only: the output stays constrained plain decoding's)."""
+        return drafter if self.grammar is None else GrammarDrafter(drafter, self.grammar)
 
     def advance(self, emitted: list[int]) -> None:
         draft = self._draft
