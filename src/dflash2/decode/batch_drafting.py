@@ -15,7 +15,7 @@ from dflash2.decode.batch_types import BatchRow, RowDraft
 from dflash2.decode.cost_model import Acceptance, DraftCost, ForwardCost
 from dflash2.decode.scheduler import RowDrafts, plan_draft_lengths
 from dflash2.decode.step import fit_draft
-from dflash2.drafters.base import Draft, Drafter, runs_a_pass, shared_pass, unread
+from dflash2.drafters.base import Draft, Drafter, free_draft, runs_a_pass, shared_pass, unread
 from dflash2.verify import SamplingParams
 
 log = logging.getLogger("dflash2.batch")
@@ -133,8 +133,11 @@ class BatchDrafting:
     def _propose(self, seq: BatchRow, k: int, network: Hashable | None = None) -> RowDraft:
         """One request's draft alone; ``network``: the shared network whose pass this is (its time joins that
         network's cost curve), None for a drafter that drafts alone."""
-        if seq.drafter is None or k <= 0:
+        if seq.drafter is None:
             return RowDraft(None)
+        if k <= 0:  # no drafts granted; tokens known without a pass (a grammar's forced ones) cost only their rows
+            free = free_draft(seq.drafter, seq.sequence)
+            return RowDraft(None) if free is None else RowDraft(self._fit(seq, free), by_lookup=True)
         timed = runs_a_pass(seq.drafter, seq.sequence, k)  # a lookup's ~0 s would blur the network's cost
         backlog, started = unread(seq.drafter, seq.sequence), time.perf_counter()
         draft = seq.drafter.propose(seq.sequence, k, seq.request.params, seq.generator)

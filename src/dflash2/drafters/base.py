@@ -13,6 +13,8 @@ Capabilities are runtime-checkable protocols; a caller checks ``isinstance`` and
   draft runs the network at all. Without: nothing to read, every draft a pass.
 - :class:`SharesPasses` / :class:`BatchesPasses` (batch engine): drafts that are passes of one network shared by
   several requests, run as one forward. Without: each request drafts alone.
+- :class:`DraftsForFree` (batch engine): tokens known without a pass, proposed where the planner grants no drafts.
+  Without: no drafts there.
 - :class:`DraftsAhead` (overlapped pipeline): a draft of the block after the one being verified. Without: no
   drafting ahead. :class:`ExtendsAhead` gives it to a drafter that reads ids only.
 
@@ -174,6 +176,15 @@ class DraftsAhead(Protocol):
         a later ``propose`` / ``observe`` of the true sequence would not repair (the rollback)."""
 
 
+@runtime_checkable
+class DraftsForFree(Protocol):
+    """A drafter that sometimes knows tokens without running anything (a grammar's forced tokens): the batch engine
+    proposes them where its planner grants no drafts, since they cost only their verification rows."""
+
+    def free_draft(self, sequence: list[int]) -> Draft | None:
+        """A chain to follow ``sequence`` that costs no drafter pass; None: nothing known for free."""
+
+
 class ExtendsAhead:
     """:class:`DraftsAhead` for a drafter that needs no target states: it drafts from the extended sequence (one
     more token: the bonus guess)."""
@@ -209,6 +220,11 @@ def unread(drafter: Drafter, sequence: list[int]) -> int:
 def runs_a_pass(drafter: Drafter, sequence: list[int], num_draft_tokens: int) -> bool:
     """Whether the next draft runs the drafter's network (every draft does, unless the drafter may look up)."""
     return drafter.runs_a_pass(sequence, num_draft_tokens) if isinstance(drafter, MayLookUp) else True
+
+
+def free_draft(drafter: Drafter, sequence: list[int]) -> Draft | None:
+    """The draft ``drafter`` offers without a pass (None: none, or it never does)."""
+    return drafter.free_draft(sequence) if isinstance(drafter, DraftsForFree) else None
 
 
 def shared_pass(drafter: Drafter, sequence: list[int], num_draft_tokens: int) -> tuple[BatchesPasses, int] | None:

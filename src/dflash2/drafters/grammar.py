@@ -49,7 +49,8 @@ class DraftGrammar(GrammarState, Protocol):
 class GrammarDrafter(Drafter):
     """``inner``'s chain drafts fitted to ``grammar`` (see the module doc); every other verb goes to ``inner``.
 
-    Capabilities: ``KeepsState`` and ``CatchesUp`` through ``inner``, ``MayLookUp`` (``inner``'s answer). Not
+    Capabilities: ``KeepsState`` and ``CatchesUp`` through ``inner``, ``MayLookUp`` (``inner``'s answer),
+    ``DraftsForFree`` (the forced tokens, where the batch planner grants no drafts). Not
     ``SharesPasses``: a shared pass's draft would skip the grammar, so a constrained request drafts alone."""
 
     def __init__(self, inner: Drafter, grammar: DraftGrammar | GrammarState, max_forced_extra: int = MAX_FORCED_EXTRA) -> None:
@@ -98,6 +99,13 @@ class GrammarDrafter(Drafter):
         if draft.parents is not None:
             return draft
         return self.shape(draft, num_draft_tokens + self.max_forced_extra)
+
+    def free_draft(self, sequence: list[int]) -> Draft | None:
+        """The tokens the grammar forces from here, without the drafter (where the planner grants no drafts)."""
+        if self.grammar.terminated():
+            return None
+        draft = self.shape(Draft(tokens=torch.zeros(0, dtype=torch.int64), q_draft=None), self.max_forced_extra)
+        return draft if len(draft.tokens) else None
 
     def shape(self, draft: Draft, limit: int) -> Draft:
         """The chain ``draft`` fitted to the grammar from its current state (left there on return), at most

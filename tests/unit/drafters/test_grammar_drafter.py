@@ -131,6 +131,14 @@ def test_forced_tokens_in_a_sampled_chain_are_one_hot():
     assert torch.equal(draft.q_draft[0], q[0]) and torch.equal(draft.q_draft[2], q[2])
 
 
+def test_free_drafts_are_the_forced_run_alone():
+    grammar = SlotGrammar(20, [{1, 2}, 7, 8, {3, 4}], stop=0)
+    wrapper = GrammarDrafter(FixedDrafter([9, 9]), grammar)
+    assert wrapper.free_draft([1]) is None  # a choice first: nothing known
+    grammar.accept(2)
+    assert wrapper.free_draft([1]).tokens.tolist() == [7, 8] and grammar.accepted == [2]
+
+
 def test_the_wrapper_passes_trees_and_the_drafters_verbs_through():
     grammar = ModGrammar(10)
     tree = Draft(torch.tensor([2, 2]), None, parents=[-1, -1])
@@ -146,7 +154,8 @@ def test_the_wrapper_passes_trees_and_the_drafters_verbs_through():
     assert wrapper.max_draft_tokens > inner.max_draft_tokens
 
 
-def test_constrained_run_with_forced_drafts_equals_plain(engine):  # noqa: F811
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_constrained_run_with_forced_drafts_equals_plain(engine, adaptive):  # noqa: F811
     """The batch engine wraps the request's drafter (RequestConstraint.guide); drafts that are forced, cut or
     wrong leave greedy output as constrained plain decoding's."""
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
@@ -154,7 +163,7 @@ def test_constrained_run_with_forced_drafts_equals_plain(engine):  # noqa: F811
     slots = [{1, 3, 5, 7, 9}, 4, 6, {10, 11, 12}, 8, 2, 4, set(range(13, 40)), 3, 5] * 3
 
     def run(drafter, k):
-        batch = BatchEngine(engine, BatchConfig(num_blocks=32, block_size=8, adaptive_drafts=False),
+        batch = BatchEngine(engine, BatchConfig(num_blocks=32, block_size=8, adaptive_drafts=adaptive),
                             {} if drafter is None else {"d": drafter})
         constraint = RequestConstraint(SlotGrammar(vocab, slots, stop=0), vocab)
         request = BatchRequest(prompt, 20, drafter="d" if k else "none", num_draft_tokens=k, constraint=constraint)
@@ -167,4 +176,4 @@ def test_constrained_run_with_forced_drafts_equals_plain(engine):  # noqa: F811
     for drafter in (lambda: ReplayDrafter(prompt, plain, 3), lambda: FixedDrafter([1, 2, 3])):
         tokens, stats = run(drafter, 3)
         assert tokens == plain
-        assert stats.target_forwards < len(plain) / 2  # forced runs are drafted and accepted
+        assert stats.target_forwards < len(plain) / 2  # forced runs are drafted (free where no drafts are granted)
