@@ -339,7 +339,8 @@ async def _generate(request: Request, batch: BatchEngine, config: ServerConfig, 
                     grammars: Grammars | None, *, chat: bool):
     batch_request = _batch_request(batch, config, body, prompt_ids)
     batch_request.constraint = await request_constraint(body, grammars, batch.engine.target.config.vocab_size)
-    reply = Reply(chat, batch.engine.tokenizer, batch_request.constraint, calls_tools(body))
+    reply = Reply(chat, batch.engine.tokenizer, batch_request.constraint, calls_tools(body),
+                  tuple(body.tool_names()) if chat else ())
     relay = _Relay()
     try:
         handle = batch.submit(batch_request, relay.sink)

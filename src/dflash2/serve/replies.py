@@ -87,6 +87,7 @@ class Reply:
     tokenizer: Any
     constraint: RequestConstraint | None
     tools: bool  # parse tool calls out of the text
+    tool_names: tuple[str, ...] = ()  # the offered tools: a fenced JSON call of one of them counts (serve/tools.py)
     _logprobs_sent: int = 0
     _chars_sent: int = 0
     _stream: ToolCallStream | None = None
@@ -96,7 +97,7 @@ class Reply:
         entries = self._entries(len(result.token_ids))
         if not self.chat:
             return completion_choice(result.text, finish_reason(result.finish_reason), self._logprobs(entries))
-        parsed = parse_reply(result.text) if self.tools else None
+        parsed = parse_reply(result.text, self.tool_names) if self.tools else None
         calls = parsed.tool_calls if parsed else []
         content = parsed.content if parsed else result.text
         return chat_message(content, calls, finish_reason(result.finish_reason, bool(calls)), self._logprobs(entries))
@@ -121,7 +122,7 @@ class Reply:
     def _split(self, text: str) -> tuple[str, list[dict]]:
         if not self.tools:
             return text, []
-        self._stream = self._stream or ToolCallStream()
+        self._stream = self._stream or ToolCallStream(self.tool_names)
         text, calls = self._stream.push(text)
         self._called = self._called or bool(calls)
         return text, calls
