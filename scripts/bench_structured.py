@@ -2,7 +2,8 @@
 
 For every prompt of data/eval/structured/extraction.jsonl (24 extraction tasks with a JSON schema each), greedy:
 the reply under the schema's grammar with plain decoding and with the server's ``auto`` drafter, whose drafts the
-grammar shapes (drafters/grammar.py: forced tokens drafted, forbidden ones not), one after the other per prompt
+grammar shapes (drafters/grammar.py: forced tokens drafted, forbidden ones not, grammar-checked lookups), one
+after the other per prompt
 (``--unguided``: also ``auto`` with the drafter's own drafts, as before the shaping). Checks that every reply parses
 and validates and that the replies are the same tokens; reports tokens/s of each, acceptance by draft position,
 and the grammar's cost (the constraint's mask and advance time) per target pass, as a share of a plain pass. Raw
@@ -73,7 +74,8 @@ def run(batch: BatchEngine, grammars: Grammars, vocab: int, prompt_ids: list[int
             "decode_s": stats.decode_seconds, "forwards": stats.target_forwards, "grammar_s": constraint.seconds,
             "tau": stats.tau, "drafted": stats.drafted_by_position, "accepted": stats.accepted_by_position,
             "forced_drafts": getattr(constraint.drafter, "forced_drafts", 0),
-            "cut_drafts": getattr(constraint.drafter, "cut_drafts", 0)}
+            "cut_drafts": getattr(constraint.drafter, "cut_drafts", 0),
+            "looked_up_drafts": getattr(constraint.drafter, "looked_up_drafts", 0)}
 
 
 def main() -> None:
@@ -160,6 +162,7 @@ def summarize(path: str) -> None:
             forwards = sum(r[method]["forwards"] for r in records)
             print(f"{method}: {tokens / seconds:.2f} tok/s = {plain_s / plain_tokens / (seconds / tokens):.2f}x plain, "
                   f"tau {tokens / forwards:.2f}, forced drafts {sum(r[method]['forced_drafts'] for r in records)}, "
+                  f"looked up {sum(r[method].get('looked_up_drafts', 0) for r in records)}, "
                   f"acceptance by position {acceptance(records, method)}")
     print(f"grammar per plain pass {1e3 * grammar_s / forwards:.2f} ms = {100 * grammar_s / forwards / step:.2f}% of "
           f"a plain pass ({1e3 * step:.1f} ms)")

@@ -9,10 +9,14 @@ request's grammar state along the draft position by position:
   first forced token is the draft there, and the draft may run past the drafter's length while tokens are forced;
 - else the drafter's token at that position, while the draft so far equals the drafter's own (after a forced token
   that differs from the drafter's, its later tokens were drafted for another prefix and are dropped);
-- a drafter token the grammar forbids ends the draft (greedy, deterministic drafts: verification would reject it
-  for certain); a sampled one is replaced by the likeliest allowed token of that position's distribution, which
-  becomes ``q`` restricted to the allowed tokens with the forbidden mass moved onto the replacement: the token is
-  drawn from exactly that distribution, so rejection sampling against it stays exact.
+- a sampled drafter token the grammar forbids is replaced by the likeliest allowed token of that position's
+  distribution, which becomes ``q`` restricted to the allowed tokens with the forbidden mass moved onto the
+  replacement: the token is drawn from exactly that distribution, so rejection sampling against it stays exact;
+- where the drafter has nothing for the prefix (its draft is used up, follows another prefix, or its deterministic
+  token is forbidden: verification would reject it for certain), a grammar-checked lookup: the token that followed
+  an earlier occurrence of the last tokens (prompt lookup, longest match first), the first such the grammar allows,
+  up to the drafter's length. JSON repeats itself (the punctuation and indentation between fields; values copied
+  from the prompt): on the default target's extraction replies forced plus looked-up tokens alone reach tau ~2.
 
 Only proposals change: verification masks the target's logits exactly as before (``verify/grammar.py``), so greedy
 output equals constrained plain decoding and sampled output keeps the constrained target's distribution. Forced
@@ -32,10 +36,13 @@ from typing import Protocol
 import torch
 
 from dflash2.drafters.base import Draft, Drafter, KeepsState, runs_a_pass, state_bytes, unread
+from dflash2.drafters.ngram import find_ngram_candidates
 from dflash2.verify.grammar import GrammarState, full_bitmask, unpack_bitmask
 from dflash2.verify.sampling import SamplingParams
 
 MAX_FORCED_EXTRA = 8  # forced tokens a draft may hold past the drafter's length (a long key is ~2-4 tokens)
+LOOKUP_CANDIDATES = 4  # continuations of the context's suffix tried against the grammar, longest match first
+LOOKUP_MAX_MATCH = 4  # suffix tokens matched at most
 
 
 class DraftGrammar(GrammarState, Protocol):
@@ -62,6 +69,7 @@ class GrammarDrafter(Drafter):
         self.cost_per_pass = inner.cost_per_pass
         self.forced_drafts = 0  # draft tokens the grammar forced (counters for benchmarks)
         self.cut_drafts = 0  # drafter tokens dropped or replaced because the grammar forbids them
+        self.looked_up_drafts = 0  # draft tokens from the grammar-checked lookup
 
     @property
     def max_draft_tokens(self) -> int:
@@ -98,18 +106,19 @@ class GrammarDrafter(Drafter):
         draft = self.inner.propose(sequence, num_draft_tokens, params, generator)
         if draft.parents is not None:
             return draft
-        return self.shape(draft, num_draft_tokens + self.max_forced_extra)
+        return self.shape(draft, sequence, num_draft_tokens, num_draft_tokens + self.max_forced_extra)
 
     def free_draft(self, sequence: list[int]) -> Draft | None:
-        """The tokens the grammar forces from here, without the drafter (where the planner grants no drafts)."""
+        """Forced and looked-up tokens from here, without the drafter (where the planner grants no drafts)."""
         if self.grammar.terminated():
             return None
-        draft = self.shape(Draft(tokens=torch.zeros(0, dtype=torch.int64), q_draft=None), self.max_forced_extra)
+        empty = Draft(tokens=torch.zeros(0, dtype=torch.int64), q_draft=None)
+        draft = self.shape(empty, sequence, self.num_draft_tokens, self.num_draft_tokens + self.max_forced_extra)
         return draft if len(draft.tokens) else None
 
-    def shape(self, draft: Draft, limit: int) -> Draft:
-        """The chain ``draft`` fitted to the grammar from its current state (left there on return), at most
-        ``limit`` tokens, past ``len(draft.tokens)`` only while forced."""
+    def shape(self, draft: Draft, sequence: list[int], lookup_limit: int, limit: int) -> Draft:
+        """The chain ``draft`` (following ``sequence``) fitted to the grammar from its current state (left there on
+        return): at most ``limit`` tokens, looked-up ones only before ``lookup_limit``, forced ones up to ``limit``."""
         drafted = draft.tokens.tolist()
         tokens: list[int] = []
         rows: list[torch.Tensor | None] = []  # per token its q row; None: deterministic (forced)
@@ -124,24 +133,35 @@ class GrammarDrafter(Drafter):
                     if not self.grammar.accept(token):
                         break
                     self.forced_drafts += token != ours
-                elif ours is None:
-                    break
-                elif self.grammar.accept(ours):
+                elif ours is not None and self.grammar.accept(ours):
                     token, row = ours, None if draft.q_draft is None else draft.q_draft[position]
-                elif draft.q_draft is None:
-                    self.cut_drafts += 1
-                    break  # a deterministic draft the grammar forbids: verification rejects it for certain
-                else:
+                elif ours is not None and draft.q_draft is not None:
                     self.cut_drafts += 1
                     token, row = self._replace(draft.q_draft[position])
                     if not self.grammar.accept(token):
                         break
+                else:  # the drafter has nothing (more) for this prefix, or a deterministic token the grammar forbids
+                    self.cut_drafts += ours is not None
+                    token = self._look_up(sequence + tokens) if position < lookup_limit else None
+                    if token is None:
+                        break
+                    row = None
+                    self.looked_up_drafts += 1
                 aligned = aligned and token == ours
                 tokens.append(token)
                 rows.append(row)
         finally:
             self.grammar.rollback(len(tokens))
         return Draft(tokens=torch.tensor(tokens, dtype=torch.int64), q_draft=_q_rows(draft.q_draft, tokens, rows))
+
+    def _look_up(self, context: list[int]) -> int | None:
+        """The next token where the context's last tokens occurred before (longest match first), among those the
+        grammar allows; accepted into the grammar state. JSON repeats itself: the punctuation and indentation
+        between fields, the values copied from the prompt."""
+        for (token,) in find_ngram_candidates(context, 1, LOOKUP_CANDIDATES, 1, LOOKUP_MAX_MATCH):
+            if self.grammar.accept(token):
+                return token
+        return None
 
     def _replace(self, q: torch.Tensor) -> tuple[int, torch.Tensor]:
         """A sampled draft the grammar forbids -> the likeliest allowed token of ``q`` [V] and the distribution

@@ -97,19 +97,32 @@ def test_shaped_drafts_never_hold_a_forbidden_token(seed):
     assert grammar.accepted == before
     fresh = ModGrammar(vocab, length=grammar.length, stop=0)
     assert all(fresh.accept(t) for t in before + draft.tokens.tolist())
+    walk = ModGrammar(vocab, length=grammar.length, stop=0)
+    assert all(walk.accept(t) for t in before)
+    allowed = 0  # the drafter's tokens up to its first forbidden one
+    while allowed < k and walk.accept(tokens[allowed]):
+        allowed += 1
+    assert draft.tokens.tolist()[:allowed] == tokens[: min(allowed, len(draft.tokens))]
     if not sampled:
         assert draft.q_draft is None
-        assert tokens[: len(draft.tokens)] == draft.tokens.tolist()  # a prefix: cut at the first forbidden one
-    else:  # drafted up to the first forbidden token, which is replaced; each row a distribution holding its token
-        walk = ModGrammar(vocab, length=grammar.length, stop=0)
-        assert all(walk.accept(t) for t in before)
-        allowed = 0
-        while allowed < k and walk.accept(tokens[allowed]):
-            allowed += 1
-        assert len(draft.tokens) == min(k, allowed + 1) or fresh.terminated()
-        assert draft.tokens.tolist()[:allowed] == tokens[: min(allowed, len(draft.tokens))]
+        assert len(draft.tokens) >= allowed or fresh.terminated()
+    else:  # the first forbidden one replaced; each row a distribution holding its token
+        assert len(draft.tokens) >= min(k, allowed + 1) or fresh.terminated()
         assert torch.allclose(draft.q_draft.sum(-1), torch.ones(len(draft.tokens)))
         assert (draft.q_draft[torch.arange(len(draft.tokens)), draft.tokens] > 0).all()
+
+
+def test_lookups_continue_earlier_occurrences_the_grammar_allows():
+    grammar = ModGrammar(40)  # t may follow l iff t != l and (l + t) % 3 != 0
+    sequence = [1, 3, 7, 9, 4, 12, 22, 1, 3]
+    assert all(grammar.accept(t) for t in sequence)
+    draft = GrammarDrafter(FixedDrafter([0] * 6), grammar).free_draft(sequence)  # up to its k = 6 looked up
+    assert draft.tokens.tolist()[:4] == [7, 9, 4, 12]  # what followed "1 3" before
+    assert grammar.accepted == sequence
+    # a continuation the grammar forbids is not proposed: 9 -> 3 is allowed in the text, not by (9 + 3) % 3
+    grammar = ModGrammar(40)
+    grammar.accepted = [9]
+    assert GrammarDrafter(FixedDrafter([]), grammar).free_draft([9, 3, 9]) is None
 
 
 def test_a_sampled_forbidden_draft_is_replaced_with_its_distribution():
