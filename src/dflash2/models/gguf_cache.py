@@ -19,8 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +30,11 @@ from dflash2.kernels import gguf_blocks, gguf_packing
 from dflash2.kernels.boundary import check_packed_blocks
 from dflash2.kernels.gguf_packing import PackedBlocks
 from dflash2.models.config import ModelConfig
-from dflash2.models.quant_cache import QuantCacheError, _write_safetensors, cache_enabled
+from dflash2.models.quant_cache import QuantCacheError, cache_enabled, write_cache_file
 from dflash2.models.store import home
 from dflash2.models.validate import check_safetensors
 
-__all__ = ["CACHE_VERSION", "GgufCache", "layout_tag"]
+__all__ = ["CACHE_VERSION", "GgufCache", "layout_tag", "read_runs", "run_tensors"]
 
 CACHE_VERSION = "1"
 CACHE_DIR = "gguf-blocks"
@@ -101,14 +99,7 @@ class GgufCache:
             names = set(handle.keys())
             layers: Layers = {}
             for layer in layer_sources(config):
-                parts = []
-                for i, meta in enumerate(runs[layer]):
-                    tensors = {p: handle.get_tensor(f"{layer}.{i}.{p}") for p in _PARTS if f"{layer}.{i}.{p}" in names}
-                    part = PackedBlocks(weight=tensors["weight"], scale=tensors["scale"], offset=tensors.get("offset"),
-                                        sub_scales=tensors.get("sub_scales"), offset_mult=tensors.get("offset_mult"),
-                                        **meta)
-                    check_packed_blocks(part, f"{layer} run {i}")  # a KernelInputError: rebuilt, not read past
-                    parts.append(part)
+                parts = read_runs(handle, names, layer, runs[layer])
                 bias = handle.get_tensor(f"{layer}.bias") if f"{layer}.bias" in names else None
                 layers[layer] = (parts, bias)
         return layers
@@ -119,20 +110,26 @@ class GgufCache:
         runs: dict[str, list[dict]] = {}
         for layer, (parts, bias) in layers.items():
             runs[layer] = [part.meta() for part in parts]
-            for i, part in enumerate(parts):
-                tensors.update({f"{layer}.{i}.{name}": t for name, t in part.tensors().items()})
+            tensors.update(run_tensors(layer, parts))
             if bias is not None:
                 tensors[f"{layer}.bias"] = bias
-        metadata = {**self.metadata, "runs": json.dumps(runs, separators=(",", ":"))}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".part", dir=self.path.parent)
-        try:
-            with os.fdopen(handle, "wb") as out:
-                _write_safetensors(out, tensors, metadata, "writing the gguf block cache")
-                out.flush()
-                os.fsync(out.fileno())
-            os.chmod(temp, 0o644)
-            os.replace(temp, self.path)
-        except BaseException:
-            Path(temp).unlink(missing_ok=True)
-            raise
+        write_cache_file(self.path, tensors, {**self.metadata, "runs": json.dumps(runs, separators=(",", ":"))})
+
+
+def run_tensors(layer: str, parts: list[PackedBlocks]) -> dict[str, torch.Tensor]:
+    """The tensors of a layer's runs of blocks under their cache names (``<layer>.<run>.<part>``); each run's
+    parameters (``PackedBlocks.meta``) go in the file's metadata."""
+    return {f"{layer}.{i}.{name}": t for i, part in enumerate(parts) for name, t in part.tensors().items()}
+
+
+def read_runs(handle, names: set[str], layer: str, metas: list[dict]) -> list[PackedBlocks]:
+    """A layer's runs of blocks from an open cache file (``names``: its tensor names), each checked against the
+    layout its parameters describe (a KernelInputError: the caller rebuilds, nothing reads past a tensor)."""
+    parts = []
+    for i, meta in enumerate(metas):
+        tensors = {p: handle.get_tensor(f"{layer}.{i}.{p}") for p in _PARTS if f"{layer}.{i}.{p}" in names}
+        part = PackedBlocks(weight=tensors["weight"], scale=tensors["scale"], offset=tensors.get("offset"),
+                            sub_scales=tensors.get("sub_scales"), offset_mult=tensors.get("offset_mult"), **meta)
+        check_packed_blocks(part, f"{layer} run {i}")
+        parts.append(part)
+    return parts

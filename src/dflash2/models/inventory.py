@@ -4,7 +4,8 @@ A stored model is everything under ``home()`` that belongs to one name: for a re
 (``gguf/<name>.gguf``) and its folder ``models/<name>/``; for a ``.gguf`` file given by path its folder
 ``models/gguf-<sha12>/`` (named by the file's sha256, recorded with the file's path in ``dflash2_source.json``).
 A model folder holds one converted directory per dtype (``bf16/``, ...) and the caches the loaders write beside
-them (quantized layers ``<dtype>-<weights>/``, packed GGUF blocks ``gguf-blocks/``, ...); all of it goes with
+them (quantized layers ``<dtype>-<weights>/``, packed GGUF blocks ``gguf-blocks/``, PARD drafters merged with their
+adapter ``<dtype>-pard-<weights>-<adapter>/``, ...); all of it goes with
 ``remove``. Hashes shown are the recorded ones (the registry's pinned GGUF sha256, each converted directory's
 ``dflash2_files.json``); ``dflash2 models verify`` re-hashes.
 """
@@ -20,6 +21,7 @@ from dflash2.models.chunks import ModelStoreError, _remove_quietly
 from dflash2.models.gguf_convert import DTYPES
 
 GGUF_PREFIX = "gguf-"  # models/gguf-<sha12>/: conversions of .gguf files given by path
+PARD_MARK = "-pard-"  # models/<base>/<dtype>-pard-<weights>-<adapter>/: a merged PARD drafter (drafters/pard_load.py)
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,9 @@ def _format(directory: Path) -> str:
         return f"safetensors {name}"
     if name == "gguf-blocks":
         return "packed GGUF blocks (--weights gguf)"
+    if PARD_MARK in name:  # drafters/pard_load.py: <dtype>-pard-<weights>-<adapter>
+        weights, _, adapter = name.split(PARD_MARK, 1)[1].partition("-")
+        return f"merged PARD drafter ({weights}, adapter {adapter})"
     if "-packed-" in name:
         return f"packed panels for the {name.split('-packed-')[1]} kernel"
     if "-" in name and name.split("-")[0] in DTYPES:

@@ -14,6 +14,11 @@ Its metadata records the cache version, the backend (the panel layout differs pe
 code (:func:`layout_tag`), the load dtype and the source's identity (:func:`quant_cache.source_identity`); a cache
 that does not match is reported by one warning and rewritten. Written to a temporary file renamed into place.
 Only directories in the store are cached; ``DFLASH2_QUANT_CACHE=off`` disables this cache too.
+
+:class:`ModelCache` is the file format without the choice of where and for what: any decoder whose linear layers
+are ``PackedLinear`` or ``GgufLinear`` (runs of GGUF blocks, their tensors named as in ``models/gguf_cache.py``,
+their parameters in the metadata key ``runs``). The merged, quantized PARD drafter is cached with it
+(``drafters/pard_load.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +36,10 @@ from safetensors import SafetensorError, safe_open
 
 from dflash2.kernels import amx
 from dflash2.kernels import packed_linear as pl
+from dflash2.kernels.gguf_linear import GgufLinear, gguf_backend
 from dflash2.models.config import ModelConfig
 from dflash2.models.decoder import Transformer
+from dflash2.models.gguf_cache import read_runs, run_tensors
 from dflash2.models.quant_cache import (
     QuantCacheError,
     _dtype_name,
@@ -46,19 +54,84 @@ from dflash2.models.quant_cache import (
 from dflash2.models.state_dict import build_transformer
 from dflash2.models.validate import ModelFileError, check_safetensors
 
-__all__ = ["CACHE_FILE", "CACHE_VERSION", "PackedCache", "layout_tag"]
+__all__ = ["CACHE_FILE", "CACHE_VERSION", "ModelCache", "PackedCache", "layout_tag"]
 
 CACHE_VERSION = "1"
 CACHE_FILE = "packed.safetensors"
 STATE_PREFIX = "state."
+RUNS = "runs"  # metadata key: {layer: [each run's PackedBlocks.meta()]} of the GgufLinear layers
 
 
 @dataclass(frozen=True)
-class PackedCache:
-    """Where the packed model of one (source directory, load dtype, backend) lives and what it must match."""
+class ModelCache:
+    """One cached decoder: its file and what the file's metadata must hold (the identity of everything that decided
+    its bytes). Reading maps the file; a file that does not match or does not fit is reported by one warning naming
+    ``kind`` and read as absent (the caller builds the model again and rewrites it)."""
 
-    path: Path  # .../packed.safetensors
+    path: Path
     metadata: dict[str, str]  # what the file's metadata must hold, exactly
+    kind: str = "packed-weight cache"  # how the warning names it
+
+    def read(self, config: ModelConfig, dtype: torch.dtype, out_features: dict[str, int] | None = None
+             ) -> Transformer | None:
+        """The decoder, its linear layers views of the mapped file; None when there is no usable cache.
+        ``out_features``: layers whose output count is not the config's (a drafter's head over a draft
+        vocabulary)."""
+        if not self.path.is_file():
+            return None
+        try:
+            return self._read(config, dtype, out_features or {})
+        except (QuantCacheError, ModelFileError, SafetensorError, OSError, KeyError, TypeError, ValueError) as error:
+            warnings.warn(f"dflash2: ignoring the {self.kind} {self.path} ({error}); building it again and "
+                          "rewriting it", RuntimeWarning, stacklevel=3)
+            return None
+
+    def _read(self, config: ModelConfig, dtype: torch.dtype, out_features: dict[str, int]) -> Transformer:
+        check_safetensors(self.path)  # offsets and sizes against the file before it is mapped
+        with safe_open(str(self.path), framework="pt") as handle:
+            found = handle.metadata() or {}
+            mismatch = metadata_mismatch(found, self.metadata)
+            if mismatch:
+                raise QuantCacheError(mismatch)
+            runs = json.loads(found.get(RUNS, "{}"))
+            names = set(handle.keys())
+            state = {name[len(STATE_PREFIX):]: handle.get_tensor(name) for name in names
+                     if name.startswith(STATE_PREFIX)}
+            model = build_transformer(config, state, dtype, "cpu", linear=False)
+            layers = {}
+            for layer, linear in _linear_layers(model).items():
+                bias = handle.get_tensor(f"{layer}.bias") if f"{layer}.bias" in names else None
+                n = out_features.get(layer, linear.out_features)
+                if layer in runs:
+                    layers[layer] = _gguf_layer(linear, n, read_runs(handle, names, layer, runs[layer]), bias)
+                else:
+                    layers[layer] = _layer(linear, n, handle.get_tensor(f"{layer}.weight"), bias, found["backend"])
+        _install(model, layers)
+        return model
+
+    def write(self, model: Transformer) -> None:
+        """Write ``model`` (its linear layers packed or in GGUF blocks) atomically."""
+        tensors, runs = {}, {}
+        backend = self.metadata.get("backend")
+        for layer, module in _linear_layers(model).items():
+            if isinstance(module, GgufLinear):
+                runs[layer] = [part.meta() for part in module.parts]
+                tensors.update(run_tensors(layer, module.parts))
+            elif isinstance(module, pl.PackedLinear) and module.backend == backend:
+                tensors[f"{layer}.weight"] = module.weight_data
+            else:
+                raise TypeError(f"{layer} is neither a GgufLinear nor a PackedLinear on {backend}")
+            if module.bias_data is not None:
+                tensors[f"{layer}.bias"] = module.bias_data
+        for name, tensor in model.state_dict().items():  # the rest: embedding, norms (the layers hold no state)
+            tensors[STATE_PREFIX + name] = tensor
+        metadata = {**self.metadata, RUNS: json.dumps(runs, separators=(",", ":"))} if runs else self.metadata
+        write_cache_file(self.path, _unique(tensors), metadata)
+
+
+@dataclass(frozen=True)
+class PackedCache(ModelCache):
+    """Where the packed model of one (source directory, load dtype, backend) lives and what it must match."""
 
     @classmethod
     def for_model(cls, model_dir: Path, dtype: torch.dtype) -> "PackedCache | None":
@@ -79,48 +152,6 @@ class PackedCache:
                     "dtype": load, "source": source_identity(source)}
         return cls(source.parent / folder / CACHE_FILE, metadata)
 
-    def read(self, config: ModelConfig, dtype: torch.dtype) -> Transformer | None:
-        """The packed decoder, its tensors views of the mapped file; None when there is no usable cache (a cache
-        that does not match is reported by one warning)."""
-        if not self.path.is_file():
-            return None
-        try:
-            return self._read(config, dtype)
-        except (QuantCacheError, ModelFileError, SafetensorError, OSError, KeyError) as error:
-            warnings.warn(f"dflash2: ignoring the packed-weight cache {self.path} ({error}); packing again and "
-                          "rewriting it", RuntimeWarning, stacklevel=3)
-            return None
-
-    def _read(self, config: ModelConfig, dtype: torch.dtype) -> Transformer:
-        check_safetensors(self.path)  # offsets and sizes against the file before it is mapped
-        with safe_open(str(self.path), framework="pt") as handle:
-            mismatch = metadata_mismatch(handle.metadata() or {}, self.metadata)
-            if mismatch:
-                raise QuantCacheError(mismatch)
-            names = set(handle.keys())
-            state = {name[len(STATE_PREFIX):]: handle.get_tensor(name) for name in names
-                     if name.startswith(STATE_PREFIX)}
-            model = build_transformer(config, state, dtype, "cpu", linear=False)
-            layers = {}
-            for layer, linear in _linear_layers(model).items():
-                bias = handle.get_tensor(f"{layer}.bias") if f"{layer}.bias" in names else None
-                layers[layer] = _layer(linear, handle.get_tensor(f"{layer}.weight"), bias, self.metadata["backend"])
-        _install(model, layers)
-        return model
-
-    def write(self, model: Transformer) -> None:
-        """Write ``model`` (its linear layers packed) atomically."""
-        tensors = {}
-        for layer, module in _linear_layers(model).items():
-            if not isinstance(module, pl.PackedLinear) or module.backend != self.metadata["backend"]:
-                raise TypeError(f"{layer} is not a PackedLinear on {self.metadata['backend']}")
-            tensors[f"{layer}.weight"] = module.weight_data
-            if module.bias_data is not None:
-                tensors[f"{layer}.bias"] = module.bias_data
-        for name, tensor in model.state_dict().items():
-            tensors[STATE_PREFIX + name] = tensor
-        write_cache_file(self.path, _unique(tensors), self.metadata)
-
 
 def _unique(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Tied tensors (the embedding as the head's weight in ``state_dict``) written once each name, as own copies."""
@@ -132,17 +163,33 @@ def _unique(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _layer(linear: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> pl.PackedLinear:
-    """A PackedLinear for ``linear`` (meta: only its shape counts) from its cached tensors, checked."""
-    n, k = linear.out_features, linear.in_features
+def _gguf_layer(linear: torch.nn.Module, n: int, parts: list, bias: torch.Tensor | None) -> GgufLinear:
+    """A GgufLinear for ``linear`` (meta: only its input width counts) with ``n`` outputs from its cached runs."""
+    layer = GgufLinear(parts, bias, gguf_backend())
+    if (layer.in_features, layer.out_features) != (linear.in_features, n):
+        raise QuantCacheError(f"a [{n}, {linear.in_features}] layer holds blocks of "
+                              f"[{layer.out_features}, {layer.in_features}]")
+    _check_bias(linear, n, bias)
+    return layer
+
+
+def _layer(linear: torch.nn.Module, n: int, weight: torch.Tensor, bias: torch.Tensor | None,
+           backend: str) -> pl.PackedLinear:
+    """A PackedLinear for ``linear`` (meta: only its input width counts) with ``n`` outputs from its cached tensors,
+    checked."""
+    k = linear.in_features
     p = -(-n // pl.PANEL)
     shape = (p, -(-k // amx.STEP), pl.PANEL, amx.STEP) if backend in pl.TILE_LAYOUT else (p, k, pl.PANEL)
     if tuple(weight.shape) != shape or weight.dtype != torch.bfloat16:
         raise QuantCacheError(f"weight of a [{n}, {k}] layer is {weight.dtype} {tuple(weight.shape)}, expected "
                                f"bfloat16 {shape}")
-    if (linear.bias is not None) != (bias is not None) or (bias is not None and tuple(bias.shape) != (n,)):
-        raise QuantCacheError(f"bias of a [{n}, {k}] layer does not match")
+    _check_bias(linear, n, bias)
     return pl.PackedLinear(weight, bias, k, n, backend)
+
+
+def _check_bias(linear: torch.nn.Module, n: int, bias: torch.Tensor | None) -> None:
+    if (linear.bias is not None) != (bias is not None) or (bias is not None and tuple(bias.shape) != (n,)):
+        raise QuantCacheError(f"bias of a [{n}, {linear.in_features}] layer does not match")
 
 
 @functools.lru_cache(maxsize=None)
