@@ -47,8 +47,8 @@ def speculative_decode(
     sequence = prompt_ids.tolist() + [token]  # the last id is pending: committed, not yet in the target cache
     prompt_taps = cache.read_taps(cache.length) if reused and taps else out.hidden_states  # from position 0
     prompt_observation(sequence, 0, prompt_taps).tell(drafter)
-    drafter.prefill(sequence[:-1])  # a draft model reads the prompt now: prefill time, not the first step's
-    yield [token]
+    yield [token]  # the first token is the target's alone: it comes out before a draft model reads the prompt
+    drafter.prefill(sequence[:-1])  # (reading it here, not in the first pass: the first step's draft costs as usual)
     while cache.length < capacity:
         room = capacity - cache.length - 1  # slots left after the pending token
         started = time.perf_counter()
