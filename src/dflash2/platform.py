@@ -129,8 +129,8 @@ VARIABLES: tuple[Variable, ...] = (
              "fastest that runs here)"),
     Variable("DFLASH2_GGUF_PAIR_ROWS", "5 on AMD Zen 3/4, else 4", "from how many rows the VNNI / AMX gguf builds "
              "multiply two panels per 512-bit vector (the same bits either way)"),
-    Variable("DFLASH2_QUANT_CACHE", "on", "off: quantize or unpack int8 / int4 / gguf weights at every load, write "
-             "no cache"),
+    Variable("DFLASH2_QUANT_CACHE", "on", "off: pack, quantize or unpack the weights (bf16, int8 / int4, gguf, the "
+             "merged pard drafter) at every load, write no cache"),
     Variable("DFLASH2_HUGE_PAGES", "auto", "on / off: move the weights onto transparent huge pages always / never "
              "(auto: unless a fault-in probe finds them slow)"),
     Variable("DFLASH2_PARD_WEIGHTS", "q8_0 / q4_0 where the gguf kernel has VNNI or AMX, else int8",
