@@ -47,6 +47,9 @@ class IdTokenizer:
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in text.split()]
 
+    def encode_prompt(self, text):  # a raw prompt: no special tokens to add
+        return self.encode(text)
+
 
 def tiny_target(directory, seed: int = 5, scale: float = 0.7) -> Transformer:
     """A 1-layer Qwen2 (hidden 32, biases) over VOCAB ids, fp32, fairly flat so that many paths get mass."""

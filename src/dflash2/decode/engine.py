@@ -69,7 +69,7 @@ class Engine:
             if not prompt.strip():
                 raise ValueError("the prompt is empty")
             if raw or not self.tokenizer.has_chat_template:
-                return self.tokenizer.encode(prompt)
+                return self.tokenizer.encode_prompt(prompt)
             return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         if not prompt:
             raise ValueError("the chat has no messages")

@@ -1,4 +1,4 @@
-"""Convert a llama.cpp GGUF of the Llama / Qwen2 family into a Hugging Face safetensors directory.
+"""Convert a llama.cpp GGUF of the Llama / Qwen2 family or Gemma 3 into a Hugging Face safetensors directory.
 
 The GGUF is read with ``gguf.GGUFReader`` (memory-mapped) and converted one tensor at a time: each tensor
 is dequantized to float32 with ``gguf.quants.dequantize``, renamed to its transformers name, un-permuted
@@ -10,7 +10,7 @@ the rows of ``q_proj`` and ``k_proj`` are reordered from Hugging Face's "rotate 
 (the two halves of each head: [x_0 .. x_{d/2-1} | x_{d/2} .. x_{d-1}]) to GPT-J's interleaved layout
 (x_0, x_{d/2}, x_1, x_{d/2+1}, ...), because llama.cpp's rope for ``llama`` rotates adjacent pairs.
 ``unpermute_rows`` undoes that. Qwen2 GGUFs use the NEOX rope (rotate half, like Hugging Face), so llama.cpp
-leaves their Q/K rows alone and so do we.
+leaves their Q/K rows alone and so do we. Gemma 3's own differences: :mod:`dflash2.models.gguf_gemma3`.
 
 The output directory is what ``transformers.AutoModelForCausalLM.from_pretrained(dir)`` expects:
 ``config.json``, ``generation_config.json``, ``model.safetensors``, the tokenizer files (made by transformers'
@@ -30,12 +30,13 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from dflash2.models import gguf_gemma3
 from dflash2.models.validate_gguf import validate_gguf
 
 # Bumped whenever the converted output changes, so cached conversions made by an older converter are redone.
 CONVERTER_VERSION = 1
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", gguf_gemma3.ARCHITECTURE)
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DTYPE_ALIASES = {
@@ -90,7 +91,7 @@ def normalize_dtype(dtype: str) -> str:
 class GGUFModelInfo:
     """The hyperparameters and special tokens a GGUF declares (what config.json is made of)."""
 
-    architecture: str  # "llama" | "qwen2"
+    architecture: str  # "llama" | "qwen2" | "gemma3"
     name: str  # general.name, "" when absent
     hidden_size: int
     intermediate_size: int
@@ -111,6 +112,7 @@ class GGUFModelInfo:
     eos_token_ids: tuple[int, ...]  # everything generation stops on: eos first, then other end tokens
     chat_template: str | None
     tokens: tuple[str, ...]  # the vocabulary's token texts (empty when the GGUF has no tokenizer)
+    sliding_window: int | None = None  # Gemma 3's local layers' window (its GGUF's attention.sliding_window)
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
@@ -205,6 +207,7 @@ def read_gguf_info(reader) -> GGUFModelInfo:
         eos_token_ids=tuple(end_ids),
         chat_template=_field(reader, "tokenizer.chat_template"),
         tokens=tokens,
+        sliding_window=_optional_int(_field(reader, f"{arch}.attention.sliding_window")),
     )
 
 
@@ -212,11 +215,19 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def _block_tensors(architecture: str) -> dict[str, str]:
+    """GGUF block tensor (without ``.weight``) -> Hugging Face name, for ``architecture``."""
+    if architecture == gguf_gemma3.ARCHITECTURE:
+        return {**_BLOCK_TENSORS, **gguf_gemma3.BLOCK_TENSORS}
+    return _BLOCK_TENSORS
+
+
+def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; raises on unknown names."""
     match = _BLOCK_NAME.fullmatch(gguf_name)
-    if match and match["part"] in _BLOCK_TENSORS:
-        return f"model.layers.{match['layer']}.{_BLOCK_TENSORS[match['part']]}.{match['kind']}"
+    blocks = _block_tensors(architecture)
+    if match and match["part"] in blocks:
+        return f"model.layers.{match['layer']}.{blocks[match['part']]}.{match['kind']}"
     base, _, kind = gguf_name.rpartition(".")
     if base in _GLOBAL_TENSORS and kind in ("weight", "bias"):
         return f"{_GLOBAL_TENSORS[base]}.{kind}"
@@ -264,7 +275,10 @@ def build_config(info: GGUFModelInfo, dtype: str) -> dict[str, Any]:
         "use_cache": True,
         "torch_dtype": torch_dtype,
     }
-    if info.architecture == "llama":
+    if info.architecture == gguf_gemma3.ARCHITECTURE:
+        config.update(gguf_gemma3.config_fields(info.hidden_size, info.num_attention_heads, info.head_dim,
+                                                info.num_hidden_layers, info.sliding_window))
+    elif info.architecture == "llama":
         config["attention_bias"] = info.attention_bias
         config["mlp_bias"] = False
     else:  # qwen2: q/k/v always carry a bias; no sliding window in these models
@@ -288,13 +302,13 @@ def _tensor_plan(reader, info: GGUFModelInfo) -> list[tuple[Any, str, tuple[int,
     """(gguf tensor, hf name, hf shape) for every tensor, checked before anything is written."""
     plan = []
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, info.architecture)
         shape = tuple(int(d) for d in reversed([int(x) for x in tensor.shape]))  # GGUF lists dims fastest-first
         plan.append((tensor, name, shape))
     names = {name for _, name, _ in plan}
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     for layer in range(info.num_hidden_layers):
-        for part in _BLOCK_TENSORS.values():
+        for part in _block_tensors(info.architecture).values():
             expected.add(f"model.layers.{layer}.{part}.weight")
         if info.attention_bias:
             expected.update(f"model.layers.{layer}.self_attn.{p}_proj.bias" for p in "qkv")
@@ -318,6 +332,8 @@ def _dequantized(tensor, hf_shape: tuple[int, ...]) -> np.ndarray:
 
 def _hf_weight(tensor, hf_name: str, hf_shape: tuple[int, ...], info: GGUFModelInfo) -> np.ndarray:
     values = _dequantized(tensor, hf_shape)
+    if info.architecture == gguf_gemma3.ARCHITECTURE and gguf_gemma3.is_norm(hf_name):
+        values = gguf_gemma3.hf_norm_weight(values)
     if info.architecture == "llama":
         if ".self_attn.q_proj." in hf_name:
             values = unpermute_rows(values, info.num_attention_heads)

