@@ -16,7 +16,8 @@ request's grammar state along the draft position by position:
   token is forbidden: verification would reject it for certain), a grammar-checked lookup: the token that followed
   an earlier occurrence of the last tokens (prompt lookup, longest match first), the first such the grammar allows,
   up to the drafter's length. JSON repeats itself (the punctuation and indentation between fields; values copied
-  from the prompt): on the default target's extraction replies forced plus looked-up tokens alone reach tau ~2.
+  from the prompt): replaying two of the default target's greedy extraction replies, forced plus looked-up tokens
+  alone reached tau 2.0 (forced alone 1.1; the first lookup candidate only, cut where forbidden, 1.8).
 
 Only proposals change: verification masks the target's logits exactly as before (``verify/grammar.py``), so greedy
 output equals constrained plain decoding and sampled output keeps the constrained target's distribution. Forced
@@ -57,7 +58,7 @@ class GrammarDrafter(Drafter):
     """``inner``'s chain drafts fitted to ``grammar`` (see the module doc); every other verb goes to ``inner``.
 
     Capabilities: ``KeepsState`` and ``CatchesUp`` through ``inner``, ``MayLookUp`` (``inner``'s answer),
-    ``DraftsForFree`` (the forced tokens, where the batch planner grants no drafts). Not
+    ``DraftsForFree`` (forced and looked-up tokens, where the batch planner grants no drafts). Not
     ``SharesPasses``: a shared pass's draft would skip the grammar, so a constrained request drafts alone."""
 
     def __init__(self, inner: Drafter, grammar: DraftGrammar | GrammarState, max_forced_extra: int = MAX_FORCED_EXTRA) -> None:
@@ -67,7 +68,7 @@ class GrammarDrafter(Drafter):
         self.name = inner.name
         self.hidden_layers = inner.hidden_layers
         self.cost_per_pass = inner.cost_per_pass
-        self.forced_drafts = 0  # draft tokens the grammar forced (counters for benchmarks)
+        self.forced_drafts = 0  # forced draft tokens the drafter did not propose there (counters for benchmarks)
         self.cut_drafts = 0  # drafter tokens dropped or replaced because the grammar forbids them
         self.looked_up_drafts = 0  # draft tokens from the grammar-checked lookup
 
