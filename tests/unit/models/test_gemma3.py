@@ -1,6 +1,6 @@
 """Gemma 3 against transformers (the oracle) on a tiny random model in fp32, with a sliding window far shorter than
 the sequences: the logits of a full forward, of prefill + decode steps over the static cache, of verification blocks
-and trees, and of the paged pool's ragged forward; and in bf16 a block's rows bitwise those of one token at a time
+and trees, of the paged pool's ragged forward and the batch engine's prefix cache; and in bf16 a block's rows bitwise those of one token at a time
 (speculation stays lossless)."""
 
 from __future__ import annotations
@@ -136,3 +136,35 @@ def test_bf16_blocks_give_the_bits_of_one_token_at_a_time(saved):
         cache.rollback(40)
         got = model(torch.tensor([block[:tokens]]), cache=cache).logits[0]
         assert torch.equal(got, alone[:tokens]), f"{tokens} tokens"
+
+
+def _greedy(model, ids: list[int], new_tokens: int) -> list[int]:
+    """Plain greedy decoding over the static cache, stopping at id 0 (the stand-in tokenizer's EOS)."""
+    cache = model.new_cache(len(ids) + new_tokens + 1)
+    logits = model(torch.tensor([ids]), cache=cache, logits="last").logits
+    out: list[int] = []
+    while len(out) < new_tokens:
+        out.append(int(logits[0, -1].argmax()))
+        if out[-1] == 0:
+            break
+        logits = model(torch.tensor([[out[-1]]]), cache=cache, logits="last").logits
+    return out
+
+
+@torch.inference_mode()
+def test_server_prefix_cache_turns_equal_plain_decoding(lean):
+    """The batch engine (paged pool, chunked prefill, n-gram verification) with its prefix cache: a second turn
+    that starts from cached blocks far past the window gives plain decoding's tokens, as does the first."""
+    from dflash2.decode.batch import BatchConfig, BatchEngine, BatchRequest, request_drafters
+    from dflash2.decode.engine import Engine
+    from tests.unit.decode.test_batch_engine import IdTokenizer
+    from tests.unit.decode.test_batch_prefix_cache import conversation, turns
+
+    engine = Engine(lean, IdTokenizer(), name="gemma3")
+    batch = BatchEngine(engine, BatchConfig(num_blocks=64, block_size=4, adaptive_drafts=False,
+                                            max_prefill_tokens=16), request_drafters(engine))
+    warm = conversation(batch, lambda ids: BatchRequest(ids, 10, drafter="ngram", num_draft_tokens=4))
+    assert warm[1].stats.cached_tokens > WINDOW
+    first_ids, more = turns()
+    assert warm[0].token_ids == _greedy(lean, first_ids, 10)
+    assert warm[1].token_ids == _greedy(lean, first_ids + warm[0].token_ids + more, 10)
