@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.model,
 
 def long_prompt() -> str:
     """~500 tokens of code: the answer's tokens cross the window, and n-gram drafts find continuations in it."""
-    functions = [f"def add_{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n    return x + {i}\n\n" for i in range(FUNCTIONS)]
+    functions = [f"def add_{i}(x):\n    \"\"\"Return x plus {i}.\"\"\"\n    return x + {i}\n\n"
+                 for i in range(FUNCTIONS)]
     return "".join(functions) + f"def add_{FUNCTIONS}(x):\n"
 
 
@@ -45,7 +46,7 @@ def test_gemma3_ngram_gives_plain_tokens_past_the_window(weights):
                           max_new_tokens=NEW_TOKENS)
     assert ngram.token_ids == plain.token_ids
     assert ngram.stats.tau > 1.5  # the drafts were accepted: the comparison covered verification blocks
-    assert f"return x + {FUNCTIONS}" in plain.text  # the model continues the pattern (its BOS, norms and window are right)
+    assert f"return x + {FUNCTIONS}" in plain.text  # it continues the pattern: its BOS, norms and window are right
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Gemma 3 against transformers (the oracle) on a tiny random model in fp32, with a sliding window far shorter than
 the sequences: the logits of a full forward, of prefill + decode steps over the static cache, of verification blocks
-and trees, of the paged pool's ragged forward and the batch engine's prefix cache; and in bf16 a block's rows bitwise those of one token at a time
-(speculation stays lossless)."""
+and trees, of the paged pool's ragged forward and the batch engine's prefix cache; and in bf16 a block's rows bitwise
+those of one token at a time (speculation stays lossless)."""
 
 from __future__ import annotations
 
