@@ -8,7 +8,7 @@ interpreter loading an instrumented library needs ASan's runtime first), and pyt
 a tensor's memory or undefined behaviour in a kernel ends the run with the sanitizer's report and a non-zero exit.
 
     nice -n 15 .venv/bin/python scripts/sanitize_kernels.py                 # the kernel tests (several minutes)
-    nice -n 15 .venv/bin/python scripts/sanitize_kernels.py tests/unit/test_attention.py -k rows
+    nice -n 15 .venv/bin/python scripts/sanitize_kernels.py tests/unit/kernels/test_attention.py -k rows
 
 Leak detection is off: CPython and torch keep allocations alive on purpose until exit.
 """
@@ -22,9 +22,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
-KERNEL_TESTS = ["tests/unit/test_packed_linear.py", "tests/unit/test_quant_linear.py", "tests/unit/test_attention.py",
-                "tests/unit/test_layer_ops.py", "tests/unit/test_gguf_layer.py", "tests/unit/test_amx_linear.py",
-                "tests/unit/test_attention_invariant.py"]
+KERNEL_TESTS = ["tests/unit/kernels/test_packed_linear.py", "tests/unit/kernels/test_quant_linear.py",
+                "tests/unit/kernels/test_attention.py", "tests/unit/kernels/test_layer_ops.py",
+                "tests/unit/kernels/test_gguf_layer.py", "tests/unit/kernels/test_gguf_blocks.py",
+                "tests/unit/kernels/test_amx_linear.py", "tests/unit/kernels/test_kernel_boundary.py",
+                "tests/unit/test_row_invariance.py"]
 _MARK = "DFLASH2_SANITIZE_CHILD"
 
 
