@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from dflash2 import platform
 from dflash2.kernels import jit
+from dflash2.kernels.boundary import check_attention
 
 __all__ = ["attention_kernel_available", "attention_kernel_status", "invariant_attention", "kernel_supports",
            "use_invariant_kernel"]
@@ -114,7 +115,9 @@ def invariant_attention(
 ) -> torch.Tensor:  # [B, H, T, Dh] in q's dtype
     """Softmax(q k^T / sqrt(Dh)) v with grouped-query heads, each row computed in one fixed order (see module doc).
 
-    A row with no visible slot gives zeros (SDPA gives NaN)."""
+    A row with no visible slot gives zeros (SDPA gives NaN). Arguments the kernel does not take raise
+    :class:`~dflash2.kernels.boundary.KernelInputError`."""
+    check_attention(q, k, v, attn_mask)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     mask = None
     if attn_mask is not None:

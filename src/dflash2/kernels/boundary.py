@@ -1,16 +1,22 @@
 """Checks at the Python boundary of the C++ kernels: what a kernel reads through raw pointers must have the dtype,
-contiguity and element count its layout needs, checked once when the layer is built (the model store's caches hand
-these tensors over from files; a mismatch would read past a tensor's memory instead of failing).
+contiguity and element count its layout needs. Weights (GGUF runs, int8 / int4 and bf16 panels) are checked once when
+the layer is built (the model store's caches hand these tensors over from files; a mismatch would read past a
+tensor's memory instead of failing); the activations of the layer ops and the attention kernel on every call, with
+attribute reads only (no tensor op, no allocation: these calls sit on the per-token path).
 
-The C++ side checks the same things per call (``TORCH_CHECK`` in ``gemm_gguf_avx2.cpp``); this one names the layer
-and fails before any C++ object holds the tensors.
+The C++ side checks most of the same things per call (``TORCH_CHECK``), but not all (a zero head count or width
+divides by zero there) and as a RuntimeError without the argument's name; these name the kernel and the argument
+and fail before any C++ code runs.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["KernelInputError", "check_packed_blocks", "check_quant_panels", "check_tensor"]
+__all__ = ["KernelInputError", "check_attention", "check_packed_bf16", "check_packed_blocks", "check_qkv_rope",
+           "check_quant_panels", "check_rms_norm", "check_silu_mul", "check_tensor"]
 
 _GGUF_PANEL = 8  # outputs per panel of the gguf kernels (kPanel in gemm_gguf_avx2.cpp)
 
@@ -75,3 +81,104 @@ def check_quant_panels(weights: str, q: torch.Tensor, scale: torch.Tensor, bias:
         check_tensor("scale", scale, torch.float32, p * (k // 32) * _QUANT_PANEL, where)
     if bias is not None:
         check_tensor("bias", bias, torch.float32, n, where)
+
+
+_BF16_PANEL = 16  # outputs per panel of the packed bf16 kernel (kPanel in gemm_avx2.cpp, gemm_amx.cpp)
+_TILE_STEP = 32  # inputs per k step of the tile layout (kStep in gemm_amx.cpp, gemm_dpbf16.cpp)
+
+
+def check_packed_bf16(tiles: bool, weight: torch.Tensor, bias: torch.Tensor | None, k: int, n: int,
+                      where: str = "bf16 layer") -> None:
+    """The bf16 panels of an [n, k] layer: [P, K, 16] for the AVX2 kernel, or [P, ceil(K/32), 16, 32] for the tile
+    layout (AMX, AVX512-BF16), P = ceil(N / 16), contiguous bf16; an fp32 [N] bias or none."""
+    p = -(-n // _BF16_PANEL)
+    shape = (p, -(-k // _TILE_STEP), _BF16_PANEL, _TILE_STEP) if tiles else (p, k, _BF16_PANEL)
+    check_tensor("weight", weight, torch.bfloat16, math.prod(shape), where)
+    if weight.shape != shape:  # the kernels take K and the panel count from the weight's dimensions
+        raise KernelInputError(f"{where}: weight is {list(weight.shape)}, the kernel needs {list(shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, torch.float32, n, where)
+
+
+# Per-call checks of the layer ops and the attention kernel. Strides other than the last dimension's are free: the
+# layer ops copy a non-contiguous input into a contiguous one and attention reads each tensor through its own strides
+# (its wrapper makes the last dimension contiguous), so what can go wrong is the dtype, the device, the number of
+# dimensions and the sizes that must agree between arguments.
+
+_LAYER_DTYPES = (torch.float32, torch.bfloat16)
+_ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _is(t: torch.Tensor) -> str:
+    return f"is {t.dtype} {list(t.shape)} on {t.device}"
+
+
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``rms_norm``: x [..., D] fp32 / bf16 on the CPU, D a positive multiple of 8; weight [D] of x's dtype."""
+    if x.dtype not in _LAYER_DTYPES or not x.is_cpu or x.dim() == 0:
+        raise KernelInputError(f"rms_norm: x {_is(x)}; the kernel takes an fp32 or bf16 CPU [..., D] tensor")
+    d = x.shape[-1]
+    if d == 0 or d % 8:  # (D = 0 divides by zero in the C++ work split)
+        raise KernelInputError(f"rms_norm: x {_is(x)}; D (its last dimension) must be a positive multiple of 8")
+    if weight.dtype != x.dtype or not weight.is_cpu or weight.shape != (d,):
+        raise KernelInputError(f"rms_norm: weight {_is(weight)}; the kernel needs a CPU {x.dtype} [{d}] tensor "
+                               f"(x is {list(x.shape)})")
+
+
+def check_qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int) -> None:
+    """``qkv_rope``: qkv [B, T, (H + 2 Hkv) Dh] fp32 / bf16 on the CPU, cos and sin [B or 1, 1, T, Dh] of its dtype
+    (Dh positive and even), H and Hkv positive."""
+    if qkv.dtype not in _LAYER_DTYPES or not qkv.is_cpu or qkv.dim() != 3:
+        raise KernelInputError(f"qkv_rope: qkv {_is(qkv)}; the kernel takes an fp32 or bf16 CPU [B, T, W] tensor")
+    if cos.dtype != qkv.dtype or not cos.is_cpu or cos.dim() != 4:
+        raise KernelInputError(f"qkv_rope: cos {_is(cos)}; the kernel needs a CPU {qkv.dtype} [B or 1, 1, T, Dh] "
+                               "tensor")
+    if sin.dtype != qkv.dtype or not sin.is_cpu or sin.shape != cos.shape:
+        raise KernelInputError(f"qkv_rope: sin {_is(sin)}; the kernel needs cos's dtype, device and shape "
+                               f"({qkv.dtype} {list(cos.shape)} on cpu)")
+    batch, tokens, width = qkv.shape
+    rows, one, angles, dh = cos.shape
+    if rows not in (1, batch) or one != 1 or angles != tokens or dh == 0 or dh % 2:
+        raise KernelInputError(f"qkv_rope: cos / sin are {list(cos.shape)}; the kernel needs [{batch} or 1, 1, "
+                               f"{tokens}, Dh] (Dh positive and even) for qkv {list(qkv.shape)}")
+    if heads < 1 or kv_heads < 1 or width != (heads + 2 * kv_heads) * dh:
+        raise KernelInputError(f"qkv_rope: heads {heads} / kv_heads {kv_heads} (both positive) do not split qkv's "
+                               f"{width} columns into (H + 2 Hkv) heads of {dh}")
+
+
+def check_silu_mul(gate_up: torch.Tensor, lanes: int) -> None:
+    """``silu_mul``: gate_up [..., 2I] fp32 / bf16 on the CPU, I a multiple of 8; lanes 0, 8 or 16."""
+    if gate_up.dtype not in _LAYER_DTYPES or not gate_up.is_cpu or gate_up.dim() == 0 or gate_up.shape[-1] % 16:
+        raise KernelInputError(f"silu_mul: gate_up {_is(gate_up)}; the kernel takes an fp32 or bf16 CPU [..., 2I] "
+                               "tensor, I a multiple of 8")
+    if lanes not in (0, 8, 16):
+        raise KernelInputError(f"silu_mul: lanes is {lanes}; the kernel takes 0, 8 or 16")
+
+
+def check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> None:
+    """``invariant_attention``: q [B, H, T, Dh], k and v [B, Hkv, S, Dh] of one dtype (fp32, bf16, fp16) on the CPU,
+    Dh a positive multiple of 8, Hkv positive and dividing H; a bool mask [B or 1, 1, T or 1, S] or none."""
+    if q.dtype not in _ATTENTION_DTYPES or not q.is_cpu or q.dim() != 4:
+        raise KernelInputError(f"attention: q {_is(q)}; the kernel takes an fp32, bf16 or fp16 CPU [B, H, T, Dh] "
+                               "tensor")
+    if k.dtype != q.dtype or not k.is_cpu or k.dim() != 4:
+        raise KernelInputError(f"attention: k {_is(k)}; the kernel needs a CPU {q.dtype} [B, Hkv, S, Dh] tensor")
+    if v.dtype != q.dtype or not v.is_cpu or v.shape != k.shape:
+        raise KernelInputError(f"attention: v {_is(v)}; the kernel needs k's dtype, device and shape "
+                               f"({q.dtype} {list(k.shape)} on cpu)")
+    batch, heads, tokens, dh = q.shape
+    kv_batch, kv_heads, slots, kv_dh = k.shape
+    if dh == 0 or dh % 8:
+        raise KernelInputError(f"attention: q {_is(q)}; its head dim must be a positive multiple of 8")
+    # (Hkv = 0 divides by zero in the C++ head grouping; slot indices are 32-bit there)
+    if kv_batch != batch or kv_dh != dh or kv_heads == 0 or heads % kv_heads or slots >= 1 << 31:
+        raise KernelInputError(f"attention: k / v are {list(k.shape)}; the kernel needs [{batch}, Hkv, S, {dh}] "
+                               f"with Hkv dividing {heads} (q is {list(q.shape)})")
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool or not attn_mask.is_cpu or attn_mask.dim() != 4:
+            raise KernelInputError(f"attention: attn_mask {_is(attn_mask)}; the kernel needs a CPU bool "
+                                   "[B or 1, 1, T or 1, S] tensor")
+        mask_batch, mask_heads, mask_tokens, mask_slots = attn_mask.shape
+        if mask_batch not in (1, batch) or mask_heads != 1 or mask_tokens not in (1, tokens) or mask_slots != slots:
+            raise KernelInputError(f"attention: attn_mask is {list(attn_mask.shape)}; the kernel needs [{batch} or 1, "
+                                   f"1, {tokens} or 1, {slots}]")

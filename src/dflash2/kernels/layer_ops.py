@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from dflash2 import platform
 from dflash2.kernels import jit
+from dflash2.kernels.boundary import check_qkv_rope, check_rms_norm, check_silu_mul
 
 __all__ = ["ENV", "apply_rope", "layer_ops_available", "layer_ops_status", "qkv_rope", "reference_qkv_rope",
            "reference_rms_norm", "reference_silu_mul", "rms_norm", "rotate_half", "run_qkv_rope", "run_rms_norm",
@@ -140,19 +141,23 @@ def use_layer_ops(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] (D a multiple of 8), weight [D] of x's dtype -> [..., D] (see the module doc)."""
+    """x [..., D] (D a multiple of 8), weight [D] of x's dtype -> [..., D] (see the module doc). Arguments the
+    kernel does not take raise :class:`~dflash2.kernels.boundary.KernelInputError` (this and the two below)."""
+    check_rms_norm(x, weight)
     return _state["op"][0](x, weight, eps)
 
 
 def qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`reference_qkv_rope` in one call (bitwise the same; contiguous outputs)."""
+    check_qkv_rope(qkv, cos, sin, heads, kv_heads)
     return _state["op"][1](qkv, cos, sin, heads, kv_heads)
 
 
 def silu_mul(gate_up: torch.Tensor, lanes: int = 0) -> torch.Tensor:
     """gate_up [..., 2I] (I a multiple of 8) -> SiLU(gate) * up [..., I] in one call (see the module doc); ``lanes``
     16 (AVX-512) or 8 (AVX2) picks the vector width (default: the widest here), the same bits either way."""
+    check_silu_mul(gate_up, lanes)
     return _state["op"][2](gate_up, lanes)
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from dflash2 import platform
 from dflash2.kernels import amx, dpbf16
+from dflash2.kernels.boundary import check_packed_bf16
 from dflash2.kernels.jit import ensure_loaded, jit_load, self_check_mismatch
 
 __all__ = [
@@ -240,6 +241,8 @@ class PackedLinear(CpuLinear):
         self.weight_data = weight  # amx, avx512bf16: [P, S, 16, 32]; avx2: packed [P, K, 16]; torch: [N, K]; all bf16
         self.bias_data = bias  # fp32 [N] or None
         _check_backend(backend)
+        if backend != TORCH:  # the C++ kernels read these panels through raw pointers
+            check_packed_bf16(backend in TILE_LAYOUT, weight, bias, self.in_features, self.out_features)
         self._op = _state["op"] if backend == KERNEL else None
 
     @classmethod
