@@ -3,7 +3,8 @@
 Each kernel module (``packed_linear``, ``amx``, ``dpbf16``, ``quant_linear``, ...) builds its extension with
 :func:`jit_load` (``torch.utils.cpp_extension.load``: needs ninja and a C++ compiler) into a directory under
 :func:`build_dir` (``$DFLASH2_HOME/kernels/<torch+python tag>``, default ``~/.cache/dflash2``) named by its kind and
-a hash of its code, checks it against a reference with its own self-check, and loads it once per process with
+a hash of its code, checks it against a reference with its own self-check (once per build and CPU: a passed check
+is recorded in the build's directory, :func:`self_check_record`), and loads it once per process with
 :func:`ensure_loaded`; :func:`prune_builds` keeps the few most recently used builds of each kind.  Whether a kernel
 may be built (:func:`missing_cpu_flags`, :func:`kernels_disabled_reason`) is asked of the platform profile
 (:mod:`dflash2.platform`: the CPU and the ``DFLASH2_*`` switches, each read once).
@@ -41,6 +42,7 @@ __all__ = [
     "no_torch_function",
     "prune_builds",
     "self_check_mismatch",
+    "self_check_record",
     "source_tag",
 ]
 
@@ -186,11 +188,64 @@ def jit_load(kind: str, library: str, source: Path, cflags: list[str], op_name: 
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         return False, f"{label}kernel build failed in {directory}: {first}", None
     prune_builds(kind, keep=KEEP_BUILDS)
+    record = self_check_record(directory, self_check)
+    if record.is_file() and _per_process_setup(namespace, kind):
+        return True, f"{label}kernel loaded from {directory} (self-check passed before on this CPU)", op
     with torch.inference_mode():
         bad = self_check(op)
     if bad:
+        record.unlink(missing_ok=True)
         return False, bad, None
+    _write_record(record)
     return True, f"{label}kernel loaded from {directory}", op
+
+
+def cpu_key() -> str:
+    """What a passed self-check holds for: this CPU's vendor, family, model, name and feature flags (a build that
+    passed on one CPU may take another code path, or be refused the AMX tiles, on another one)."""
+    info = platform.cpu()
+    return "|".join((info.vendor, str(info.family), str(info.model), info.name, " ".join(sorted(info.flags))))
+
+
+def self_check_record(directory: Path, self_check=None) -> Path:
+    """The file that says a build's self-check passed on this CPU. The build directory is named by the hash of the
+    kernel's code and flags and lies under the torch and Python version; the record's name hashes the CPU
+    (:func:`cpu_key`) and the source of the module that defines ``self_check`` (where the check and the packing it
+    feeds the kernel are written), so it holds for exactly that build, check and CPU: the self-checks (up to ~0.6 s of
+    CPU each, in every process that loads a kernel) run once per build and CPU instead."""
+    key = cpu_key().encode()
+    module = sys.modules.get(getattr(self_check, "__module__", None) or "")
+    source = getattr(module, "__file__", None)
+    if source:
+        with contextlib.suppress(OSError):
+            key += Path(source).read_bytes()
+    return directory / f"self-check-passed-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def _write_record(record: Path) -> None:
+    """Write the record atomically (a process killed mid-write leaves none, and the check runs again); a store that
+    cannot be written to only costs the check in every process."""
+    partial = record.with_name(f"{record.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(f"{platform.cpu().name}\n")
+        os.replace(partial, record)
+    except OSError as e:
+        log.debug("self-check record %s not written: %s", record, e)
+        partial.unlink(missing_ok=True)
+
+
+# Ops a kernel library exposes that must run in every process that uses it, whatever the record says; each returns
+# whether the kernel may run. Linux grants the AMX tile state per process (``arch_prctl``), and the AMX builds' self-
+# checks were where it was asked for.
+_PER_PROCESS_OPS = ("amx_init", "gguf_tiles")
+
+
+def _per_process_setup(namespace: str, kind: str) -> bool:
+    """Run the library's per-process ops; False (then the self-check runs and reports why) when an AMX build (its kind
+    names ``amx``) is refused the tiles. The gguf builds without AMX answer False to ``gguf_tiles`` by design."""
+    ops = getattr(torch.ops, namespace)
+    granted = [getattr(ops, name)() for name in _PER_PROCESS_OPS if hasattr(ops, name)]
+    return all(granted) if "amx" in kind else True
 
 
 @contextlib.contextmanager
