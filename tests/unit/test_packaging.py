@@ -3,6 +3,8 @@ distribution's version."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -25,3 +27,16 @@ def test_version_flag_prints_the_package_metadata_version():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"dflash2 {version('dflash2')}"
+
+
+def test_the_executable_ends_without_teardown_but_keeps_its_output_and_exit_code(tmp_path):
+    """`console()` leaves with os._exit: what was printed (to a pipe, so block-buffered) and the code must survive."""
+    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["dflash2"]
+    assert entry == "dflash2.cli:console"
+    run = [sys.executable, "-c", "from dflash2.cli import console; console()"]
+    listed = subprocess.run([*run, "models", "list", "--json"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "DFLASH2_HOME": str(tmp_path)})
+    assert listed.returncode == 0 and json.loads(listed.stdout) is not None, (listed.stdout, listed.stderr)
+    failed = subprocess.run([*run, "generate", "--model", str(tmp_path / "missing"), "hi"], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "DFLASH2_HOME": str(tmp_path)})
+    assert failed.returncode == 2 and failed.stderr.startswith("dflash2: error:"), (failed.returncode, failed.stderr)
