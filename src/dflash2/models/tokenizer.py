@@ -32,12 +32,7 @@ class Tokenizer:
         self._fingerprint: str | None = None
         self._hf = None
         fast = _FastTokenizer.load(model_dir)
-        if fast is None:
-            from transformers import AutoTokenizer  # heavy import, kept out of `import dflash2`
-
-            self._hf = AutoTokenizer.from_pretrained(str(model_dir))
-            self._hf.model_max_length = 1 << 62  # the engine checks the context itself; no warning on long prompts
-        self._tok = fast if fast is not None else self._hf
+        self._tok = fast if fast is not None else self.hf
         self.eos_token_ids = frozenset(_eos_ids(model_dir, self._tok.eos_token_id))
         self.vocab_size = len(self._tok)
 
@@ -74,10 +69,10 @@ class Tokenizer:
         """The transformers tokenizer (for libraries that read its vocabulary, e.g. a grammar engine); loaded at the
         first use where the fast path loaded the tokenizer."""
         if self._hf is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # heavy import, kept out of `import dflash2`
 
             self._hf = AutoTokenizer.from_pretrained(str(self.model_dir))
-            self._hf.model_max_length = 1 << 62
+            self._hf.model_max_length = 1 << 62  # the engine checks the context itself; no warning on long prompts
         return self._hf
 
     def apply_chat_template(self, messages: ChatMessages, tools: list[dict] | None = None) -> list[int]:
