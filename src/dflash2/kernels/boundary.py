@@ -16,7 +16,8 @@ import math
 import torch
 
 __all__ = ["KernelInputError", "check_attention", "check_packed_bf16", "check_packed_blocks", "check_qkv_rope",
-           "check_quant_panels", "check_rms_norm", "check_silu_mul", "check_tensor"]
+           "check_quant_panels", "check_rms_norm", "check_silu_mul", "check_tensor", "qkv_rope_problem",
+           "rms_norm_problem", "silu_mul_problem"]
 
 _GGUF_PANEL = 8  # outputs per panel of the gguf kernels (kPanel in gemm_gguf_avx2.cpp)
 
@@ -113,46 +114,70 @@ def _is(t: torch.Tensor) -> str:
     return f"is {t.dtype} {list(t.shape)} on {t.device}"
 
 
-def check_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """``rms_norm``: x [..., D] fp32 / bf16 on the CPU, D a positive multiple of 8; weight [D] of x's dtype."""
+def rms_norm_problem(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why ``rms_norm`` cannot take these arguments, or None: x [..., D] fp32 / bf16 on the CPU, D a positive
+    multiple of 8; weight [D] of x's dtype."""
     if x.dtype not in _LAYER_DTYPES or not x.is_cpu or x.dim() == 0:
-        raise KernelInputError(f"rms_norm: x {_is(x)}; the kernel takes an fp32 or bf16 CPU [..., D] tensor")
+        return f"rms_norm: x {_is(x)}; the kernel takes an fp32 or bf16 CPU [..., D] tensor"
     d = x.shape[-1]
     if d == 0 or d % 8:  # (D = 0 divides by zero in the C++ work split)
-        raise KernelInputError(f"rms_norm: x {_is(x)}; D (its last dimension) must be a positive multiple of 8")
+        return f"rms_norm: x {_is(x)}; D (its last dimension) must be a positive multiple of 8"
     if weight.dtype != x.dtype or not weight.is_cpu or weight.shape != (d,):
-        raise KernelInputError(f"rms_norm: weight {_is(weight)}; the kernel needs a CPU {x.dtype} [{d}] tensor "
-                               f"(x is {list(x.shape)})")
+        return f"rms_norm: weight {_is(weight)}; the kernel needs a CPU {x.dtype} [{d}] tensor (x is {list(x.shape)})"
+    return None
 
 
-def check_qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int) -> None:
-    """``qkv_rope``: qkv [B, T, (H + 2 Hkv) Dh] fp32 / bf16 on the CPU, cos and sin [B or 1, 1, T, Dh] of its dtype
-    (Dh positive and even), H and Hkv positive."""
+def qkv_rope_problem(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+                     ) -> str | None:
+    """Why ``qkv_rope`` cannot take these arguments, or None: qkv [B, T, (H + 2 Hkv) Dh] fp32 / bf16 on the CPU, cos
+    and sin [B or 1, 1, T, Dh] of its dtype (Dh positive and even), H and Hkv positive."""
     if qkv.dtype not in _LAYER_DTYPES or not qkv.is_cpu or qkv.dim() != 3:
-        raise KernelInputError(f"qkv_rope: qkv {_is(qkv)}; the kernel takes an fp32 or bf16 CPU [B, T, W] tensor")
+        return f"qkv_rope: qkv {_is(qkv)}; the kernel takes an fp32 or bf16 CPU [B, T, W] tensor"
     if cos.dtype != qkv.dtype or not cos.is_cpu or cos.dim() != 4:
-        raise KernelInputError(f"qkv_rope: cos {_is(cos)}; the kernel needs a CPU {qkv.dtype} [B or 1, 1, T, Dh] "
-                               "tensor")
+        return f"qkv_rope: cos {_is(cos)}; the kernel needs a CPU {qkv.dtype} [B or 1, 1, T, Dh] tensor"
     if sin.dtype != qkv.dtype or not sin.is_cpu or sin.shape != cos.shape:
-        raise KernelInputError(f"qkv_rope: sin {_is(sin)}; the kernel needs cos's dtype, device and shape "
-                               f"({qkv.dtype} {list(cos.shape)} on cpu)")
+        return (f"qkv_rope: sin {_is(sin)}; the kernel needs cos's dtype, device and shape ({qkv.dtype} "
+                f"{list(cos.shape)} on cpu)")
     batch, tokens, width = qkv.shape
     rows, one, angles, dh = cos.shape
     if rows not in (1, batch) or one != 1 or angles != tokens or dh == 0 or dh % 2:
-        raise KernelInputError(f"qkv_rope: cos / sin are {list(cos.shape)}; the kernel needs [{batch} or 1, 1, "
-                               f"{tokens}, Dh] (Dh positive and even) for qkv {list(qkv.shape)}")
+        return (f"qkv_rope: cos / sin are {list(cos.shape)}; the kernel needs [{batch} or 1, 1, {tokens}, Dh] (Dh "
+                f"positive and even) for qkv {list(qkv.shape)}")
     if heads < 1 or kv_heads < 1 or width != (heads + 2 * kv_heads) * dh:
-        raise KernelInputError(f"qkv_rope: heads {heads} / kv_heads {kv_heads} (both positive) do not split qkv's "
-                               f"{width} columns into (H + 2 Hkv) heads of {dh}")
+        return (f"qkv_rope: heads {heads} / kv_heads {kv_heads} (both positive) do not split qkv's {width} columns "
+                f"into (H + 2 Hkv) heads of {dh}")
+    return None
+
+
+def silu_mul_problem(gate_up: torch.Tensor, lanes: int = 0) -> str | None:
+    """Why ``silu_mul`` cannot take these arguments, or None: gate_up [..., 2I] fp32 / bf16 on the CPU, I a multiple
+    of 8; lanes 0, 8 or 16."""
+    if gate_up.dtype not in _LAYER_DTYPES or not gate_up.is_cpu or gate_up.dim() == 0 or gate_up.shape[-1] % 16:
+        return (f"silu_mul: gate_up {_is(gate_up)}; the kernel takes an fp32 or bf16 CPU [..., 2I] tensor, I a "
+                "multiple of 8")
+    if lanes not in (0, 8, 16):
+        return f"silu_mul: lanes is {lanes}; the kernel takes 0, 8 or 16"
+    return None
+
+
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raise :class:`KernelInputError` with :func:`rms_norm_problem`'s reason, if any."""
+    _raise_if(rms_norm_problem(x, weight))
+
+
+def check_qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int) -> None:
+    """Raise :class:`KernelInputError` with :func:`qkv_rope_problem`'s reason, if any."""
+    _raise_if(qkv_rope_problem(qkv, cos, sin, heads, kv_heads))
 
 
 def check_silu_mul(gate_up: torch.Tensor, lanes: int) -> None:
-    """``silu_mul``: gate_up [..., 2I] fp32 / bf16 on the CPU, I a multiple of 8; lanes 0, 8 or 16."""
-    if gate_up.dtype not in _LAYER_DTYPES or not gate_up.is_cpu or gate_up.dim() == 0 or gate_up.shape[-1] % 16:
-        raise KernelInputError(f"silu_mul: gate_up {_is(gate_up)}; the kernel takes an fp32 or bf16 CPU [..., 2I] "
-                               "tensor, I a multiple of 8")
-    if lanes not in (0, 8, 16):
-        raise KernelInputError(f"silu_mul: lanes is {lanes}; the kernel takes 0, 8 or 16")
+    """Raise :class:`KernelInputError` with :func:`silu_mul_problem`'s reason, if any."""
+    _raise_if(silu_mul_problem(gate_up, lanes))
+
+
+def _raise_if(problem: str | None) -> None:
+    if problem is not None:
+        raise KernelInputError(problem)
 
 
 def check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> None:

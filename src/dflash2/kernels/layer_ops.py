@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from dflash2 import platform
 from dflash2.kernels import jit
-from dflash2.kernels.boundary import check_qkv_rope, check_rms_norm, check_silu_mul
+from dflash2.kernels.boundary import (check_qkv_rope, check_rms_norm, check_silu_mul, qkv_rope_problem,
+                                     rms_norm_problem, silu_mul_problem)
 
 __all__ = ["ENV", "apply_rope", "layer_ops_available", "layer_ops_status", "qkv_rope", "reference_qkv_rope",
            "reference_rms_norm", "reference_silu_mul", "rms_norm", "rotate_half", "run_qkv_rope", "run_rms_norm",
@@ -169,8 +170,8 @@ def silu_mul(gate_up: torch.Tensor, lanes: int = 0) -> torch.Tensor:
 def run_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight [D] -> RMSNorm(x) [..., D]: :func:`rms_norm` (D a multiple of 8, weight in x's dtype) or
     :func:`reference_rms_norm`."""
-    if weight.dtype == x.dtype and x.shape[-1] % 8 == 0 and use_layer_ops(x, weight):
-        return rms_norm(x, weight, eps)
+    if use_layer_ops(x, weight) and rms_norm_problem(x, weight) is None:
+        return _state["op"][0](x, weight, eps)
     return reference_rms_norm(x, weight, eps)
 
 
@@ -178,14 +179,14 @@ def run_qkv_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [B, T, (H + 2 Hkv) Dh], cos / sin [B or 1, 1, T, Dh] -> q [B, H, T, Dh], k / v [B, Hkv, T, Dh] rotated:
     :func:`qkv_rope` (tables in qkv's dtype) or :func:`reference_qkv_rope`."""
-    if cos.dtype == qkv.dtype and cos.shape[1] == 1 and use_layer_ops(qkv):
-        return qkv_rope(qkv, cos, sin, heads, kv_heads)
+    if use_layer_ops(qkv) and qkv_rope_problem(qkv, cos, sin, heads, kv_heads) is None:
+        return _state["op"][1](qkv, cos, sin, heads, kv_heads)
     return reference_qkv_rope(qkv, cos, sin, heads, kv_heads)
 
 
 def run_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] -> SiLU(gate) * up [..., I]: :func:`silu_mul` (I a multiple of 8) or
     :func:`reference_silu_mul`."""
-    if gate_up.shape[-1] % 16 == 0 and use_layer_ops(gate_up):
-        return silu_mul(gate_up)
+    if use_layer_ops(gate_up) and silu_mul_problem(gate_up) is None:
+        return _state["op"][2](gate_up, 0)
     return reference_silu_mul(gate_up)

@@ -128,3 +128,24 @@ def test_rope_tables_are_the_correctly_rounded_values_whatever_the_call():
         part_cos, part_sin = rope_tables(positions[:, start:stop], inv_freq, torch.bfloat16)
         assert torch.equal(part_cos, cos[:, :, start:stop].bfloat16())
         assert torch.equal(part_sin, sin[:, :, start:stop].bfloat16())
+
+
+def test_the_decoder_entry_points_take_the_kernel_where_it_fits_and_pytorch_elsewhere(monkeypatch):
+    """run_*: one check decides; arguments the kernel does not take go to the PyTorch operations (no error), the
+    ones it takes go to the kernel (seen by counting its calls)."""
+    calls = []
+    ops = layer_ops._state["op"]
+    counted = tuple((lambda op: (lambda *a: calls.append(1) or op(*a)))(op) for op in ops)
+    monkeypatch.setitem(layer_ops._state, "op", counted)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 12, generator=g)  # D = 12: not a multiple of 8
+    weight = torch.randn(12, generator=g)
+    assert torch.equal(layer_ops.run_rms_norm(x, weight, 1e-6), layer_ops.reference_rms_norm(x, weight, 1e-6))
+    assert torch.equal(layer_ops.run_rms_norm(x[:, :8].contiguous(), weight[:8].double(), 1e-6),
+                       layer_ops.reference_rms_norm(x[:, :8].contiguous(), weight[:8].double(), 1e-6))
+    gate_up = torch.randn(2, 24, generator=g)  # 2I = 24: I = 12
+    assert torch.equal(layer_ops.run_silu_mul(gate_up), layer_ops.reference_silu_mul(gate_up))
+    assert calls == []
+    layer_ops.run_rms_norm(torch.randn(2, 16, generator=g), torch.randn(16, generator=g), 1e-6)
+    layer_ops.run_silu_mul(torch.randn(2, 32, generator=g))
+    assert len(calls) == 2
