@@ -77,3 +77,9 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.2) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def spread_ids(n: int, vocab: int) -> list[int]:
+    """n token ids spread over [100, vocab + 100) with little repetition: a long prompt whose tokens are all valid ids
+    and that prompt lookup cannot shortcut."""
+    return [100 + (i * 7919) % vocab for i in range(n)]

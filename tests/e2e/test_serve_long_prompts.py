@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import SMOLLM2
-from tests.e2e.serve_fixture import start_server, stop_server
+from tests.e2e.serve_fixture import spread_ids, start_server, stop_server
 
 openai = pytest.importorskip("openai")
 
@@ -25,9 +25,6 @@ def server():
     yield live
     stop_server(live)
 
-
-def ids(n: int) -> list[int]:
-    return [100 + (i * 7919) % 40000 for i in range(n)]
 
 
 def refused(server, prompt, **extra) -> tuple[float, str, str | None]:
@@ -47,13 +44,13 @@ def test_prompts_past_the_context_are_refused_at_once(server):
     seconds, message, code = refused(server, "word " * 40000)  # ~40K tokens of text
     assert seconds < 1.0 and code == "context_length_exceeded" and "context is 8192" in message, (seconds, message)
     for n in (16000, 32000):  # as token ids: the client's JSON and the schema's list of ints cost more than the text
-        seconds, message, code = refused(server, ids(n))  # (1.3 s at a load of 16 on 2 cores, 2026-12-06)
+        seconds, message, code = refused(server, spread_ids(n, 40000))  # (1.3 s at a load of 16 on 2 cores, 2026-12-06)
         assert seconds < 3.0 and f"the prompt has {n} tokens" in message, (n, seconds, message)
 
 
 def test_a_prompt_past_the_kv_budget_is_refused_at_once(server):
     blocks = server.metrics()["dflash2_kv_blocks_total"]
-    seconds, message, _ = refused(server, ids(4000))
+    seconds, message, _ = refused(server, spread_ids(4000, 40000))
     assert seconds < 1.0 and f"the server's budget is {int(blocks)}" in message, (seconds, message)
     assert server.process.poll() is None  # still serving
 
@@ -63,7 +60,7 @@ def test_a_long_prompt_that_fits_is_served_inside_the_budgets(server):
     before = server.rss_kib()
     reply = httpx.post(f"{server.base_url}/v1/completions", timeout=900,
                        headers={"Authorization": f"Bearer {server.api_key}"},
-                       json={"model": SMOLLM2, "prompt": ids(2500), "max_tokens": 16, "temperature": 0})
+                       json={"model": SMOLLM2, "prompt": spread_ids(2500, 40000), "max_tokens": 16, "temperature": 0})
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["prompt_tokens"] == 2500
     metrics = server.metrics()

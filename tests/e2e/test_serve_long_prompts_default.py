@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import QWEN_TARGET
-from tests.e2e.serve_fixture import start_server, stop_server
+from tests.e2e.serve_fixture import spread_ids, start_server, stop_server
 
 openai = pytest.importorskip("openai")
 
@@ -28,9 +28,6 @@ def server():
     yield live
     stop_server(live)
 
-
-def ids(n: int) -> list[int]:
-    return [100 + (i * 7919) % 100000 for i in range(n)]
 
 
 def test_a_prompt_past_the_context_is_refused_at_once(server):
@@ -50,7 +47,8 @@ def test_a_16k_prompt_is_served_inside_the_budgets(server):
     started = time.monotonic()
     reply = httpx.post(f"{server.base_url}/v1/completions", timeout=3600,
                        headers={"Authorization": f"Bearer {server.api_key}"},
-                       json={"model": QWEN_TARGET, "prompt": ids(16000), "max_tokens": 16, "temperature": 0})
+                       json={"model": QWEN_TARGET, "prompt": spread_ids(16000, 100000), "max_tokens": 16,
+                             "temperature": 0})
     seconds = time.monotonic() - started
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["prompt_tokens"] == 16000
