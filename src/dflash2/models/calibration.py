@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 from dataclasses import replace
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from dflash2 import platform
+from dflash2.atomic import write_text_atomic
 from dflash2.platform import VerifyCosts
 
 __all__ = ["ROWS", "calibrated", "calibration_key", "measure", "verify_costs"]
@@ -81,10 +81,8 @@ def verify_costs(model: nn.Module, home: Path | None = None) -> VerifyCosts:
         pass
     costs = measure(model)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.part")
-    partial.write_text(json.dumps({"rows": costs.rows, "seconds": costs.seconds, "cpu": platform.cpu().name,
-                                   "weights": _weight_format(model)}))
-    os.replace(partial, path)  # (atomic: a reader sees the whole file or none)
+    write_text_atomic(path, json.dumps({"rows": costs.rows, "seconds": costs.seconds, "cpu": platform.cpu().name,
+                                        "weights": _weight_format(model)}))
     return costs
 
 

@@ -13,7 +13,7 @@ On disk (``out_dir``)::
         offsets         [n + 1] int64   sequence i is tokens[offsets[i] : offsets[i + 1]]
         prompt_lengths  [n] int32       the first prompt_lengths[i] ids of sequence i are the prompt
 
-Shards and the manifest are written atomically (temp file + ``os.replace``); a re-run with the same settings
+Shards and the manifest are written atomically (:mod:`dflash2.atomic`); a re-run with the same settings
 skips the ``prompts_done`` prompts already handled and appends new shards, so nothing is duplicated.
 """
 
@@ -22,15 +22,14 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from dflash2.atomic import save_tensors_atomic, write_text_atomic
 from dflash2.decode.plain import plain_decode
 from dflash2.decode.speculative import speculative_decode
 from dflash2.decode.stats import DecodeStats
@@ -100,9 +99,7 @@ def read_manifest(out_dir: str | Path) -> dict | None:
 
 
 def _write_manifest(out_dir: Path, manifest: dict) -> None:
-    tmp = out_dir / f".{MANIFEST}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out_dir / MANIFEST)
+    write_text_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
 def write_shard(path: str | Path, sequences: Sequence[TrainingSequence]) -> None:
@@ -114,9 +111,7 @@ def write_shard(path: str | Path, sequences: Sequence[TrainingSequence]) -> None
         "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
         "prompt_lengths": torch.tensor([s.prompt_length for s in sequences], dtype=torch.int32),
     }
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    save_tensors_atomic(tensors, path)
 
 
 def write_hidden_shard(path: str | Path, sequences: Sequence[TrainingSequence]) -> None:
@@ -126,9 +121,7 @@ def write_hidden_shard(path: str | Path, sequences: Sequence[TrainingSequence]) 
     for s in sequences:
         if s.hidden is None or s.hidden.shape[0] != len(s.ids) - 1:
             raise ValueError("every sequence of a shard with hidden states needs [N - 1, taps, D] of them")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({"hidden": torch.cat([s.hidden for s in sequences]).contiguous()}, str(tmp))
-    os.replace(tmp, path)
+    save_tensors_atomic({"hidden": torch.cat([s.hidden for s in sequences]).contiguous()}, path)
 
 
 def append_shard(out_dir: str | Path, sequences: Sequence[TrainingSequence], prompts_done: int | None = None,

@@ -36,7 +36,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
-import os
 import re
 import sysconfig
 import time
@@ -46,8 +45,8 @@ from typing import Iterator, Sequence
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from dflash2.atomic import save_tensors_atomic
 from dflash2.models.decoder import Transformer
 from dflash2.train.data import MANIFEST, TokenShards, _write_manifest, read_manifest  # one manifest format
 
@@ -241,9 +240,7 @@ def write_label_shard(path: str | Path, sequences: Sequence[LabelledSequence]) -
         "topk_probs": torch.cat([s.topk_probs for s in sequences]).contiguous(),
         "rest": torch.cat([s.rest for s in sequences]).contiguous(),
     }
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    save_tensors_atomic(tensors, path)
 
 
 def _append(out_dir: Path, manifest: dict, sequences: list[LabelledSequence], items_done: int, seconds: float) -> None:

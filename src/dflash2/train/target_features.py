@@ -15,7 +15,6 @@ per token with 3 taps of a 1536-wide target: these stay under ``runs/``, never i
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,8 @@ from typing import Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from dflash2.atomic import save_tensors_atomic, write_text_atomic
 from dflash2.models.decoder import Transformer
 from dflash2.train.labels import LabelledText, topk_labels
 
@@ -57,9 +56,7 @@ def write_features(path: Path, text: LabelledText) -> None:
                "topk_ids": text.topk_ids.to(torch.int32).contiguous(),
                "topk_probs": text.topk_probs.to(torch.float16).contiguous(),
                "rest": text.rest.to(torch.float16).contiguous(), "taps": text.taps.contiguous()}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    save_tensors_atomic(tensors, path)
 
 
 def read_features(path: str | Path, taps: bool = True) -> LabelledText:
@@ -127,9 +124,7 @@ def build_features(out_dir: str | Path, target: Transformer, items, layers: tupl
         group = manifest["heldout" if item.heldout else "train"]
         if item.name not in group:
             group.append(item.name)
-            tmp = manifest_path.with_name(f".{manifest_path.name}.tmp")
-            tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-            os.replace(tmp, manifest_path)
+            write_text_atomic(manifest_path, json.dumps(manifest, indent=1) + "\n")
         print(f"{item.name}: {len(item.ids)} ids ({time.perf_counter() - started:.0f} s)", flush=True)
     return out_dir
 
