@@ -378,6 +378,41 @@ def test_bf16_dot_products_keep_a_row_the_same_in_any_block_and_tree() -> None:
 
 
 @needs_attention_kernel
+@needs_bf16_dots
+@pytest.mark.parametrize("heads,dh", [((12, 2), 128), ((14, 2), 64), ((9, 1), 64), ((4, 4), 96)])
+def test_rows_over_long_cached_keys_equal_each_row_alone(heads, dh) -> None:
+    """Over hundreds of cached keys (a long prompt's verification) each row of the VDPBF16PS path gives the bits it
+    gives alone: chains of 2..17 rows over odd and even cached lengths, a tree over a long prefix beside a shorter
+    padded row of a ragged batch, and groups of more query heads per kv head than one pass over the keys takes (9)."""
+    from dflash2.kernels import attention
+
+    op = attention._state["op"]
+    scale = dh ** -0.5
+    for cached in (256, 257, 700, 1031):
+        for tokens in (2, 3, 9, 17):
+            q, k, v = _qkv(1, tokens, cached + tokens, torch.bfloat16, seed=tokens + cached, heads=heads, dh=dh)
+            block = op(q, k, v, None, True, scale, 32)
+            for t in range(tokens):
+                n = cached + t + 1
+                alone = op(q[:, :, t : t + 1], k[:, :, :n], v[:, :, :n], None, True, scale, 32)
+                assert torch.equal(block[:, :, t : t + 1], alone), (heads, cached, tokens, t)
+    slots = 600
+    q, k, v = _qkv(2, 5, slots, torch.bfloat16, seed=5, heads=heads, dh=dh)
+    mask = torch.zeros(2, 5, slots, dtype=torch.bool)
+    mask[0, :, :590] = True  # a tree over 590 cached slots: root, two children, a grandchild
+    mask[0, 1, 590], mask[0, 2, [590, 591]], mask[0, 3, [590, 592]], mask[0, 4, [590, 592, 593]] = True, True, True, True
+    mask[1, :, :200] = True  # a shorter padded row
+    mask[1, :, 300:304] = torch.ones(5, 4, dtype=torch.bool).tril()
+    tree = op(q, k, v, mask, False, scale, 32)
+    for b in range(2):
+        for t in range(5):
+            visible = mask[b, t].nonzero()[:, 0]
+            alone = op(q[b : b + 1, :, t : t + 1], k[b : b + 1, :, visible], v[b : b + 1, :, visible], None, False,
+                       scale, 32)
+            assert torch.equal(tree[b : b + 1, :, t : t + 1], alone), (heads, b, t)
+
+
+@needs_attention_kernel
 def test_a_row_with_no_visible_slot_gives_zeros() -> None:
     q, k, v = _qkv(1, 2, 5, torch.float32)
     mask = torch.zeros(1, 1, 2, 5, dtype=torch.bool)
