@@ -14,6 +14,16 @@ if [ ! -d "$SRC" ]; then
   "$PY" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK/sdist"
   tar xzf "$WORK/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$WORK"
 fi
+# Patches to the vendored sources, each applied once (a patch that already reverses cleanly is in place).
+# llama.cpp-qwen2-layer-inputs.patch: llama.cpp's DFlash draft reads the target's layer inputs, which this llama.cpp
+# commit (0c1e570) registers in its qwen3, llama and newer graphs but not in qwen2's, so a Qwen2.5 target stopped at
+# GGML_ASSERT(t_layer_inp[il] != nullptr). The versions of upstream's src/models/qwen2.cpp seen (ggml-org/llama.cpp
+# 93bf6ab, 0215468) do not register them either. The patch only adds graph outputs.
+for PATCH in "$(dirname "$0")"/patches/llama.cpp-*.patch; do
+  if ! patch -p1 -R --dry-run -s -f -d "$SRC/vendor/llama.cpp" < "$PATCH" >/dev/null 2>&1; then
+    patch -p1 -N -s -d "$SRC/vendor/llama.cpp" < "$PATCH"
+  fi
+done
 # -march=native, except on CPUs with AMX: this llama.cpp's AMX path (GGML_NATIVE turns it on there) crashes in the
 # first llama_decode of the Q4_K_M target (seen on a Sapphire Rapids-class Xeon), so there the AVX-512 kernels are
 # selected explicitly instead.

@@ -3,9 +3,15 @@ llama.cpp's own convert_hf_to_gguf.py, run by llama-speculative-simple --spec-ty
 Qwen2.5-Coder target's GGUF. Greedy output must equal llama.cpp's plain greedy output. Skipped where
 scripts/build_llama_cpp.sh has not run (the build takes 15-40 minutes on 2 cores).
 
-llama.cpp 0c1e570 (the one the build script takes) loads the converted drafter and starts its DFlash, then stops:
-its qwen2 graph exposes no layer inputs for the draft to read (it does for llama, qwen3 and newer families). The
-test records that as an expected failure with the reason, and passes once a llama.cpp that taps qwen2 is built."""
+The draft reads the target's layer inputs; the build script patches llama.cpp's qwen2 graph to register them
+(scripts/patches/llama.cpp-qwen2-layer-inputs.patch). A build without that patch fails here with the peer's
+one-line reason.
+
+llama.cpp's own decoding is not batch-invariant: evaluating the same tokens B rows per llama_decode gives logits up to
+0.9 away from one row at a time (Q4_K_M target, this build), so any of its speculative modes can leave its plain
+output where the top two logits are that close. On this prompt batched rows flip the argmax at token 35 (margin
+0.13; with 2 or 4 rows, depending on where the batches fall) and 59 (margin 0.004): llama.cpp's DFlash keeps 35 and
+leaves the plain output at 59, so 48 tokens are compared (docs/serving-elsewhere.md has the measurement)."""
 
 from __future__ import annotations
 
@@ -56,7 +62,6 @@ def test_llama_cpp_dflash_runs_an_exported_drafter_with_plain_greedy_output(setu
     from dataclasses import replace
 
     from dflash2.models.tokenizer import Tokenizer
-    from dflash2.peers import PeerError
     from dflash2.peers.llamacpp import LlamaCppDFlashPeer, LlamaCppPlainPeer
 
     setup = replace(setup, dflash_drafter=engine_layout_drafter(tmp_path / "drafter"))
@@ -69,9 +74,8 @@ def test_llama_cpp_dflash_runs_an_exported_drafter_with_plain_greedy_output(setu
     dflash = LlamaCppDFlashPeer(setup, "llamacpp-dflash")
     try:
         got = dflash.generate(ids, 48)
-    except PeerError as error:
-        if "exposes no layer inputs" in str(error):  # llama.cpp's limit, not the export's: the drafter loaded
-            pytest.xfail(str(error))
-        raise
+    finally:
+        dflash.close()
+    assert len(expected.token_ids) == 48  # the comparison covers the whole length (no early EOS)
     assert got.drafted and got.drafted > 0  # llama.cpp drafted with the converted drafter
     assert got.token_ids == expected.token_ids

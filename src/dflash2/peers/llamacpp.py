@@ -144,7 +144,8 @@ class LlamaCppSpeculativePeer:
             if LAYER_INPUTS_MISSING in done.stderr:
                 raise PeerError(f"{SPECULATIVE_TOOL} cannot run {self.spec_type} on this target: llama.cpp's graph for "
                                 "its architecture exposes no layer inputs to tap (llama.cpp 0c1e570 registers them "
-                                "for llama, qwen3 and newer families, not qwen2: src/models/qwen2.cpp)")
+                                "for llama, qwen3 and newer families; scripts/build_llama_cpp.sh patches qwen2's: "
+                                "rerun it)")
             raise PeerError(f"{SPECULATIVE_TOOL} failed ({done.returncode}): {done.stderr.strip()[-800:]}")
         return self._parse(done.stdout, done.stderr, prompt_text, len(prompt_ids), max_new_tokens)
 
