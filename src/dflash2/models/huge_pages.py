@@ -10,9 +10,12 @@ the copies are plain ones: the values are the same either way, only the pages di
 Faulting huge pages in is not always cheap: in the Firecracker VMs of the Intel Xeon (AMX) a fresh 2 MiB
 page cost ~8 s per GB (4 KiB pages 0.2 s), so moving the 1.5B target and the pard drafter took ~25 s of a 40 s
 ``dflash2 generate``, for no measured gain in decoding there (bf16 and gguf one-row forwards the same within
-noise). So by default (``DFLASH2_HUGE_PAGES`` unset or ``auto``) the first buffer's fault-in is timed and, slower
-than :data:`SLOW_FAULT_SECONDS_PER_GB`, nothing more moves in this process; ``on`` moves everything whatever it
-costs, ``off`` nothing.
+noise). Nor is it steady: on the AMD EPYC Zen 4 VM a first layer's buffer can fault in fast (pages the guest had
+freed) and the next ones at ~10 s per GB (16 s to move the 1.5B target). So by default (``DFLASH2_HUGE_PAGES``
+unset or ``auto``) every buffer's fault-in is timed and, once one is slower than
+:data:`SLOW_FAULT_SECONDS_PER_GB`, nothing more moves in this process, and a record in the store
+(:func:`slow_record`, keyed by the boot) keeps the later processes of this boot from paying for the measurement
+again; ``on`` moves everything whatever it costs, ``off`` nothing.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from dflash2 import platform
+from dflash2.atomic import write_text_atomic
 
 __all__ = ["ENV", "HUGE_PAGE", "SLOW_FAULT_SECONDS_PER_GB", "huge_page_copies", "huge_pages_mode",
-           "move_linear_weights"]
+           "move_linear_weights", "slow_record"]
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +45,17 @@ SLOW_FAULT_SECONDS_PER_GB = 1.0  # fault-in slower than this: stop moving (fast 
 _PROBE_BYTES = 8 << 20  # a buffer at least this large times its fault-in (smaller ones are noise)
 _ALIGN = 64  # bytes between tensors in the buffer: every dtype's alignment, a cache line
 _MADV_HUGEPAGE = 14
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")  # Linux: a new id at every boot
 
 
 @dataclasses.dataclass
 class _FaultProbe:
-    """This process's one measurement of how fast huge pages fault in (auto mode), and whether it was reported."""
+    """How fast huge pages fault in here (auto mode): the slowest buffer this process timed, or what the store's
+    record of this boot says (read once, ``recalled``); and whether it was reported."""
 
     seconds_per_gb: float | None = None
     told: bool = False
+    recalled: bool = False
 
 
 _probe = _FaultProbe()
@@ -67,7 +75,7 @@ def huge_page_copies(tensors: Sequence[torch.Tensor], measure: bool = False) -> 
     if measure and total >= _PROBE_BYTES:
         start = time.perf_counter()
         buffer.zero_()  # the page faults alone (the source may still be on disk: not timed)
-        _probe.seconds_per_gb = (time.perf_counter() - start) / (total / 1e9)
+        _measured((time.perf_counter() - start) / (total / 1e9))
     copies = []
     for t, offset in zip(tensors, offsets):
         size = t.numel() * t.element_size()
@@ -84,8 +92,20 @@ def huge_pages_mode() -> str:
     return profile.huge_pages
 
 
+def _measured(seconds_per_gb: float) -> None:
+    """Keep the slowest fault-in timed; a slow one is recorded for the later processes of this boot."""
+    if _probe.seconds_per_gb is None or seconds_per_gb > _probe.seconds_per_gb:
+        _probe.seconds_per_gb = seconds_per_gb
+    if seconds_per_gb > SLOW_FAULT_SECONDS_PER_GB:
+        _write_slow_record(seconds_per_gb)
+
+
 def _too_slow() -> bool:
-    """True once this process measured huge pages faulting in slower than SLOW_FAULT_SECONDS_PER_GB (said once)."""
+    """True once huge pages were measured faulting in slower than SLOW_FAULT_SECONDS_PER_GB, in this process or
+    (the store's record) in an earlier one of this boot (said once)."""
+    if _probe.seconds_per_gb is None and not _probe.recalled:
+        _probe.recalled = True
+        _probe.seconds_per_gb = _read_slow_record()
     if _probe.seconds_per_gb is None or _probe.seconds_per_gb <= SLOW_FAULT_SECONDS_PER_GB:
         return False
     if not _probe.told:
@@ -95,11 +115,48 @@ def _too_slow() -> bool:
     return True
 
 
+def slow_record() -> Path:
+    """The store's record that huge pages faulted in slowly on this machine: the boot's id and the seconds per GB
+    measured (a new boot, whose memory the host may back otherwise, measures again; ``rm`` it to measure now)."""
+    return platform.settings().home / "huge-pages-slow"
+
+
+def _boot_id() -> str | None:
+    try:
+        return _BOOT_ID.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _read_slow_record() -> float | None:
+    """The seconds per GB recorded in this boot, or None (no record, another boot's, unreadable)."""
+    boot = _boot_id()
+    try:
+        recorded_boot, seconds = slow_record().read_text().split()
+        return float(seconds) if boot is not None and recorded_boot == boot else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write_slow_record(seconds_per_gb: float) -> None:
+    """Written atomically; where there is no boot id or the store cannot be written, every process measures."""
+    boot = _boot_id()
+    if boot is None:
+        return
+    record = slow_record()
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(record, f"{boot} {seconds_per_gb:.3f}\n")
+    except OSError as e:
+        log.debug("huge-page record %s not written: %s", record, e)
+
+
 def move_linear_weights(model: torch.nn.Module) -> torch.nn.Module:
     """Move the weights of ``model``'s CPU linear layers onto huge pages, one decoder layer (then the head) per
     buffer, so the load's peak grows by one layer's weights, not the model's: the packed / quantized tensors
     (``weight_data`` / ``scale_data``) of packed bf16 and int8 / int4 layers, and the blocks of GGUF layers. Nothing
-    moves when :func:`huge_pages_mode` is off; in auto mode nothing more once a fault-in measured slow."""
+    moves when :func:`huge_pages_mode` is off; in auto mode nothing more once a fault-in measured slow (each
+    buffer's is timed; one measured in an earlier process of this boot counts)."""
     mode = huge_pages_mode()
     if mode == "off":
         return model
@@ -115,7 +172,7 @@ def move_linear_weights(model: torch.nn.Module) -> torch.nn.Module:
             continue
         if mode == "auto" and _too_slow():
             break
-        copies = iter(huge_page_copies(tensors, measure=mode == "auto" and _probe.seconds_per_gb is None))
+        copies = iter(huge_page_copies(tensors, measure=mode == "auto"))
         for m, name in slots:
             setattr(m, name, next(copies))
         for m, i, p in blocks:  # a GGUF layer's runs of blocks: the same blocks, new tensors

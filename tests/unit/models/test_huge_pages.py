@@ -97,9 +97,11 @@ def test_mode_switch():
             hp.huge_pages_mode()
 
 
-def test_a_measured_fault_in_sets_the_probe(monkeypatch):
+def test_a_measured_fault_in_sets_the_probe(monkeypatch, tmp_path):
     from dflash2.models import huge_pages as hp
 
+    monkeypatch.setenv("DFLASH2_HOME", str(tmp_path))  # a slow measurement writes its record here
+    reload_settings()
     monkeypatch.setattr(hp, "_probe", hp._FaultProbe())
     huge_page_copies([torch.ones(1 << 20)], measure=True)  # 4 MiB: too small to tell
     assert hp._probe.seconds_per_gb is None
@@ -128,3 +130,91 @@ def test_slow_huge_pages_leave_the_weights_in_auto_mode(tiny_model_dirs, monkeyp
     ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, before(ids).logits)
+
+
+def _layer_buffers(model) -> int:
+    """How many decoder layers had their four projections moved into one buffer."""
+    def one(layer):
+        linears = (layer.attn.wqkv, layer.attn.wo, layer.ffn.w_gate_up, layer.ffn.w_down)
+        return len({m.weight_data.untyped_storage().data_ptr() for m in linears}) == 1
+    return sum(one(layer) for layer in model.layers)
+
+
+def _fault_in_clock(monkeypatch, hp, seconds):
+    """Every buffer's fault-in timed (tiny ones too), the n-th taking ``seconds[n]`` per GB of its size."""
+    monkeypatch.setattr(hp, "_PROBE_BYTES", 0)
+    durations = iter(seconds)
+    ticks = {"now": 0.0, "start": True}
+    sizes = []
+    real_buffer = hp._huge_buffer
+
+    def buffer(nbytes):
+        sizes.append(nbytes)
+        return real_buffer(nbytes)
+
+    def clock():
+        if not ticks["start"]:  # the end of a fault-in: its seconds per GB times its size
+            ticks["now"] += next(durations) * sizes[-1] / 1e9
+        ticks["start"] = not ticks["start"]
+        return ticks["now"]
+
+    monkeypatch.setattr(hp, "_huge_buffer", buffer)
+    monkeypatch.setattr(hp.time, "perf_counter", clock)
+
+
+def test_auto_mode_times_every_buffer_and_stops_at_the_first_slow_one(tiny_model_dirs, monkeypatch, tmp_path):
+    """A first buffer that faults in fast does not vouch for the next ones (the Zen 4 VM: pages the guest had
+    freed, then fresh ones at ~10 s per GB): the second, slow, stops the move; the logits are the same."""
+    from dflash2.models import huge_pages as hp
+    from dflash2.models.loading import load_transformer
+
+    monkeypatch.setenv("DFLASH2_HOME", str(tmp_path))
+    monkeypatch.setenv(hp.ENV, "off")
+    reload_settings()
+    before = load_transformer(tiny_model_dirs["qwen2"], "bf16")
+    monkeypatch.setenv(hp.ENV, "auto")
+    reload_settings()
+    monkeypatch.setattr(hp, "_probe", hp._FaultProbe())
+    monkeypatch.setattr(hp, "_boot_id", lambda: "boot-a")
+    _fault_in_clock(monkeypatch, hp, [0.1, 9.0])
+    model = load_transformer(tiny_model_dirs["qwen2"], "bf16")
+    assert _layer_buffers(model) == 2 < len(model.layers)  # the fast one, the slow one, then nothing more
+    assert hp._probe.seconds_per_gb == pytest.approx(9.0)
+    assert hp.slow_record().read_text().split() == ["boot-a", "9.000"]
+    ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, before(ids).logits)
+
+
+@pytest.mark.parametrize("recorded_boot, moved", [("boot-a", False), ("boot-b", True)])
+def test_a_slow_record_of_this_boot_spares_later_processes_the_measurement(tiny_model_dirs, monkeypatch, tmp_path,
+                                                                          recorded_boot, moved):
+    """A later process (a fresh probe) of the boot whose record says slow moves nothing and times nothing; another
+    boot's record is ignored (that process measures: fast here, so everything moves)."""
+    from dflash2.models import huge_pages as hp
+    from dflash2.models.loading import load_transformer
+
+    monkeypatch.setenv("DFLASH2_HOME", str(tmp_path))
+    monkeypatch.setenv(hp.ENV, "auto")
+    reload_settings()
+    hp.slow_record().write_text(f"{recorded_boot} 8.500\n")
+    monkeypatch.setattr(hp, "_probe", hp._FaultProbe())
+    monkeypatch.setattr(hp, "_boot_id", lambda: "boot-a")
+    _fault_in_clock(monkeypatch, hp, [0.1] * 100)
+    model = load_transformer(tiny_model_dirs["qwen2"], "bf16")
+    assert _layer_buffers(model) == (len(model.layers) if moved else 0)
+    assert hp._probe.seconds_per_gb == pytest.approx(0.1 if moved else 8.5)
+    assert hp.slow_record().read_text().split() == [recorded_boot, "8.500"]  # a fast measurement writes nothing
+
+
+def test_no_boot_id_no_record(monkeypatch, tmp_path):
+    """Where the boot cannot be told (not Linux), a slow measurement is kept in the process only."""
+    from dflash2.models import huge_pages as hp
+
+    monkeypatch.setenv("DFLASH2_HOME", str(tmp_path))
+    reload_settings()
+    monkeypatch.setattr(hp, "_probe", hp._FaultProbe())
+    monkeypatch.setattr(hp, "_boot_id", lambda: None)
+    hp._measured(5.0)
+    assert hp._probe.seconds_per_gb == 5.0 and not hp.slow_record().exists()
+    assert hp._too_slow()
