@@ -66,8 +66,8 @@ def load_transformer(
 
         cache = PackedCache.for_model(model_dir, torch_dtype)
         model = cache.read(config, torch_dtype) if cache is not None else None
-        if model is not None:  # copied out of the map as a packing load leaves them: the same pages, the same speed
-            return move_linear_weights(own_memory(model))
+        if model is not None:
+            return own_memory_if_moved(model)
     # Tensors that the CPU model uses as read get their own memory (a view of the map would pin the file's pages).
     mapped = pack or torch.device(device).type != "cpu"
     state = hf_to_lean_state_dict(read_safetensors(model_dir, mapped=mapped), config)
@@ -92,6 +92,32 @@ def own_memory(model: torch.nn.Module) -> torch.nn.Module:
     for tensor in {id(t): t for t in (*model.parameters(), *model.buffers())}.values():
         tensor.data = tensor.data.clone()
     return model
+
+
+def own_memory_if_moved(model: torch.nn.Module) -> torch.nn.Module:
+    """A model read from a store cache (views of its memory map): its linear weights moved onto huge pages
+    (:func:`move_linear_weights`), and then the rest (embedding, norms) copied out of the map, so that no view
+    keeps the file's touched pages mapped. Where nothing moved (huge pages off or slow here) the weights keep the
+    map, and copying the rest out (the 445 MB embedding of the 1.5B target: ~0.2-0.4 s of a command's start, and
+    as much memory again) would free nothing: the embedding then stays a view too, its rows read where they lie."""
+    before = {id(t): t.data_ptr() for t in _linear_tensors(model)}
+    move_linear_weights(model)
+    if any(before.get(id(t)) != t.data_ptr() for t in _linear_tensors(model)):
+        own_memory(model)
+    return model
+
+
+def _linear_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What :func:`move_linear_weights` may move: the packed / quantized tensors and the GGUF blocks."""
+    from dflash2.kernels.gguf_linear import GgufLinear
+
+    tensors = []
+    for module in model.modules():
+        tensors += [t for t in (getattr(module, "weight_data", None), getattr(module, "scale_data", None))
+                    if isinstance(t, torch.Tensor)]
+        if isinstance(module, GgufLinear):
+            tensors += [t for part in module.parts for t in part.tensors().values()]
+    return tensors
 
 
 def check_weight_format(weights: str, device: str | torch.device) -> None:

@@ -40,6 +40,7 @@ from dflash2.kernels.gguf_linear import GgufLinear, gguf_backend
 from dflash2.models.config import ModelConfig
 from dflash2.models.decoder import Transformer
 from dflash2.models.gguf_cache import read_runs, run_tensors
+from dflash2.models.prefault import prefault
 from dflash2.models.quant_cache import (
     QuantCacheError,
     _dtype_name,
@@ -107,6 +108,7 @@ class ModelCache:
                 else:
                     layers[layer] = _layer(linear, n, handle.get_tensor(f"{layer}.weight"), bias, found["backend"])
         _install(model, layers)
+        prefault(t for layer in layers.values() for t in _mapped_tensors(layer))  # pages mapped on the other core
         return model
 
     def write(self, model: Transformer) -> None:
@@ -161,6 +163,13 @@ def _unique(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[name] = tensor.clone() if tensor.data_ptr() in seen else tensor
         seen.add(tensor.data_ptr())
     return out
+
+
+def _mapped_tensors(layer: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors of a layer read from the cache: a PackedLinear's panels and bias, a GgufLinear's runs of blocks."""
+    if isinstance(layer, GgufLinear):
+        return [t for part in layer.parts for t in part.tensors().values()]
+    return [t for t in (layer.weight_data, layer.bias_data) if t is not None]
 
 
 def _gguf_layer(linear: torch.nn.Module, n: int, parts: list, bias: torch.Tensor | None) -> GgufLinear:

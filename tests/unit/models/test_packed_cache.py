@@ -61,3 +61,29 @@ def test_a_stale_or_damaged_cache_is_rewritten(store_model):
     with pytest.warns(RuntimeWarning, match="source"):
         assert torch.equal(logits(load_transformer(store_model, "bf16"), ids), reference)
     assert (cache.path.parent / CACHE_FILE).is_file()
+
+
+@pytest.mark.parametrize("huge_pages", ["off", "on"])
+def test_a_cache_read_prefaults_its_weights_and_copies_the_rest_only_when_they_moved(store_model, monkeypatch,
+                                                                                     huge_pages):
+    """Reading the cache asks for the pages of every layer's mapped tensors (models/prefault.py); the embedding and
+    norms are copied out of the map only where the linear weights left it (huge pages), since otherwise the map
+    stays and the copy would free nothing. The logits are the same either way."""
+    from dflash2.models import loading, packed_cache
+
+    ids = torch.arange(4, 33)
+    reference = logits(load_transformer(store_model, "bf16"), ids)  # packs, writes the cache
+    asked, copied = [], []
+    monkeypatch.setattr(packed_cache, "prefault", lambda tensors: asked.extend(tensors))
+    own_memory = loading.own_memory
+    monkeypatch.setattr(loading, "own_memory", lambda model: copied.append(model) or own_memory(model))
+    monkeypatch.setenv("DFLASH2_HUGE_PAGES", huge_pages)
+    reload_settings()
+    mapped = load_transformer(store_model, "bf16")
+    linears = [m for m in mapped.modules() if isinstance(m, PackedLinear)]
+    assert len(asked) == sum(1 + (m.bias_data is not None) for m in linears)
+    if huge_pages == "off":  # the tensors asked for are the layers' own
+        assert {t.data_ptr() for t in asked} == {t.data_ptr() for m in linears
+                                                  for t in (m.weight_data, m.bias_data) if t is not None}
+    assert copied == ([mapped] if huge_pages == "on" else [])
+    assert torch.equal(logits(mapped, ids), reference)
