@@ -20,11 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[dev,serve,bench,grammar]"
 	touch $(STAMP)
 
-# the kernels compile here (one line each, ~2 min on 2 cores, once), and one token generated writes the store's
-# packed copy of the target (models/packed_cache.py), so the demo's first generation runs as fast as the next one
+# the kernels compile here (one line each, ~3 min of one core, once) while the models download and convert (the
+# download waits on the network, the compiler on a core), and one token generated writes the store's packed copy
+# of the target (models/packed_cache.py), so the demo's first generation runs as fast as the next one
 models: setup
-	$(DFLASH2) models pull qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
-	$(DFLASH2) kernels build
+	$(DFLASH2) kernels build & kernels=$$!; \
+	$(DFLASH2) models pull qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct; pulled=$$?; \
+	wait $$kernels && test $$pulled = 0
 	$(DFLASH2) generate --max-new-tokens 1 "hi" >/dev/null
 
 demo: models
