@@ -48,7 +48,9 @@ def speculative_decode(
     prompt_taps = cache.read_taps(cache.length) if reused and taps else out.hidden_states  # from position 0
     prompt_observation(sequence, 0, prompt_taps).tell(drafter)
     yield [token]  # the first token is the target's alone: it comes out before a draft model reads the prompt
+    read_started = time.perf_counter()
     drafter.prefill(sequence[:-1])  # (reading it here, not in the first pass: the first step's draft costs as usual)
+    stats.draft_seconds += time.perf_counter() - read_started  # (drafter time: a long prompt's read costs seconds)
     while cache.length < capacity:
         room = capacity - cache.length - 1  # slots left after the pending token
         started = time.perf_counter()

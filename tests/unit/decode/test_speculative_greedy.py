@@ -181,3 +181,21 @@ def test_a_draft_model_reports_the_ids_it_must_read_before_drafting(models):
     drafter.propose(sequence, 2, GREEDY, None)
     assert drafter.unread(sequence + [7]) == 1  # only the new pending id
     assert 3 <= drafter.unread(sequence + [7, 8, 9, 10]) <= 4  # steps without drafts (a rejected draft: +1)
+
+
+def test_the_drafters_read_of_the_prompt_counts_as_drafting_time(models):
+    """The draft model's prefill runs after the first token, inside the decode: its seconds are drafter time (a long
+    prompt's read costs seconds), not an unexplained part of the decode."""
+    import time
+
+    class SlowReader(ModelDrafter):
+        def prefill(self, ids, *args, **kwargs):
+            time.sleep(0.3)
+            return super().prefill(ids, *args, **kwargs)
+
+    target, prompt = models["qwen2"], repetitive_prompt()
+    capacity = len(prompt) + 8 + 5
+    stats = DecodeStats()
+    started = time.perf_counter()
+    run(speculative_decode(target, SlowReader(target, 2), prompt, GREEDY, None, capacity, stats), 8)
+    assert 0.3 <= stats.draft_seconds <= time.perf_counter() - started
