@@ -151,15 +151,17 @@ def _write_slow_record(seconds_per_gb: float) -> None:
         log.debug("huge-page record %s not written: %s", record, e)
 
 
-def move_linear_weights(model: torch.nn.Module) -> torch.nn.Module:
+def move_linear_weights(model: torch.nn.Module) -> int:
     """Move the weights of ``model``'s CPU linear layers onto huge pages, one decoder layer (then the head) per
     buffer, so the load's peak grows by one layer's weights, not the model's: the packed / quantized tensors
     (``weight_data`` / ``scale_data``) of packed bf16 and int8 / int4 layers, and the blocks of GGUF layers. Nothing
     moves when :func:`huge_pages_mode` is off; in auto mode nothing more once a fault-in measured slow (each
-    buffer's is timed; one measured in an earlier process of this boot counts)."""
+    buffer's is timed; one measured in an earlier process of this boot counts). Returns how many buffers (decoder
+    layers, the head) moved."""
     mode = huge_pages_mode()
     if mode == "off":
-        return model
+        return 0
+    moved = 0
     groups = [list(layer.modules()) for layer in getattr(model, "layers", [])]
     head = getattr(model, "lm_head", None)
     groups.append(list(head.modules()) if head is not None else [])
@@ -178,8 +180,9 @@ def move_linear_weights(model: torch.nn.Module) -> torch.nn.Module:
         for m, i, p in blocks:  # a GGUF layer's runs of blocks: the same blocks, new tensors
             m.parts[i] = dataclasses.replace(p, **{name: next(copies) for name in p.tensors()})
             m._weights = None  # its C++ view of the old tensors, rebuilt at the next forward
+        moved += 1
     model.__dict__.pop("_gguf_layers", None)  # the one-call layers' views too (kernels/gguf_layer.py)
-    return model
+    return moved
 
 
 def _movable(t) -> bool:

@@ -58,7 +58,9 @@ def load_transformer(
     if weights != "bf16":
         from dflash2.models.quant_cache import load_quantized_transformer  # below this module, imported when needed
 
-        return move_linear_weights(own_memory(load_quantized_transformer(model_dir, config, torch_dtype, weights)))
+        model = own_memory(load_quantized_transformer(model_dir, config, torch_dtype, weights))
+        move_linear_weights(model)
+        return model
     pack = packed if packed is not None else should_pack(device, torch_dtype)
     cache = None
     if pack:  # the store's packed copy of this model, mapped as it is (models/packed_cache.py)
@@ -100,24 +102,9 @@ def own_memory_if_moved(model: torch.nn.Module) -> torch.nn.Module:
     keeps the file's touched pages mapped. Where nothing moved (huge pages off or slow here) the weights keep the
     map, and copying the rest out (the 445 MB embedding of the 1.5B target: ~0.2-0.4 s of a command's start, and
     as much memory again) would free nothing: the embedding then stays a view too, its rows read where they lie."""
-    before = {id(t): t.data_ptr() for t in _linear_tensors(model)}
-    move_linear_weights(model)
-    if any(before.get(id(t)) != t.data_ptr() for t in _linear_tensors(model)):
+    if move_linear_weights(model):
         own_memory(model)
     return model
-
-
-def _linear_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """What :func:`move_linear_weights` may move: the packed / quantized tensors and the GGUF blocks."""
-    from dflash2.kernels.gguf_linear import GgufLinear
-
-    tensors = []
-    for module in model.modules():
-        tensors += [t for t in (getattr(module, "weight_data", None), getattr(module, "scale_data", None))
-                    if isinstance(t, torch.Tensor)]
-        if isinstance(module, GgufLinear):
-            tensors += [t for part in module.parts for t in part.tensors().values()]
-    return tensors
 
 
 def check_weight_format(weights: str, device: str | torch.device) -> None:
