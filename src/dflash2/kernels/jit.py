@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dflash2 import platform
+from dflash2.atomic import atomic_path, write_text_atomic
 from dflash2.locking import LockTimeout, exclusive_flock
 
 __all__ = [
@@ -146,9 +147,8 @@ def stable_source(source: Path, directory: Path) -> Path:
         data = path.read_bytes()
         copy = target / path.name
         if not copy.exists() or copy.read_bytes() != data:
-            partial = copy.with_name(copy.name + ".partial")
-            partial.write_bytes(data)
-            os.replace(partial, copy)
+            with atomic_path(copy) as partial:
+                partial.write_bytes(data)
     return target / source.name
 
 
@@ -225,13 +225,10 @@ def self_check_record(directory: Path, self_check=None) -> Path:
 def _write_record(record: Path) -> None:
     """Write the record atomically (a process killed mid-write leaves none, and the check runs again); a store that
     cannot be written to only costs the check in every process."""
-    partial = record.with_name(f"{record.name}.{os.getpid()}.partial")
     try:
-        partial.write_text(f"{platform.cpu().name}\n")
-        os.replace(partial, record)
+        write_text_atomic(record, f"{platform.cpu().name}\n")
     except OSError as e:
         log.debug("self-check record %s not written: %s", record, e)
-        partial.unlink(missing_ok=True)
 
 
 # Ops a kernel library exposes that must run in every process that uses it, whatever the record says; each returns

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from dflash2.atomic import atomic_path
 from dflash2.peers.base import PeerError, PeerResult, PeerSetup, cut_at_eos, require_draft
 
 SPECULATIVE_TOOL = "llama-speculative-simple"
@@ -226,12 +227,11 @@ def converted_dflash_gguf(drafter: Path, target_dir: Path) -> Path:
     exported = out.with_suffix(".hf")
     export_drafter(drafter, "llama.cpp", exported, target=str(target_dir), dtype="bf16")
     env = dict(os.environ, PYTHONPATH=str(source / "gguf-py"))
-    partial = out.with_suffix(".part")
-    done = subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(exported), "--target-model-dir",
-                           str(target_dir), "--outtype", "bf16", "--outfile", str(partial)],
-                          capture_output=True, text=True, env=env, errors="replace")
-    if done.returncode != 0:
-        raise PeerError(f"llama.cpp's converter refused the exported drafter: {done.stderr.strip()[-800:]}")
-    os.replace(partial, out)
+    with atomic_path(out) as partial:
+        done = subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(exported),
+                               "--target-model-dir", str(target_dir), "--outtype", "bf16", "--outfile", str(partial)],
+                              capture_output=True, text=True, env=env, errors="replace")
+        if done.returncode != 0:
+            raise PeerError(f"llama.cpp's converter refused the exported drafter: {done.stderr.strip()[-800:]}")
     shutil.rmtree(exported, ignore_errors=True)
     return out

@@ -103,3 +103,14 @@ def test_an_amx_build_refused_its_tiles_runs_its_check(monkeypatch):
     monkeypatch.setattr(jit.torch, "ops", types.SimpleNamespace(ns=granted))
     assert jit._per_process_setup("ns", "gguf-avx512-vnni")
     assert not jit._per_process_setup("ns", "gguf-amx-int8")
+
+
+def test_a_record_that_cannot_be_written_costs_only_the_check(tmp_path):
+    """A store that cannot be written to (here the record's directory is a file): no error, no record, nothing left
+    beside it; a writable one gets the record whole."""
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    jit._write_record(blocked / "self-check-passed-x")
+    assert [p.name for p in tmp_path.iterdir()] == ["not-a-directory"]
+    jit._write_record(tmp_path / "self-check-passed-y")
+    assert (tmp_path / "self-check-passed-y").read_text().strip() and len(list(tmp_path.iterdir())) == 2
