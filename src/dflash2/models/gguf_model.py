@@ -38,7 +38,8 @@ def load_gguf_transformer(model_dir: Path, config: ModelConfig, dtype: torch.dty
     for name, (parts, bias) in layers.items():
         _set_module(model, name, gl.GgufLinear(parts, bias, backend))
     # the cache's tensors are views of its memory map: 4 KiB page-cache pages that every decoding step streams
-    return move_linear_weights(model)
+    move_linear_weights(model)
+    return model
 
 
 def _set_module(model: Transformer, name: str, module: torch.nn.Module) -> None:
