@@ -34,6 +34,10 @@ class ConditioningConfig:
     target_layers: tuple[int, ...]  # decoder layers of the target whose outputs are read (0-based)
     target_hidden_size: int  # the target's width (Dt)
     hidden_size: int  # the drafter's width (D)
+    # every context position too: the row of id i (read as context) gets the offset of the target's state at i - 1
+    # (what the target had verified when id i was pending), so the drafter's keys / values of the whole context
+    # carry the target's states (EAGLE's fusion, as an input offset); False: the drafting rows only
+    context: bool = False
 
     def save(self, directory: str | Path) -> None:
         data = asdict(self)

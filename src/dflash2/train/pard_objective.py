@@ -5,7 +5,8 @@ A block anchored at ``a`` (the pending token of a decoding step) is ``[ids[a], M
 mask's draft j + 1). Each block sees the context strictly before ``a`` and its own earlier rows (causal, as in a
 draft pass). The context's keys/values are computed once per sequence, without gradients (the adapted network
 runs them, but the loss reaches the weights through the block rows only: about half the cost of the exact
-gradient on these cores).
+gradient on these cores), except where the target conditioning reads every context position
+(``ConditioningConfig.context``): then the context pass carries those offsets and the gradient.
 
 Conditional drop (PARD's token dropping): every anchor keeps row 0; row j + 1 of a block is kept only when row j
 was and a coin with ``keep_ratio`` says so, so deep rows are trained on fewer anchors and a sequence costs about
@@ -99,16 +100,54 @@ def block_offsets(conditioning, text: LabelledText, batch: PardBatch) -> torch.T
     return conditioning(text.taps[(anchors - 1).clamp_min(0)])
 
 
-def block_hidden(model: Transformer, ids: torch.Tensor, batch: PardBatch,
-                 offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """[Q, D] final hidden states (before the norm) of every block row; gradients flow through the rows only.
-    ``offsets`` [Q, D]: added to the block rows' input embeddings (target conditioning)."""
+class RecordingContext:
+    """An empty cache that keeps each layer's keys / values of one pass as computed (the autograd graph intact), so
+    a block pass attending to them trains the context pass too."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers  # each [1, H_kv, S, Dh]
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer], self.values[layer] = keys, values
+        return keys, values
+
+    def advance(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+    def frozen(self) -> FrozenContext:
+        return FrozenContext(torch.stack(self.keys), torch.stack(self.values))
+
+
+def context_offsets(conditioning, text: LabelledText, length: int) -> torch.Tensor | None:
+    """[S, D] the input offsets of the context rows 0 .. S - 1 where the conditioning reads every position
+    (``config.context``): row i gets the conditioning of the target's taps at i - 1, row 0 none; else None."""
+    if conditioning is None or not conditioning.config.context or length == 0:
+        return None
+    offsets = conditioning(text.taps[: length - 1])  # [S - 1, D]
+    return torch.cat([offsets.new_zeros(1, offsets.shape[-1]), offsets])
+
+
+def block_hidden(model: Transformer, ids: torch.Tensor, batch: PardBatch, offsets: torch.Tensor | None = None,
+                 context_offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """[Q, D] final hidden states (before the norm) of every block row. ``offsets`` [Q, D]: added to the block
+    rows' input embeddings (target conditioning). Without ``context_offsets`` [S, D] the context's keys / values
+    are computed without gradients (the loss reaches the weights through the block rows only: about half the cost
+    of the exact gradient on these cores); with them, the context rows get those offsets and the gradient flows
+    through the context pass too (the conditioning of every position learns only that way)."""
     device, S = model.device, batch.context_length
-    with torch.no_grad():
-        cache = model.new_cache(max(S, 1))
-        if S:
-            model(ids[None, :S].to(device), cache=cache, logits="none")
-    context = FrozenContext(cache.keys[:, :, :, :S], cache.values[:, :, :, :S])
+    offsets_in = None if context_offsets is None else context_offsets[None].to(device)  # [1, S, D]
+    if offsets_in is not None and S and torch.is_grad_enabled():
+        recorder = RecordingContext(model.config.num_layers)
+        model(ids[None, :S].to(device), cache=recorder, logits="none", input_offsets=offsets_in)
+        context = recorder.frozen()
+    else:
+        with torch.no_grad():
+            cache = model.new_cache(max(S, 1))
+            if S:
+                model(ids[None, :S].to(device), cache=cache, logits="none", input_offsets=offsets_in)
+        context = FrozenContext(cache.keys[:, :, :, :S], cache.values[:, :, :, :S])
     last = model.config.num_layers - 1
     out = model(batch.input_ids[None].to(device), batch.positions[None].to(device), context,
                 batch.attn_mask.to(device), hidden_layers=(last,), logits="none",
@@ -151,7 +190,8 @@ def pard_loss(model: Transformer, text: LabelledText, batch: PardBatch, *, decay
     """(loss, rows scored) of one sequence's blocks; rows of zero weight skip the head."""
     weights = row_weights(text, batch, decay, reach)
     keep = weights > 0
-    hidden = block_hidden(model, text.ids, batch, block_offsets(conditioning, text, batch))
+    hidden = block_hidden(model, text.ids, batch, block_offsets(conditioning, text, batch),
+                          context_offsets(conditioning, text, batch.context_length))
     if not bool(keep.any()):
         return hidden.sum() * 0.0, 0
     rows = batch.label_rows[keep]
@@ -183,7 +223,8 @@ def heldout_acceptance(model: Transformer, texts, num_draft_tokens: int, mask_to
         anchors = torch.linspace(text.label_start, high, steps=count).round().long().unique()
         depths = torch.full_like(anchors, k - 1)
         batch = build_pard_batch(text.label_start, text.ids, anchors, depths, mask_token_id)
-        hidden = block_hidden(model, text.ids, batch, block_offsets(conditioning, text, batch))
+        hidden = block_hidden(model, text.ids, batch, block_offsets(conditioning, text, batch),
+                              context_offsets(conditioning, text, batch.context_length))
         logits = model.lm_head(model.norm(hidden)).float()
         logits[:, mask_token_id] = float("-inf")
         drafts = logits.argmax(-1).cpu().view(-1, k)  # [A, k]

@@ -60,6 +60,7 @@ class PardTrainConfig:
     features_dir: str = ""  # `dflash2 train features`: soft labels + target taps (replaces label_dirs / hard ones)
     train_sequences: int | None = None  # with features_dir: train on its first this many sequences only
     condition: bool = False  # read the target's taps (drafters/conditioning.py; needs features_dir)
+    condition_context: bool = False  # ... at every context position too (ConditioningConfig.context)
     seed: int = 0
     anchors_per_sequence: int = 32  # blocks per sequence per step
     sequences_per_step: int = 4  # gradient accumulation
@@ -83,7 +84,8 @@ class PardTrainConfig:
 
     def recipe(self) -> dict:
         fields = asdict(self)
-        added = {"features_dir": "", "train_sequences": None, "condition": False}  # absent from older recipes
+        added = {"features_dir": "", "train_sequences": None, "condition": False,  # absent from older recipes
+                 "condition_context": False}
         return {key: fields[key] for key in list(fields)[: list(fields).index("seed") + 1]
                 if key not in ("base_dir", "label_dirs", "hard_label_dirs", "out_dir", "features_dir")
                 and not (key in added and fields[key] == added[key])}
@@ -205,12 +207,14 @@ class MaskedEmbedding(torch.nn.Module):
 
 def build_conditioning(config: PardTrainConfig, data: TrainingData, model: Transformer):
     """The zero-initialised target conditioning (fp32, trainable), or None when the run does not condition."""
+    if config.condition_context and not config.condition:
+        raise ValueError("condition_context conditions every context position on the target: it needs condition")
     if not config.condition:
         return None
     from dflash2.drafters.conditioning import ConditioningConfig, TargetConditioning
 
     return TargetConditioning(ConditioningConfig(data.features.target_layers, data.features.target_hidden_size,
-                                                 model.config.hidden_size))
+                                                 model.config.hidden_size, context=config.condition_context))
 
 
 def train_pard(config: PardTrainConfig) -> Path:

@@ -17,7 +17,7 @@ from dflash2.drafters.conditioning import ConditioningConfig, TargetConditioning
 from dflash2.models.loading import load_transformer
 from dflash2.train.data import TrainingSequence, write_token_shards
 from dflash2.train.labels import LabelledText
-from dflash2.train.pard_objective import block_hidden, block_offsets, build_pard_batch
+from dflash2.train.pard_objective import block_hidden, block_offsets, build_pard_batch, context_offsets
 from dflash2.verify.sampling import GREEDY
 from tests.pipelines import PIPELINES, speculative_steps
 
@@ -68,6 +68,51 @@ def test_training_blocks_with_conditioning_equal_the_draft_pass(models):
         got = logits[first : first + depth + 1].clone()
         got[:, MASK] = float("-inf")
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_context_conditioning_offsets_every_context_row_and_trains_through_the_context(models):
+    """Conditioning every context position (``ConditioningConfig.context``): a training block computes what one
+    causal pass over [ids before the anchor, each offset by the target's state one position earlier; the block's
+    rows, offset by the state before the anchor] computes, and the gradient reaches the projection through the
+    context rows alone (the block rows given no offset)."""
+    target, model = models["qwen2"], models["qwen2_other"]
+    conditioning = TargetConditioning(ConditioningConfig(LAYERS, target.config.hidden_size,
+                                                         model.config.hidden_size, context=True))
+    conditioning.proj.weight.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 250, (30,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        taps = target_taps(target, ids)
+    text = LabelledText(ids, 4, 0, torch.zeros(25, 1, dtype=torch.int64), torch.ones(25, 1), torch.zeros(25),
+                        taps=taps)
+    anchors, depths = torch.tensor([6, 20]), torch.tensor([3, 2])
+    batch = build_pard_batch(4, ids, anchors, depths, MASK)
+    with torch.no_grad():
+        got = block_hidden(model, ids, batch, block_offsets(conditioning, text, batch),
+                           context_offsets(conditioning, text, batch.context_length))
+        without = block_hidden(model, ids, batch, block_offsets(conditioning, text, batch))
+        offset = conditioning(taps)  # [N, D]: row i + 1's offset
+        for anchor, depth, first in ((6, 3, 0), (20, 2, 4)):
+            rows = torch.cat([ids[: anchor + 1], torch.full((depth,), MASK)])
+            offsets = torch.cat([torch.zeros(1, offset.shape[1]), offset[: anchor - 1],
+                                 offset[anchor - 1 : anchor].expand(depth + 1, -1)])  # [anchor + depth + 1, D]
+            cache = model.new_cache(64)
+            out = model(rows[None], cache=cache, input_offsets=offsets[None], logits="none",
+                        hidden_layers=(model.config.num_layers - 1,))
+            torch.testing.assert_close(got[first : first + depth + 1], out.hidden_states[0][0, anchor:],
+                                       atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got, without, atol=1e-3)  # the context rows' offsets are read
+
+    conditioning.requires_grad_(True)
+    block_hidden(model, ids, batch, None, context_offsets(conditioning, text, batch.context_length)).sum().backward()
+    assert conditioning.proj.weight.grad is not None and conditioning.proj.weight.grad.abs().sum() > 0
+
+
+def test_context_conditioning_needs_conditioning(tmp_path):
+    from dflash2.train.pard_trainer import PardTrainConfig, build_conditioning
+
+    config = PardTrainConfig(base_dir="", label_dirs="", out_dir=str(tmp_path), condition_context=True)
+    with pytest.raises(ValueError, match="needs condition"):
+        build_conditioning(config, None, None)
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
