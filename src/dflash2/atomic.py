@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
 @contextlib.contextmanager
@@ -21,6 +23,27 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def durable_file(path: str | Path, mode: int = 0o644) -> Iterator[BinaryIO]:
+    """A binary file open for writing whose content becomes ``path`` when the block ends without an error: for the
+    large files several processes share (the model store's GGUF files, the quantized caches). Unlike
+    :func:`atomic_path` the temporary sibling's name is unique (two processes writing one path never share it), and
+    its bytes are synced to disk before the rename (a crash right after leaves the whole file or none); it gets
+    ``mode`` (a temporary file is private). Removed when the block raises, the error kept."""
+    path = Path(path)
+    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(temp, mode)
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -28,3 +28,21 @@ def test_a_write_that_fails_halfway_leaves_the_old_file_and_no_partial(tmp_path)
             raise RuntimeError("killed")
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
+def test_a_durable_file_is_renamed_into_place_shared_and_removed_on_failure(tmp_path):
+    import stat
+
+    from dflash2.atomic import durable_file
+
+    path = tmp_path / "model.gguf"
+    with durable_file(path) as out:
+        out.write(b"GGUF" * 4)
+    assert path.read_bytes() == b"GGUF" * 4
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # not the temporary file's private mode
+    with pytest.raises(ValueError):
+        with durable_file(path) as out:
+            out.write(b"half")
+            raise ValueError("a chunk's sha256 differs")
+    assert path.read_bytes() == b"GGUF" * 4
+    assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]

