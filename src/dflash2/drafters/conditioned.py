@@ -9,7 +9,9 @@ context window, trees (``dflash2:kxW``), the draft vocabulary and Q8_0 / Q4_0 we
   verification, the target's states of the positions just committed (``observe``); the drafter keeps the
   conditioning of the LAST one (position ``len(sequence) - 2``: the pending token has no state yet).
 - a draft pass adds that offset to the input embeddings of the pending row and the mask rows; ids read as
-  context get none (as in training: ``train/pard_objective.block_offsets``).
+  context get none (as in training: ``train/pard_objective.block_offsets``), unless the conditioning reads every
+  context position (``ConditioningConfig.context``): then the id at position p is read with the offset of the
+  target's state at p - 1, kept from the observation that brought it (``train/pard_objective.context_offsets``).
 
 Lossless as every drafter: the conditioning changes which tokens are drafted, never what is verified. At T > 0
 each position is sampled from its own ``q_draft`` (given the same inputs whatever the drafts before it). Where the
@@ -43,6 +45,10 @@ class ConditionedPardDrafter(PardDrafter):
         self.hidden_layers = conditioning.config.target_layers
         self._offset: torch.Tensor | None = None  # [D] in the drafter's dtype
         self._offset_position = -1  # the position whose target state made it
+        # every context position (conditioning.config.context): row p holds the offset of the id at position p
+        # (from the target's state at p - 1) where ``_have_offset[p]``
+        self._row_offsets: torch.Tensor | None = None  # [capacity + 1, D]
+        self._have_offset: torch.Tensor | None = None  # [capacity + 1] bool
 
     def for_request(self) -> ConditionedPardDrafter:
         """The same networks (weights shared), its own cache and offset."""
@@ -57,24 +63,64 @@ class ConditionedPardDrafter(PardDrafter):
     def reset(self, capacity: int) -> None:
         super().reset(capacity)
         self._offset, self._offset_position = None, -1
+        if self.conditioning.config.context:
+            rows = capacity + self.extra_slots + 1  # (a pass's mask rows lie past the committed ids)
+            if self._row_offsets is None or self._row_offsets.shape[0] < rows:
+                self._row_offsets = torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.dtype,
+                                                device=self.model.device)
+                self._have_offset = torch.zeros(rows, dtype=torch.bool, device=self.model.device)
+            self._have_offset.zero_()
 
     @torch.inference_mode()
     def observe(self, sequence: list[int], num_accepted: int, target_hidden: tuple[torch.Tensor, ...]) -> None:
-        """Keep the conditioning of the last committed position's target state (each tap [1, n, Dt])."""
+        """Keep the conditioning of the last committed position's target state (each tap [1, n, Dt]), and with
+        context conditioning that of every observed position whose id a pass may still read."""
         if not target_hidden or target_hidden[0].shape[1] == 0:
             return
-        last = fuse_taps(tuple(h[0, -1:] for h in target_hidden))  # [1, T * Dt]
-        self._offset = self.conditioning(last)[0].to(self.model.dtype)  # [D]
-        self._offset_position = len(sequence) - 2
+        last = len(sequence) - 2  # the observed positions are last - n + 1 .. last
+        if not self.conditioning.config.context:
+            state = fuse_taps(tuple(h[0, -1:] for h in target_hidden))  # [1, T * Dt]
+            self._offset = self.conditioning(state)[0].to(self.model.dtype)  # [D]
+            self._offset_position = last
+            return
+        if num_accepted == -1:  # a new context (a prompt's first chunk): what was observed before is not its
+            self._have_offset.zero_()
+        first = last - target_hidden[0].shape[1] + 1
+        rows = self._positions_to_condition(first, last)  # [r] target positions p; their offsets go to row p + 1
+        states = fuse_taps(tuple(h[0, rows - first] for h in target_hidden))  # [r, T * Dt]
+        self._row_offsets[rows + 1] = self.conditioning(states).to(self.model.dtype)
+        self._have_offset[rows + 1] = True
+        self._offset = self._row_offsets[last + 1]
+        self._offset_position = last
+
+    def _positions_to_condition(self, first: int, last: int) -> torch.Tensor:
+        """The observed positions whose offsets a pass may read: all, or past a context window's reach only its
+        sink and its recent ids (a long prompt: the projection of every position would cost more than the read)."""
+        if self.context_window is None or last - first + 1 <= sum(self.context_window) + 8:
+            return torch.arange(first, last + 1, device=self.model.device)
+        sink, recent = self.context_window
+        head = torch.arange(first, min(sink, last + 1), device=self.model.device)
+        tail = torch.arange(max(first, last - recent - 8), last + 1, device=self.model.device)
+        return torch.unique(torch.cat([head, tail]))
+
+    def _read_offsets(self, positions: list[int]) -> torch.Tensor | None:
+        """[1, n, D] the offsets of the ids read at ``positions`` (zero where none was observed), or None without
+        context conditioning."""
+        if not self.conditioning.config.context:
+            return None
+        index = torch.tensor(positions, device=self.model.device)
+        offsets = self._row_offsets[index] * self._have_offset[index, None]  # [n, D]
+        return offsets[None]
 
     def _pass_hidden(self, sequence: list[int], num_draft_tokens: int) -> torch.Tensor:
         """One draft pass with the offset on its drafting rows -> [k, D] (before the final norm)."""
         feed = self._prepare_pass(sequence, num_draft_tokens)
         device = self.model.device
-        offsets = None
+        offsets = self._read_offsets(feed.positions)  # [1, T, D] (None without context conditioning)
         if self._offset is not None and self._offset_position == len(sequence) - 2:
-            offsets = torch.zeros(1, len(feed.ids), self.model.config.hidden_size, dtype=self.model.dtype,
-                                  device=device)  # [1, T, D]
+            if offsets is None:
+                offsets = torch.zeros(1, len(feed.ids), self.model.config.hidden_size, dtype=self.model.dtype,
+                                      device=device)  # [1, T, D]
             offsets[0, feed.draft_rows] = self._offset.to(device)
         out = self.model(torch.tensor([feed.ids], device=device), torch.tensor([feed.positions], device=device),
                          cache=self.cache, hidden_layers=(self.model.config.num_layers - 1,), logits="none",

@@ -152,8 +152,12 @@ class CachedModelDrafter(ExtendsAhead, Drafter):
         many = self.reader is not None and len(feed) >= self.READER_MIN_IDS
         (self.reader if many else self.model)(torch.tensor([feed], device=device),
                                               torch.tensor([positions], device=device), cache=self.cache,
-                                              logits="none")
+                                              logits="none", input_offsets=self._read_offsets(positions))
         self._mark_read(ids, positions)
+
+    def _read_offsets(self, positions: list[int]) -> torch.Tensor | None:
+        """[1, n, D] input offsets of the ids read at ``positions`` (a drafter conditioned on the target), or None."""
+        return None
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Pad (with -inf) or trim the drafter's logits [..., V_draft] to the target's vocabulary size."""

@@ -102,9 +102,43 @@ def test_context_conditioning_offsets_every_context_row_and_trains_through_the_c
                                        atol=1e-4, rtol=1e-4)
     assert not torch.allclose(got, without, atol=1e-3)  # the context rows' offsets are read
 
+    conditioning.requires_grad_(False)
+    logits = model.lm_head(model.norm(got))
+    for anchor, depth, first in ((6, 3, 0), (20, 2, 4)):  # the drafter's pass after observing the target's states
+        drafter = ConditionedPardDrafter(model, MASK, conditioning, depth + 1)
+        drafter.reset(64)
+        sequence = ids[: anchor + 1].tolist()
+        with torch.no_grad():
+            prompt_taps = target(ids[None, :anchor], hidden_layers=LAYERS, logits="none").hidden_states
+        drafter.observe(sequence, -1, prompt_taps)
+        expected = drafter.draft_logits(sequence, depth + 1)
+        rows = logits[first : first + depth + 1].clone()
+        rows[:, MASK] = float("-inf")
+        torch.testing.assert_close(rows, expected, atol=1e-4, rtol=1e-4)
+
     conditioning.requires_grad_(True)
     block_hidden(model, ids, batch, None, context_offsets(conditioning, text, batch.context_length)).sum().backward()
     assert conditioning.proj.weight.grad is not None and conditioning.proj.weight.grad.abs().sum() > 0
+
+
+def test_context_conditioning_of_a_long_prompt_projects_only_what_the_window_reads(models):
+    """Past the context window's reach only the sink's and the recent ids' offsets are made (the drafter never
+    reads the others), and the window's read carries them."""
+    target, model = models["qwen2"], models["qwen2_other"]
+    conditioning = TargetConditioning(ConditioningConfig(LAYERS, target.config.hidden_size,
+                                                         model.config.hidden_size, context=True))
+    conditioning.proj.weight.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 250, (61,), generator=torch.Generator().manual_seed(2))
+    drafter = ConditionedPardDrafter(model, MASK, conditioning.requires_grad_(False), 2, context_window=(2, 5))
+    drafter.reset(80)
+    with torch.no_grad():
+        drafter.observe(ids.tolist(), -1, target(ids[None, :60], hidden_layers=LAYERS, logits="none").hidden_states)
+    have = drafter._have_offset
+    assert bool(have[1:3].all()) and not bool(have[3:47].any()) and bool(have[47:61].all())
+    offsets = drafter._read_offsets([0, 1, 55, 60])[0]  # [4, D]
+    assert not bool(offsets[0].any()) and bool(offsets[1:].any(dim=-1).all())
+    drafter.draft_logits(ids.tolist(), 2)  # the window's read and the pass run with them
+    assert drafter.slot_ids == [0, 1, 55, 56, 57, 58, 59, 60]
 
 
 def test_context_conditioning_needs_conditioning(tmp_path):
@@ -116,18 +150,24 @@ def test_context_conditioning_needs_conditioning(tmp_path):
 
 
 @pytest.mark.parametrize("pipeline", PIPELINES)
-@pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_identity(models, k, pipeline):
+@pytest.mark.parametrize("k,context", [(1, False), (3, False), (6, False), (3, True)])
+def test_greedy_identity(models, k, context, pipeline):
     target, ids = models["qwen2"], torch.randint(0, 250, (13,), generator=torch.Generator().manual_seed(5))
     capacity = len(ids) + 40 + k + 1
     plain = list(itertools.islice(itertools.chain.from_iterable(
         plain_decode(target, ids, GREEDY, None, capacity, DecodeStats())), 40))
-    drafter = ConditionedPardDrafter(models["qwen2_other"], MASK, random_conditioning(target, models["qwen2_other"]), k)
+    draft_model = models["qwen2_other"]
+    conditioning = TargetConditioning(ConditioningConfig(LAYERS, target.config.hidden_size,
+                                                         draft_model.config.hidden_size, context=context))
+    conditioning.proj.weight.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    drafter = ConditionedPardDrafter(draft_model, MASK, conditioning.requires_grad_(False), k)
     stats = DecodeStats()
     spec = list(itertools.islice(itertools.chain.from_iterable(
         speculative_steps(pipeline, target, drafter, ids, GREEDY, None, capacity, stats)), 40))
     assert spec == plain
     assert drafter._offset is not None  # the engine fed it the target's states
+    if context:  # ... of every committed position
+        assert bool(drafter._have_offset[1 : len(ids) + 30].all())
 
 
 def test_features_and_conditioned_training(tiny_model_dirs, tmp_path):
