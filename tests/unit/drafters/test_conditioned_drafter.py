@@ -43,6 +43,22 @@ def target_taps(target, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([h[0] for h in out.hidden_states], dim=-1)
 
 
+def assert_draft_passes_equal(target, model, conditioning, ids, logits, blocks) -> None:
+    """Each block (anchor, depth, first row in ``logits``) of a training batch's logits equals what the drafter's
+    pass computes after observing the target's states of positions 0 .. anchor - 1 (the anchor pending)."""
+    for anchor, depth, first in blocks:
+        drafter = ConditionedPardDrafter(model, MASK, conditioning, depth + 1)
+        drafter.reset(64)
+        sequence = ids[: anchor + 1].tolist()
+        with torch.no_grad():
+            taps = target(ids[None, :anchor], hidden_layers=LAYERS, logits="none").hidden_states
+        drafter.observe(sequence, -1, taps)
+        expected = drafter.draft_logits(sequence, depth + 1)
+        got = logits[first : first + depth + 1].clone()
+        got[:, MASK] = float("-inf")
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_training_blocks_with_conditioning_equal_the_draft_pass(models):
     """A block of the training batch, offset by the target's taps before its anchor, computes what the drafter's
     pass computes after observing the target's states of the sequence up to that anchor."""
@@ -57,17 +73,7 @@ def test_training_blocks_with_conditioning_equal_the_draft_pass(models):
         logits = model.lm_head(model.norm(block_hidden(model, ids, batch, block_offsets(conditioning, text, batch))))
         plain = model.lm_head(model.norm(block_hidden(model, ids, batch)))
     assert not torch.allclose(logits, plain, atol=1e-3)  # the conditioning is read
-    for anchor, depth, first in ((6, 3, 0), (11, 0, 4), (20, 2, 5)):
-        drafter = ConditionedPardDrafter(model, MASK, conditioning, depth + 1)
-        drafter.reset(64)
-        sequence = ids[: anchor + 1].tolist()
-        with torch.no_grad():  # the target has verified positions 0 .. anchor - 1; the anchor is pending
-            taps = target(ids[None, :anchor], hidden_layers=LAYERS, logits="none").hidden_states
-        drafter.observe(sequence, -1, taps)
-        expected = drafter.draft_logits(sequence, depth + 1)
-        got = logits[first : first + depth + 1].clone()
-        got[:, MASK] = float("-inf")
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_draft_passes_equal(target, model, conditioning, ids, logits, ((6, 3, 0), (11, 0, 4), (20, 2, 5)))
 
 
 def test_context_conditioning_offsets_every_context_row_and_trains_through_the_context(models):
@@ -103,18 +109,8 @@ def test_context_conditioning_offsets_every_context_row_and_trains_through_the_c
     assert not torch.allclose(got, without, atol=1e-3)  # the context rows' offsets are read
 
     conditioning.requires_grad_(False)
-    logits = model.lm_head(model.norm(got))
-    for anchor, depth, first in ((6, 3, 0), (20, 2, 4)):  # the drafter's pass after observing the target's states
-        drafter = ConditionedPardDrafter(model, MASK, conditioning, depth + 1)
-        drafter.reset(64)
-        sequence = ids[: anchor + 1].tolist()
-        with torch.no_grad():
-            prompt_taps = target(ids[None, :anchor], hidden_layers=LAYERS, logits="none").hidden_states
-        drafter.observe(sequence, -1, prompt_taps)
-        expected = drafter.draft_logits(sequence, depth + 1)
-        rows = logits[first : first + depth + 1].clone()
-        rows[:, MASK] = float("-inf")
-        torch.testing.assert_close(rows, expected, atol=1e-4, rtol=1e-4)
+    assert_draft_passes_equal(target, model, conditioning, ids, model.lm_head(model.norm(got)),
+                              ((6, 3, 0), (20, 2, 4)))
 
     conditioning.requires_grad_(True)
     block_hidden(model, ids, batch, None, context_offsets(conditioning, text, batch.context_length)).sum().backward()
