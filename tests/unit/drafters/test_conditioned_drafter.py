@@ -199,7 +199,18 @@ def test_features_and_conditioned_training(tiny_model_dirs, tmp_path):
     assert cond_evals[-1]["code"]["tau"] > cond_evals[0]["code"]["tau"]
     assert has_conditioning(drafter_dir)
     loaded = TargetConditioning.load(drafter_dir)
-    assert loaded.config.target_layers == LAYERS and loaded.proj.weight.abs().max() > 0
+    assert loaded.config.target_layers == LAYERS and loaded.proj.weight.abs().max() > 0 and not loaded.config.context
+
+    # every context position conditioned: the same start, it learns, and its drafter says where it reads
+    context_dir = train_pard(PardTrainConfig(out_dir=str(tmp_path / "context"), condition_context=True, **ordered,
+                                             **common))
+    context_evals = [json.loads(line) for line in (tmp_path / "context" / "eval.jsonl").read_text().splitlines()]
+    assert context_evals[0]["code"] == plain_evals[0]["code"]
+    assert context_evals[-1]["code"]["tau"] > context_evals[0]["code"]["tau"]
+    assert TargetConditioning.load(context_dir).config.context
+    with pytest.raises(ValueError, match="conditions on"):  # a warm start keeps where its conditioning reads
+        train_pard(PardTrainConfig(out_dir=str(tmp_path / "mixed"), init_adapter=str(context_dir), **ordered,
+                                   **common))
 
 
 def test_distil_on_a_prompt_file_reports_the_held_out_gain(tiny_model_dirs, tmp_path):
