@@ -6,7 +6,7 @@
 # re-run the same command):
 #   scripts/train/train_qwen_conditioned.sh features    # one target pass per sequence: soft labels (top-16) + taps
 #   scripts/train/train_qwen_conditioned.sh experiment  # the same warm start trained with and without conditioning
-#   scripts/train/train_qwen_conditioned.sh train       # the long run (conditioned)
+#   scripts/train/train_qwen_conditioned.sh train       # the long run (conditioned; EXTRA=--condition-context: every position)
 #   scripts/train/train_qwen_conditioned.sh ship        # adapter + conditioning + draft vocabulary into the package
 # Data: the committed regenerated token shards (the target's greedy responses; never data/eval), the last 12 of
 # each directory held out, and the target's greedy answers to the last 4 MT-bench questions (held out only: the
