@@ -377,6 +377,8 @@ def _add_pard_parser(sub) -> None:
                       help="condition the drafter on the target's hidden states (the `dflash2` drafter; needs --features)")
     pard.add_argument("--condition-context", action="store_true",
                       help="with --condition: every context position's target state too (the context pass then trains)")
+    pard.add_argument("--exact-gradient", action="store_true",
+                      help="the gradient through the context pass too (about twice a step's cost)")
     pard.add_argument("--conditioning-lr", type=float, default=5e-4)
     pard.add_argument("--checkpoint-every", type=int, default=10)
     pard.add_argument("--stop-at-step", type=int, default=None, help="stop the run at this step; a re-run resumes")
@@ -404,7 +406,7 @@ def run_train_pard(args: argparse.Namespace) -> int:
         eval_anchors=args.eval_anchors, checkpoint_every=args.checkpoint_every, stop_at_step=args.stop_at_step,
         resume=not args.no_resume, threads=args.threads, initial_eval=not args.no_initial_eval,
         init_adapter=args.init_adapter, features_dir=args.features, train_sequences=args.train_sequences,
-        condition=args.condition, condition_context=args.condition_context,
+        condition=args.condition, condition_context=args.condition_context, exact_gradient=args.exact_gradient,
         conditioning_learning_rate=args.conditioning_lr,
     )
     print(train_pard(config))

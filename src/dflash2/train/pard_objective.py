@@ -130,15 +130,15 @@ def context_offsets(conditioning, text: LabelledText, length: int) -> torch.Tens
 
 
 def block_hidden(model: Transformer, ids: torch.Tensor, batch: PardBatch, offsets: torch.Tensor | None = None,
-                 context_offsets: torch.Tensor | None = None) -> torch.Tensor:
+                 context_offsets: torch.Tensor | None = None, exact: bool = False) -> torch.Tensor:
     """[Q, D] final hidden states (before the norm) of every block row. ``offsets`` [Q, D]: added to the block
-    rows' input embeddings (target conditioning). Without ``context_offsets`` [S, D] the context's keys / values
-    are computed without gradients (the loss reaches the weights through the block rows only: about half the cost
-    of the exact gradient on these cores); with them, the context rows get those offsets and the gradient flows
-    through the context pass too (the conditioning of every position learns only that way)."""
+    rows' input embeddings (target conditioning); ``context_offsets`` [S, D]: to the context rows'. The context's
+    keys / values are computed without gradients (the loss reaches the weights through the block rows only: about
+    half the cost of the exact gradient on these cores) unless ``exact`` or ``context_offsets`` (the conditioning
+    of every position learns only through the context pass) asks for the gradient through the context too."""
     device, S = model.device, batch.context_length
     offsets_in = None if context_offsets is None else context_offsets[None].to(device)  # [1, S, D]
-    if offsets_in is not None and S and torch.is_grad_enabled():
+    if (exact or offsets_in is not None) and S and torch.is_grad_enabled():
         recorder = RecordingContext(model.config.num_layers)
         model(ids[None, :S].to(device), cache=recorder, logits="none", input_offsets=offsets_in)
         context = recorder.frozen()
@@ -186,12 +186,13 @@ def distill_loss(logits: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch
 
 
 def pard_loss(model: Transformer, text: LabelledText, batch: PardBatch, *, decay: float, ce_weight: float,
-              reach: bool = True, conditioning=None) -> tuple[torch.Tensor, int]:
-    """(loss, rows scored) of one sequence's blocks; rows of zero weight skip the head."""
+              reach: bool = True, conditioning=None, exact: bool = False) -> tuple[torch.Tensor, int]:
+    """(loss, rows scored) of one sequence's blocks; rows of zero weight skip the head; ``exact``: the gradient
+    through the context pass too (:func:`block_hidden`)."""
     weights = row_weights(text, batch, decay, reach)
     keep = weights > 0
     hidden = block_hidden(model, text.ids, batch, block_offsets(conditioning, text, batch),
-                          context_offsets(conditioning, text, batch.context_length))
+                          context_offsets(conditioning, text, batch.context_length), exact)
     if not bool(keep.any()):
         return hidden.sum() * 0.0, 0
     rows = batch.label_rows[keep]

@@ -61,6 +61,7 @@ class PardTrainConfig:
     train_sequences: int | None = None  # with features_dir: train on its first this many sequences only
     condition: bool = False  # read the target's taps (drafters/conditioning.py; needs features_dir)
     condition_context: bool = False  # ... at every context position too (ConditioningConfig.context)
+    exact_gradient: bool = False  # the loss's gradient through the context pass too (implied by condition_context)
     seed: int = 0
     anchors_per_sequence: int = 32  # blocks per sequence per step
     sequences_per_step: int = 4  # gradient accumulation
@@ -85,7 +86,7 @@ class PardTrainConfig:
     def recipe(self) -> dict:
         fields = asdict(self)
         added = {"features_dir": "", "train_sequences": None, "condition": False,  # absent from older recipes
-                 "condition_context": False}
+                 "condition_context": False, "exact_gradient": False}
         return {key: fields[key] for key in list(fields)[: list(fields).index("seed") + 1]
                 if key not in ("base_dir", "label_dirs", "hard_label_dirs", "out_dir", "features_dir")
                 and not (key in added and fields[key] == added[key])}
@@ -266,7 +267,8 @@ def train_pard(config: PardTrainConfig) -> Path:
                     continue
                 batch = build_pard_batch(text.label_start, text.ids, anchors, depths, mask_id)
                 loss, rows = pard_loss(model, text, batch, decay=config.decay, ce_weight=config.ce_weight,
-                                       reach=config.reach_weight, conditioning=conditioning)
+                                       reach=config.reach_weight, conditioning=conditioning,
+                                       exact=config.exact_gradient)
                 (loss / config.sequences_per_step).backward()
                 total_loss += float(loss.detach()) / config.sequences_per_step
                 total_rows += rows

@@ -137,6 +137,24 @@ def test_context_conditioning_of_a_long_prompt_projects_only_what_the_window_rea
     assert drafter.slot_ids == [0, 1, 55, 56, 57, 58, 59, 60]
 
 
+def test_the_exact_gradient_reaches_the_weights_through_the_context(tiny_model_dirs):
+    """``exact``: the same rows, and the gradient also flows through the context pass (without it, only through
+    the block rows)."""
+    model = load_transformer(tiny_model_dirs["qwen2_other"], "fp32")
+    ids = torch.randint(0, 250, (30,), generator=torch.Generator().manual_seed(1))
+    batch = build_pard_batch(4, ids, torch.tensor([6, 20]), torch.tensor([3, 2]), MASK)
+    weight = model.layers[0].ffn.w_down.weight.requires_grad_(True)  # (loaded frozen; training adds LoRA)
+    hidden, grads = [], []
+    for exact in (False, True):
+        model.zero_grad()
+        rows = block_hidden(model, ids, batch, exact=exact)
+        rows.sum().backward()
+        hidden.append(rows.detach())
+        grads.append(weight.grad.clone())
+    torch.testing.assert_close(hidden[0], hidden[1])
+    assert not torch.allclose(grads[0], grads[1])
+
+
 def test_context_conditioning_needs_conditioning(tmp_path):
     from dflash2.train.pard_trainer import PardTrainConfig, build_conditioning
 
