@@ -47,8 +47,8 @@ class ConditionedPardDrafter(PardDrafter):
         self._offset_position = -1  # the position whose target state made it
         # every context position (conditioning.config.context): row p holds the offset of the id at position p
         # (from the target's state at p - 1) where ``_have_offset[p]``
-        self._row_offsets: torch.Tensor | None = None  # [capacity + 1, D]
-        self._have_offset: torch.Tensor | None = None  # [capacity + 1] bool
+        self._row_offsets: torch.Tensor | None = None  # [capacity + extra_slots + 1, D]
+        self._have_offset: torch.Tensor | None = None  # [capacity + extra_slots + 1] bool
 
     def for_request(self) -> ConditionedPardDrafter:
         """The same networks (weights shared), its own cache and offset."""

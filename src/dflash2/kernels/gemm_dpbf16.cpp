@@ -89,7 +89,7 @@ inline void run_rows(int rows, const uint16_t* wg, int64_t panel_stride, const u
 // the weights stream from memory once while the products run: up to 6 rows over 4 panels per broadcast of x (24
 // accumulators), 7-9 rows over 3 panels (27), 10-13 over 2 (26).  With blocks of 6 rows a 9-row call read its
 // weights from memory for the first block and from L2 for the second, after it: the two times added up (AMD EPYC
-// Zen 4, every linear layer of the 1.5B from memory, 2 threads: 9 rows 1.18 -> 1.02x one row, 13 rows 1.40 -> 1.28x;
+// Zen 4, every linear layer of the 1.5B from memory, 2 threads: 9 rows 1.15 -> 1.06x one row, 13 rows 1.43 -> 1.27x;
 // 2026-12-06).  More rows (prefill): blocks of 6 over 4 panels, the fewest broadcasts per product, a chunk's weights
 // read again from L2 for each block.
 struct Blocking {

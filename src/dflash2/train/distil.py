@@ -100,7 +100,8 @@ def distil(target: Transformer, chats: list[list[dict]], encode: Encoder, stop_i
                     base_model=shipped.base_model, target_model=shipped.target_model,
                     num_draft_tokens=shipped.num_draft_tokens, lora_rank=shipped.lora_rank,
                     lora_alpha=shipped.lora_alpha, mask_token_id=shipped.mask_token_id, init_adapter=str(init_adapter),
-                    condition=True, condition_context=context, num_steps=steps, eval_every=0, learning_rate=1e-4, mask_learning_rate=2e-4,
+                    condition=True, condition_context=context, num_steps=steps, eval_every=0, learning_rate=1e-4,
+                    mask_learning_rate=2e-4,
                     warmup_steps=min(10, max(steps // 10, 1)), anchors_per_sequence=32, sequences_per_step=2,
                     eval_anchors=16, checkpoint_every=10, threads=threads)
     drafter_dir = train_pard(PardTrainConfig(**{**settings, **overrides}))

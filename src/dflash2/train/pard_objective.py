@@ -5,8 +5,9 @@ A block anchored at ``a`` (the pending token of a decoding step) is ``[ids[a], M
 mask's draft j + 1). Each block sees the context strictly before ``a`` and its own earlier rows (causal, as in a
 draft pass). The context's keys/values are computed once per sequence, without gradients (the adapted network
 runs them, but the loss reaches the weights through the block rows only: about half the cost of the exact
-gradient on these cores), except where the target conditioning reads every context position
-(``ConditioningConfig.context``): then the context pass carries those offsets and the gradient.
+gradient on these cores), except with the exact gradient (``exact``) or where the target conditioning reads every
+context position (``ConditioningConfig.context``): then the context pass keeps its gradient (and carries the
+offsets).
 
 Conditional drop (PARD's token dropping): every anchor keeps row 0; row j + 1 of a block is kept only when row j
 was and a coin with ``keep_ratio`` says so, so deep rows are trained on fewer anchors and a sequence costs about
@@ -185,14 +186,21 @@ def distill_loss(logits: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch
     return (per_row * weights).sum() / weights.sum().clamp_min(1e-12)
 
 
+def conditioned_hidden(model: Transformer, text: LabelledText, batch: PardBatch, conditioning=None,
+                       exact: bool = False) -> torch.Tensor:
+    """:func:`block_hidden` of a labelled text's blocks with the conditioning's offsets (the drafting rows', and the
+    context rows' where it reads every position)."""
+    return block_hidden(model, text.ids, batch, block_offsets(conditioning, text, batch),
+                        context_offsets(conditioning, text, batch.context_length), exact)
+
+
 def pard_loss(model: Transformer, text: LabelledText, batch: PardBatch, *, decay: float, ce_weight: float,
               reach: bool = True, conditioning=None, exact: bool = False) -> tuple[torch.Tensor, int]:
     """(loss, rows scored) of one sequence's blocks; rows of zero weight skip the head; ``exact``: the gradient
     through the context pass too (:func:`block_hidden`)."""
     weights = row_weights(text, batch, decay, reach)
     keep = weights > 0
-    hidden = block_hidden(model, text.ids, batch, block_offsets(conditioning, text, batch),
-                          context_offsets(conditioning, text, batch.context_length), exact)
+    hidden = conditioned_hidden(model, text, batch, conditioning, exact)
     if not bool(keep.any()):
         return hidden.sum() * 0.0, 0
     rows = batch.label_rows[keep]
@@ -224,8 +232,7 @@ def heldout_acceptance(model: Transformer, texts, num_draft_tokens: int, mask_to
         anchors = torch.linspace(text.label_start, high, steps=count).round().long().unique()
         depths = torch.full_like(anchors, k - 1)
         batch = build_pard_batch(text.label_start, text.ids, anchors, depths, mask_token_id)
-        hidden = block_hidden(model, text.ids, batch, block_offsets(conditioning, text, batch),
-                              context_offsets(conditioning, text, batch.context_length))
+        hidden = conditioned_hidden(model, text, batch, conditioning)
         logits = model.lm_head(model.norm(hidden)).float()
         logits[:, mask_token_id] = float("-inf")
         drafts = logits.argmax(-1).cpu().view(-1, k)  # [A, k]
