@@ -297,7 +297,11 @@ def _add_distil_parser(sub) -> None:
     distil.add_argument("--steps", type=int, default=100)
     distil.add_argument("--heldout-share", type=float, default=0.2, help="last share of the prompts held out")
     distil.add_argument("--max-new-tokens", type=int, default=256, help="length of the target's answers")
-    distil.add_argument("--layers", default="1,13,25", help="target layers (when the start has no conditioning)")
+    distil.add_argument("--condition", action="store_true",
+                        help="train a drafter conditioned on the target's hidden states (a conditioned start always "
+                             "is); default: the adapter alone, with the exact gradient (docs/pard.md)")
+    distil.add_argument("--layers", default="1,13,25",
+                        help="target layers to condition on (with --condition, when the start has no conditioning)")
     distil.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     distil.add_argument("--threads", type=int, default=None)
     distil.set_defaults(handler=run_train_distil)
@@ -324,10 +328,14 @@ def run_train_distil(args: argparse.Namespace) -> int:
     report = distil(target, chats, tokenizer.apply_chat_template, tokenizer.eos_token_ids, args.out,
                     base_dir=str(resolve_model(PardConfig.load(start).base_model, "bf16")), init_adapter=start,
                     layers=tuple(int(x) for x in args.layers.split(",")), steps=args.steps,
-                    heldout_share=args.heldout_share, max_new_tokens=args.max_new_tokens, threads=args.threads)
-    print(f"started from {start}" + (" (conditioned)" if has_conditioning(start) else " (conditioning added)"))
+                    heldout_share=args.heldout_share, max_new_tokens=args.max_new_tokens, threads=args.threads,
+                    condition=True if args.condition else None)
+    conditioned = has_conditioning(report.drafter_dir)
+    print(f"started from {start}" + (" (conditioned)" if has_conditioning(start) else
+                                     " (conditioning added)" if conditioned else ""))
     print("\n".join(report.lines()))
-    print(f"drafter: {report.drafter_dir} (use: --drafter dflash2 --draft-model {report.drafter_dir})")
+    drafter = "dflash2" if conditioned else "pard+ngram"
+    print(f"drafter: {report.drafter_dir} (use: --drafter {drafter} --draft-model {report.drafter_dir})")
     return 0
 
 

@@ -3,10 +3,15 @@
 ``dflash2 train distil --prompts FILE.jsonl --out DIR``: each line is ``{"prompt": "..."}`` or ``{"messages":
 [{"role": ..., "content": ...}, ...]}`` (a chat; the target answers its last user turn). The target answers every
 prompt greedily (its own text: what it will be asked to verify), one teacher-forced pass per answer gives the
-features (soft labels + the taps the drafter reads, :mod:`dflash2.train.target_features`), the last
-``heldout_share`` of the prompts are held out, and a conditioned run starts from the shipped drafter (its adapter,
-and its conditioning when it has one). The held-out tau before (step 0: the shipped drafter) and after is the
-report; ``DIR/run/drafter`` is the result, loadable with ``--drafter dflash2 --draft-model DIR/run/drafter``.
+features (soft labels, and the taps a conditioned drafter reads, :mod:`dflash2.train.target_features`), the last
+``heldout_share`` of the prompts are held out, and a run starts from the shipped drafter. The held-out tau before
+(step 0: the shipped drafter) and after is the report; ``DIR/run/drafter`` is the result.
+
+How it trains follows what measured best on the default target (docs/pard.md, "Every context position"): an
+adapter without conditioning, with the loss's gradient through the context pass too (the exact gradient) at a
+gentle learning rate; loadable with ``--drafter pard+ngram --draft-model DIR/run/drafter``. A start that is
+conditioned on the target (or ``condition=True``) trains its conditioning as well and loads with ``--drafter
+dflash2``.
 """
 
 from __future__ import annotations
@@ -81,8 +86,9 @@ def prompt_items(target: Transformer, chats: list[list[dict]], encode: Encoder, 
 def distil(target: Transformer, chats: list[list[dict]], encode: Encoder, stop_ids: Iterable[int], out_dir: str | Path,
            *, base_dir: str, init_adapter: str, layers: tuple[int, ...], steps: int = 100,
            heldout_share: float = 0.2, max_new_tokens: int = 256, threads: int | None = None,
-           **overrides) -> DistilReport:
-    """Answer, featurise, train (resumable: re-run the same call), report (see the module docstring)."""
+           condition: bool | None = None, **overrides) -> DistilReport:
+    """Answer, featurise, train (resumable: re-run the same call), report (see the module docstring).
+    ``condition``: train a target-conditioned drafter (None: when the start is one)."""
     from dflash2.drafters.conditioning import TargetConditioning, has_conditioning
     from dflash2.drafters.pard import PardConfig
     from dflash2.train.pard_trainer import PardTrainConfig, train_pard
@@ -90,7 +96,11 @@ def distil(target: Transformer, chats: list[list[dict]], encode: Encoder, stop_i
     out_dir = Path(out_dir)
     features = out_dir / "features"
     context = False
-    if has_conditioning(init_adapter):  # the shipped drafter's own taps, and where it reads them
+    conditioned_start = has_conditioning(init_adapter)
+    if condition is False and conditioned_start:
+        raise ValueError(f"{init_adapter} is conditioned on the target: it cannot train without its conditioning")
+    condition = conditioned_start if condition is None else condition
+    if conditioned_start:  # the shipped drafter's own taps, and where it reads them
         shipped_conditioning = TargetConditioning.load(init_adapter).config
         layers, context = shipped_conditioning.target_layers, shipped_conditioning.context
     build_features(features, target, prompt_items(target, chats, encode, stop_ids, heldout_share, max_new_tokens,
@@ -100,8 +110,8 @@ def distil(target: Transformer, chats: list[list[dict]], encode: Encoder, stop_i
                     base_model=shipped.base_model, target_model=shipped.target_model,
                     num_draft_tokens=shipped.num_draft_tokens, lora_rank=shipped.lora_rank,
                     lora_alpha=shipped.lora_alpha, mask_token_id=shipped.mask_token_id, init_adapter=str(init_adapter),
-                    condition=True, condition_context=context, num_steps=steps, eval_every=0, learning_rate=1e-4,
-                    mask_learning_rate=2e-4,
+                    condition=condition, condition_context=context, exact_gradient=not condition,
+                    num_steps=steps, eval_every=0, learning_rate=1e-4 if condition else 5e-5, mask_learning_rate=2e-4,
                     warmup_steps=min(10, max(steps // 10, 1)), anchors_per_sequence=32, sequences_per_step=2,
                     eval_anchors=16, checkpoint_every=10, threads=threads)
     drafter_dir = train_pard(PardTrainConfig(**{**settings, **overrides}))

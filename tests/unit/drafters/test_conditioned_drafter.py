@@ -232,8 +232,9 @@ def test_features_and_conditioned_training(tiny_model_dirs, tmp_path):
 
 
 def test_distil_on_a_prompt_file_reports_the_held_out_gain(tiny_model_dirs, tmp_path):
-    """`dflash2 train distil`'s function: a prompt file (prompts and chats), the target's answers, a conditioned
-    run from a shipped adapter, the held-out tau before and after."""
+    """`dflash2 train distil`'s function: a prompt file (prompts and chats), the target's answers, a run from a
+    shipped adapter (by default unconditioned, with the exact gradient; conditioned when asked or when the start
+    is), the held-out tau before and after."""
     from dflash2.train.distil import distil, read_prompt_file
     from dflash2.train.pard_trainer import PardTrainConfig, build_model, save_adapter
 
@@ -265,5 +266,14 @@ def test_distil_on_a_prompt_file_reports_the_held_out_gain(tiny_model_dirs, tmp_
     report = distil(target, chats, encode, [], tmp_path / "mine", **common)
     assert set(report.before) == {"heldout"} and report.before["heldout"]["blocks"] > 0
     assert report.after["heldout"]["tau"] > report.before["heldout"]["tau"]
-    assert (report.drafter_dir / "conditioning.json").exists()
+    assert not (report.drafter_dir / "conditioning.json").exists()
+    state = sorted((tmp_path / "mine" / "run" / "checkpoints").glob("*/trainer_state.json"))[-1]
+    assert json.loads(state.read_text())["recipe"]["exact_gradient"] is True
     assert any("tau" in line for line in report.lines())
+
+    conditioned = distil(target, chats, encode, [], tmp_path / "cond", condition=True, **common)
+    assert conditioned.after["heldout"]["tau"] > conditioned.before["heldout"]["tau"]
+    assert (conditioned.drafter_dir / "conditioning.json").exists()
+    with pytest.raises(ValueError, match="conditioned on the target"):  # a conditioned start keeps its conditioning
+        distil(target, chats, encode, [], tmp_path / "again", condition=False,
+               **{**common, "init_adapter": str(conditioned.drafter_dir)})
