@@ -403,20 +403,19 @@ def choose_backend(weights: str, usable: Callable[[str], bool], profile: Setting
 
 def gguf_pair_min_rows(machine: CpuInfo | None = None, profile: Settings | None = None) -> int:
     """From how many rows the gguf kernel's AVX512-VNNI and AMX builds multiply two panels (16 outputs) per 512-bit
-    vector; fewer rows take the 256-bit micro-kernel (the AMX build's tiles start at 4 rows). Measured, both
-    kernels prefetching their codes: on the Intel Xeon (AMX, model 207) the 256-bit kernel is faster for 1-3 rows
-    (a one-row forward of the 1.5B 62-66 -> 54-58 ms in six runs), even at 4, slower from 5 (pairs of adjacent
-    panels, as until 2026-12-06). On AMD Zen 4 (family 25) they start at 5 rows: the pairs of panels far apart
-    (since 2026-12-06) stream as fast as the 256-bit kernel at one row in a single layer (one thread, weights from
-    memory: Q4_K [8960, 1536] 34-37 vs 37-38 cycles per pair of blocks, Q6_K [1536, 8960] 50-52 vs 59-64), but the
-    whole 1.5B forward was not faster with them (one thread, CPU time, the two settings alternating in one process,
-    medians of 7: 1 / 4 rows 56.3 / 93.8 ms from 1 row against 55.1 / 90.1 from 5). ``DFLASH2_GGUF_PAIR_ROWS`` sets
-    it. Either gives the same bits."""
+    vector; fewer rows take the 256-bit micro-kernel (the AMX build's tiles start at 4 rows). 4 on every CPU measured
+    (``machine`` is kept for callers that name one): on the Intel Xeon (AMX, model 207) the 256-bit kernel is faster
+    for 1-3 rows (a one-row forward of the 1.5B 62-66 -> 54-58 ms in six runs); on the AMD EPYC Zen 4 (all 113 gguf
+    layers of the 1.5B in the model's order, one thread, CPU time, 2026-12-07) the pairs from 1 row against from 5:
+    1 / 2 / 4 / 9 rows 48.3 / 54.6 / 69.1 / 103.1 ms vs 45.2 / 52.5 / 74.6 / 103.7; from 3 vs from 4: 3 rows 71.4
+    vs 68.7 ms. (Zen 4 took them from 5 until then, measured while the pairs ran without their prefetch: see
+    ``prefetch_pair`` in gemm_gguf_avx2.cpp.) ``DFLASH2_GGUF_PAIR_ROWS`` sets it. Either gives the same bits."""
+    del machine
     profile = profile or settings()
     profile.check("DFLASH2_GGUF_PAIR_ROWS")
     if profile.gguf_pair_rows is not None:
         return profile.gguf_pair_rows
-    return 5 if (machine or cpu()).zen else 4
+    return 4
 
 
 # ------------------------------------------------------------------------------------------------ drafting

@@ -144,8 +144,11 @@ inline std::vector<int16_t> block_sums(const int32_t* half_sums, int64_t M, int6
 
 // The codes of panels p and q `ahead` blocks past block b (past the panels' end: those of the next pair, p + 1 and
 // q + 1, which this thread reads next within its chunk: paired_panels pairs panel i with panel i + ceil(P / 2)).
+// Always inlined: GCC 12 finds a prefetch "const" (it writes no memory), so an out-of-line copy of this function
+// counted as const too and its calls were deleted as unused: the pairs ran with no prefetch at all.
 template <int KIND>
-inline void prefetch_pair(const Args& a, int64_t p, int64_t q, int64_t b, int64_t ahead) {
+__attribute__((always_inline)) inline void prefetch_pair(const Args& a, int64_t p, int64_t q, int64_t b,
+                                                        int64_t ahead) {
   const int64_t at = b + ahead, next = at < a.B ? 0 : 1;
   const uint8_t* w0 = a.w + ((p + next) * a.B + at % a.B) * block_bytes(KIND);
   const uint8_t* w1 = a.w + ((q + next) * a.B + at % a.B) * block_bytes(KIND);

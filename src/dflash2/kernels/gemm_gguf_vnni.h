@@ -56,6 +56,14 @@ inline __m512i xload16(const int8_t* row, int64_t k) {
   return _mm512_set1_epi32(four);
 }
 
+// acc + VPDPBUSD of the codes with the 4 activation bytes at row + k broadcast, the broadcast folded into the
+// instruction's memory operand ({1to16}; GCC keeps a separate VPBROADCASTD for _mm512_set1_epi32): one instruction
+// per row and step instead of two.
+inline __m512i dpbusd_x(__m512i acc, __m512i codes, const int8_t* row, int64_t k) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*reinterpret_cast<const int32_t*>(row + k)));
+  return acc;
+}
+
 // The codes of block b of panels p, q (4- to 6-bit kinds), one byte each: step(c, lo, hi) for chunks c = 0..3, lo
 // holding step c (inputs 4c .. 4c + 3) and hi step c + 4 of the 16 outputs (panel p's in the low 32 bytes).
 template <int KIND, class Step>
@@ -110,8 +118,8 @@ inline void pair_block_accumulate(const Args& a, int64_t p, int64_t q, int64_t b
   } else if constexpr (H == 0) {
     pair_codes<KIND>(a, p, q, b, [&](int c, __m512i lo, __m512i hi) {
       for (int r = 0; r < MR; ++r) {
-        J[r] = _mm512_dpbusd_epi32(J[r], lo, xload16(xr[r], 32 * b + 4 * c));
-        J[r] = _mm512_dpbusd_epi32(J[r], hi, xload16(xr[r], 32 * b + 16 + 4 * c));
+        J[r] = dpbusd_x(J[r], lo, xr[r], 32 * b + 4 * c);
+        J[r] = dpbusd_x(J[r], hi, xr[r], 32 * b + 16 + 4 * c);
       }
     });
   } else if constexpr (H == 1) {
@@ -119,8 +127,8 @@ inline void pair_block_accumulate(const Args& a, int64_t p, int64_t q, int64_t b
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();
     pair_codes<KIND>(a, p, q, b, [&](int c, __m512i lo, __m512i hi) {
       for (int r = 0; r < MR; ++r) {
-        acc[r] = _mm512_dpbusd_epi32(acc[r], lo, xload16(xr[r], 32 * b + 4 * c));
-        acc[r] = _mm512_dpbusd_epi32(acc[r], hi, xload16(xr[r], 32 * b + 16 + 4 * c));
+        acc[r] = dpbusd_x(acc[r], lo, xr[r], 32 * b + 4 * c);
+        acc[r] = dpbusd_x(acc[r], hi, xr[r], 32 * b + 16 + 4 * c);
       }
     });
     for (int r = 0; r < MR; ++r) J[r] = _mm512_add_epi32(J[r], _mm512_mullo_epi32(acc[r], S0));
@@ -171,22 +179,18 @@ void pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) 
       const int64_t b = b0 + j;
       prefetch_pair<KIND>(a, p, q, b, kPairsAhead);
       __m512i S0 = _mm512_set1_epi32(1), S1 = S0;
-      spair[j] = ones;
       if constexpr (H == 1) {
         S0 = S1 = int8_pair(a.s + (p * a.B + b) * 8, a.s + (q * a.B + b) * 8);
-        spair[j] = pair16_512(S0, S0);
       } else if constexpr (H == 2) {
         const int8_t* s0 = a.s + (p * a.B + b) * 16;
         const int8_t* s1 = a.s + (q * a.B + b) * 16;
         S0 = int8_pair(s0, s1);
         S1 = int8_pair(s0 + 8, s1 + 8);
-        spair[j] = pair16_512(S0, S1);
       }
-      cpair[j] = ones;  // c * bsum_0 + c * bsum_1 per output
-      if constexpr (OFF == 2) {
-        cmult[j] = int8_pair(a.cm + (p * a.B + b) * 8, a.cm + (q * a.B + b) * 8);
-        cpair[j] = pair16_512(cmult[j], cmult[j]);
-      }
+      // (the pairs only where they are used: Q4_K has no zero point and takes the offset two blocks at a time)
+      if (zero) spair[j] = pair16_512(S0, S1);
+      if constexpr (OFF == 2) cmult[j] = int8_pair(a.cm + (p * a.B + b) * 8, a.cm + (q * a.B + b) * 8);
+      if (!two) cpair[j] = OFF == 2 ? pair16_512(cmult[j], cmult[j]) : ones;  // c * bsum_0 + c * bsum_1
       pair_block_accumulate<MR, KIND, H>(a, p, q, b, xr, S0, S1, Jg);
     }
     if (two)  // (c_2i, c_2i+1) per output, with each row's (X_2i, X_2i+1): the same T, half the VPDPWSSD
