@@ -115,13 +115,16 @@ inline void pair_block_accumulate(const Args& a, int64_t p, int64_t q, int64_t b
         J[r] = _mm512_dpbusd_epi32(J[r], av, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
       }
     }
-  } else if constexpr (H == 0) {
+  } else if constexpr (H == 0) {  // two chains per row: J alone, one chain over the whole row, waited on itself
+    __m512i second[MR];
+    for (int r = 0; r < MR; ++r) second[r] = _mm512_setzero_si512();
     pair_codes<KIND>(a, p, q, b, [&](int c, __m512i lo, __m512i hi) {
       for (int r = 0; r < MR; ++r) {
         J[r] = dpbusd_x(J[r], lo, xr[r], 32 * b + 4 * c);
-        J[r] = dpbusd_x(J[r], hi, xr[r], 32 * b + 16 + 4 * c);
+        second[r] = dpbusd_x(second[r], hi, xr[r], 32 * b + 16 + 4 * c);
       }
     });
+    for (int r = 0; r < MR; ++r) J[r] = _mm512_add_epi32(J[r], second[r]);
   } else if constexpr (H == 1) {
     __m512i acc[MR];
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_si512();

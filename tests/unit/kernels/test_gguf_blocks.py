@@ -163,6 +163,22 @@ def test_kernel_equals_reference_and_is_row_count_invariant(qtype, backend):
                 assert torch.equal(gl._matmul(op, quantize(x[r : r + 1], block), pb), full[r : r + 1])
 
 
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0"])
+def test_kernel_over_every_grouping_of_panels_equals_the_reference(qtype, backend):
+    # The kinds without sub-scales, whose pair micro-kernel sums each row in two chains: even and odd panel counts
+    # (a lone last panel), 1-11 rows per call.
+    op, quantize = _op(backend)
+    x = torch.randn(11, 256)
+    for n in (8, 16, 20, 24, 32, 36, 40, 56, 64, 72):
+        t = random_blocks(qtype, n, 256, seed=n)
+        pb = gl.pack_blocks(t)
+        full = gl.reference_rows(x, t)
+        with _pairs_from(backend, 1) if backend != gl.KERNEL else contextlib.nullcontext():
+            for m in (1, 2, 4, 5, 6, 9, 11):
+                assert torch.equal(gl._matmul(op, quantize(x[:m], 32), pb), full[:m]), (n, m)
+
+
 def _loaded_library(namespace: str) -> str | None:
     """The path of the loaded shared library whose name starts with ``namespace``, from /proc/self/maps."""
     with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
