@@ -127,7 +127,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("DFLASH2_GGUF_LAYER", "on", "off: the decoder's Python layer over GGUF blocks instead of one C++ call"),
     Variable("DFLASH2_GGUF_KERNEL", "auto", "amx, vnni, avx2 or torch: the kernel of --weights gguf (auto: the "
              "fastest that runs here)"),
-    Variable("DFLASH2_GGUF_PAIR_ROWS", "5 on AMD Zen 3/4, else 4", "from how many rows the VNNI / AMX gguf builds "
+    Variable("DFLASH2_GGUF_PAIR_ROWS", "4", "from how many rows the VNNI / AMX gguf builds "
              "multiply two panels per 512-bit vector (the same bits either way)"),
     Variable("DFLASH2_QUANT_CACHE", "on", "off: pack, quantize or unpack the weights (bf16, int8 / int4, gguf, the "
              "merged pard drafter) at every load, write no cache"),
@@ -198,7 +198,7 @@ class Settings:
     layer_ops: Switch = Switch("DFLASH2_LAYER_OPS")
     gguf_layer: Switch = Switch("DFLASH2_GGUF_LAYER")
     gguf_kernel: str | None = None  # "amx-int8", "avx512-vnni", "avx2", "torch"; None: the fastest that runs
-    gguf_pair_rows: int | None = None  # None: gguf_pair_min_rows's choice for the CPU
+    gguf_pair_rows: int | None = None  # None: gguf_pair_min_rows's default, 4 rows (the same on every CPU)
     quant_cache: bool = True
     huge_pages: str = "auto"  # "auto", "on", "off"
     pard_weights: str | None = None  # one of PARD_WEIGHTS; None: drafters/pard.py decides
@@ -401,16 +401,16 @@ def choose_backend(weights: str, usable: Callable[[str], bool], profile: Setting
     return next((b for b in order if b == "torch" or usable(b)), order[-1])
 
 
-def gguf_pair_min_rows(machine: CpuInfo | None = None, profile: Settings | None = None) -> int:
+def gguf_pair_min_rows(profile: Settings | None = None) -> int:
     """From how many rows the gguf kernel's AVX512-VNNI and AMX builds multiply two panels (16 outputs) per 512-bit
-    vector; fewer rows take the 256-bit micro-kernel (the AMX build's tiles start at 4 rows). 4 on every CPU measured
-    (``machine`` is kept for callers that name one): on the Intel Xeon (AMX, model 207) the 256-bit kernel is faster
-    for 1-3 rows (a one-row forward of the 1.5B 62-66 -> 54-58 ms in six runs); on the AMD EPYC Zen 4 (all 113 gguf
-    layers of the 1.5B in the model's order, one thread, CPU time, 2026-12-07) the pairs from 1 row against from 5:
-    1 / 2 / 4 / 9 rows 48.3 / 54.6 / 69.1 / 103.1 ms vs 45.2 / 52.5 / 74.6 / 103.7; from 3 vs from 4: 3 rows 71.4
-    vs 68.7 ms. (Zen 4 took them from 5 until then, measured while the pairs ran without their prefetch: see
-    ``prefetch_pair`` in gemm_gguf_avx2.cpp.) ``DFLASH2_GGUF_PAIR_ROWS`` sets it. Either gives the same bits."""
-    del machine
+    vector; fewer rows take the 256-bit micro-kernel (the AMX build's tiles start at 4 rows). 4, one threshold for
+    every CPU, as measured: on the Intel Xeon (AMX, model 207) the 256-bit kernel is faster for 1-3 rows (a one-row
+    forward of the 1.5B 62-66 -> 54-58 ms in six runs); on the AMD EPYC Zen 4 (all 113 gguf layers of the 1.5B in the
+    model's order, one thread, CPU time, 2026-12-07) the pairs from 1 row against from 5: 1 / 2 / 4 / 9 rows 48.3 /
+    54.6 / 69.1 / 103.1 ms vs 45.2 / 52.5 / 74.6 / 103.7; from 3 vs from 4: 3 rows 71.4 vs 68.7 ms. (Zen 4 took them
+    from 5 until then, measured while the pairs ran without their prefetch: see ``prefetch_pair`` in
+    gemm_gguf_avx2.cpp; docs/kernels.md.) ``DFLASH2_GGUF_PAIR_ROWS`` (``Settings.gguf_pair_rows``) overrides it.
+    Either gives the same bits."""
     profile = profile or settings()
     profile.check("DFLASH2_GGUF_PAIR_ROWS")
     if profile.gguf_pair_rows is not None:

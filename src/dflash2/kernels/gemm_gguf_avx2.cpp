@@ -53,8 +53,9 @@
 
 // Built twice (kernels/gguf_linear.py): for AVX2 + FMA, and for AVX512-VNNI (-mavx512vnni -mavx512vl), where the
 // integer sums use VPDPBUSD (u8 x s8 products summed by 4 into int32 lanes, one instruction; 256-bit in
-// block_integers_dp) and up to 12 rows share an unpacked block of two panels (from gguf_pair_min_rows rows, set per
-// CPU; fewer rows take the 256-bit kernel). The integers are exact either way, so both builds give the same bits.
+// block_integers_dp) and up to 12 rows share an unpacked block of two panels (from gguf_pair_min_rows rows: 4 on
+// every CPU, overridable with DFLASH2_GGUF_PAIR_ROWS; fewer rows take the 256-bit kernel, faster there). The
+// integers are exact either way, so both builds give the same bits.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define GGUF_VNNI 1
 #else
@@ -356,8 +357,9 @@ inline __mmask16 pair_keep(const Args& a, int64_t p, int64_t q) {
 #endif
 
 #if GGUF_VNNI
-// From how many rows the panels go in pairs (fewer: the 256-bit micro-kernel). Set per CPU from Python
-// (gguf_linear.pair_min_rows, which says what was measured where).
+// From how many rows the panels go in pairs (fewer: the 256-bit micro-kernel). 4, set from Python
+// (gguf_linear.pair_min_rows; platform.gguf_pair_min_rows says what was measured where; DFLASH2_GGUF_PAIR_ROWS
+// overrides it).
 std::atomic<int64_t> pair_min_rows{4};
 
 // All rows over panels in pairs (gemm_gguf_vnni.h): panel i with panel i + ceil(P / 2), far apart in memory (an odd

@@ -1,9 +1,10 @@
 // The AVX512-VNNI micro-kernel of gemm_gguf_avx2.cpp (included there, inside its namespace, when built with
-// -mavx512vnni; used from gguf_pair_min_rows rows, which Python sets per CPU): two panels (16 outputs) per 64-byte
-// vector, so each row's broadcast activation bytes, VPDPBUSD and per-block bookkeeping serve twice the outputs of the
-// 256-bit path. Lanes 0-7 are panel p's outputs, lanes 8-15 panel q's, each lane the 256-bit path's lane: the
-// same exact integers and the same fp32 sequence per output (y = y + (A * dx) * float(J), then the offset term), so
-// the same bits (tested against the reference).
+// -mavx512vnni; used from gguf_pair_min_rows rows: 4 on every CPU, overridable with DFLASH2_GGUF_PAIR_ROWS; fewer
+// rows take the 256-bit kernel, faster there): two panels (16 outputs) per 64-byte vector, so each row's broadcast
+// activation bytes, VPDPBUSD and per-block bookkeeping serve twice the outputs of the 256-bit path. Lanes 0-7 are
+// panel p's outputs, lanes 8-15 panel q's, each lane the 256-bit path's lane: the same exact integers and the same
+// fp32 sequence per output (y = y + (A * dx) * float(J), then the offset term), so the same bits (tested against the
+// reference).
 
 // Panel p's 32 bytes at p0 in the low half, panel q's at p1 in the high half.
 inline __m512i load_pair(const uint8_t* p0, const uint8_t* p1) {

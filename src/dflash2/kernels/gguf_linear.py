@@ -214,8 +214,9 @@ PAIRS_ENV = "DFLASH2_GGUF_PAIR_ROWS"
 
 
 def pair_min_rows() -> int:
-    """From how many rows the AVX512-VNNI and AMX builds multiply two panels per 512-bit vector, for this CPU
-    (:func:`dflash2.platform.gguf_pair_min_rows`, where the measurements are). Either choice gives the same bits."""
+    """From how many rows the AVX512-VNNI and AMX builds multiply two panels per 512-bit vector: 4, unless
+    ``DFLASH2_GGUF_PAIR_ROWS`` says otherwise (:func:`dflash2.platform.gguf_pair_min_rows`, where the measurements
+    are). Either choice gives the same bits."""
     return platform.gguf_pair_min_rows()
 
 

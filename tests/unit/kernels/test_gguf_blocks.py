@@ -14,7 +14,7 @@ import torch
 from dflash2.kernels import gguf_linear as gl
 from dflash2.kernels.gguf_blocks import (SUPPORTED_TYPES, GGUFBlockError, concat_rows, decode_blocks, dequantize,
                                          random_blocks, random_raw, take_rows)
-from dflash2.platform import CpuInfo, Settings, cpu, gguf_pair_min_rows, reload_settings
+from dflash2.platform import Settings, cpu, gguf_pair_min_rows, reload_settings
 
 gguf_quants = pytest.importorskip("gguf.quants")
 GGML = pytest.importorskip("gguf").GGMLQuantizationType
@@ -208,15 +208,15 @@ def test_every_pair_micro_kernel_prefetches_its_codes():
     assert not missing, missing[:3]
 
 
-def test_pair_rows_setting_follows_the_cpu_and_the_switch():
+def test_pair_rows_are_four_unless_the_setting_says_otherwise():
     unset = Settings.from_environ({})
-    for vendor, family in (("GenuineIntel", 6), ("AuthenticAMD", 25), ("AuthenticAMD", 26), ("", -1)):
-        assert gguf_pair_min_rows(CpuInfo(vendor, family), unset) == 4
-    assert gguf_pair_min_rows(CpuInfo("AuthenticAMD", 25), Settings.from_environ({gl.PAIRS_ENV: "3"})) == 3
+    assert gguf_pair_min_rows(unset) == 4
+    assert gguf_pair_min_rows(Settings.from_environ({gl.PAIRS_ENV: "3"})) == 3
+    assert gguf_pair_min_rows(Settings(gguf_pair_rows=7)) == 7
     for bad in ("0", "-2", "many"):
         with pytest.raises(ValueError, match=gl.PAIRS_ENV):
-            gguf_pair_min_rows(CpuInfo(), Settings.from_environ({gl.PAIRS_ENV: bad}))
-    assert gl.pair_min_rows() == gguf_pair_min_rows(cpu(), unset)  # (no DFLASH2_GGUF_PAIR_ROWS in the tests)
+            gguf_pair_min_rows(Settings.from_environ({gl.PAIRS_ENV: bad}))
+    assert gl.pair_min_rows() == gguf_pair_min_rows(unset)  # (no DFLASH2_GGUF_PAIR_ROWS in the tests)
 
 
 def test_cpu_model_reads_this_machine():
