@@ -3,7 +3,7 @@
 ``dflash2 train distil --prompts FILE.jsonl --out DIR``: each line is ``{"prompt": "..."}`` or ``{"messages":
 [{"role": ..., "content": ...}, ...]}`` (a chat; the target answers its last user turn). The target answers every
 prompt greedily (its own text: what it will be asked to verify), one teacher-forced pass per answer gives the
-features (soft labels, and the taps a conditioned drafter reads, :mod:`dflash2.train.target_features`), the last
+features (soft labels, and only when conditioned the taps it reads, :mod:`dflash2.train.target_features`), the last
 ``heldout_share`` of the prompts are held out, and a run starts from the shipped drafter. The held-out tau before
 (step 0: the shipped drafter) and after is the report; ``DIR/run/drafter`` is the result.
 
@@ -104,7 +104,7 @@ def distil(target: Transformer, chats: list[list[dict]], encode: Encoder, stop_i
         shipped_conditioning = TargetConditioning.load(init_adapter).config
         layers, context = shipped_conditioning.target_layers, shipped_conditioning.context
     build_features(features, target, prompt_items(target, chats, encode, stop_ids, heldout_share, max_new_tokens,
-                                                  features), layers)
+                                                  features), layers if condition else ())  # (taps: conditioning only)
     shipped = PardConfig.load(init_adapter)
     settings = dict(base_dir=base_dir, label_dirs="", out_dir=str(out_dir / "run"), features_dir=str(features),
                     base_model=shipped.base_model, target_model=shipped.target_model,

@@ -8,8 +8,9 @@ prompts from ``data/eval/mt_bench`` (the LAST questions of the file: the bench r
 greedily by the target here (measurement only, never trained on).
 
 One file per sequence (``<kind>-<index>.safetensors``: ``tokens``, ``label_start``, ``topk_ids``, ``topk_probs``,
-``rest``, ``taps`` bf16 [N, T * Dt]), written atomically; a re-run skips the files present (resumable). About 9 KB
-per token with 3 taps of a 1536-wide target: these stay under ``runs/``, never in git.
+``rest``, and with tapped layers ``taps`` bf16 [N, T * Dt]), written atomically; a re-run skips the files present
+(resumable). About 9 KB per token with 3 taps of a 1536-wide target: these stay under ``runs/``, never in git. No
+layers (an unconditioned drafter's features: the soft labels alone) store no taps.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ class FeatureItem:
 @torch.no_grad()
 def sequence_features(target: Transformer, ids: list[int], label_start: int, layers: tuple[int, ...],
                       top_k: int = 16) -> LabelledText:
-    """One target pass over ``ids``: soft labels at positions label_start .. N - 2, taps at every position."""
+    """One target pass over ``ids``: soft labels at positions label_start .. N - 2, taps of ``layers`` at every
+    position (none where ``layers`` is empty)."""
     tensor = torch.tensor(ids, dtype=torch.int64)
     last = target.config.num_layers - 1
     out = target(tensor[None].to(target.device), hidden_layers=(*layers, last), logits="none")
-    taps = torch.cat([h[0] for h in out.hidden_states[:-1]], dim=-1).to(torch.bfloat16).cpu()  # [N, T * Dt]
+    taps = torch.cat([h[0] for h in out.hidden_states[:-1]], dim=-1).to(torch.bfloat16).cpu() if layers else None
     hidden = out.hidden_states[-1][0, label_start : len(ids) - 1]  # [R, Dt]
     topk_ids, topk_probs, rest = topk_labels(target, hidden, top_k)
     return LabelledText(tensor, label_start, 0, topk_ids.long(), topk_probs.float(), rest.float(), taps)
@@ -55,12 +57,17 @@ def write_features(path: Path, text: LabelledText) -> None:
     tensors = {"tokens": text.ids.to(torch.int32), "label_start": torch.tensor([text.label_start]),
                "topk_ids": text.topk_ids.to(torch.int32).contiguous(),
                "topk_probs": text.topk_probs.to(torch.float16).contiguous(),
-               "rest": text.rest.to(torch.float16).contiguous(), "taps": text.taps.contiguous()}
+               "rest": text.rest.to(torch.float16).contiguous()}
+    if text.taps is not None:
+        tensors["taps"] = text.taps.contiguous()  # [N, T * Dt]
     save_tensors_atomic(tensors, path)
 
 
 def read_features(path: str | Path, taps: bool = True) -> LabelledText:
+    """A feature file's sequence; with ``taps``, its taps too (a file written without tapped layers has none)."""
     with safe_open(str(path), framework="pt") as handle:
+        if taps and "taps" not in handle.keys():
+            raise ValueError(f"{path} holds no taps (its features were built without tapped layers)")
         get = handle.get_tensor
         return LabelledText(get("tokens").long(), int(get("label_start")[0]), 0, get("topk_ids").long(),
                             get("topk_probs").float(), get("rest").float(), get("taps") if taps else None)
@@ -107,15 +114,19 @@ def mt_bench_items(target: Transformer, tokenizer, count: int, max_new_tokens: i
 
 def build_features(out_dir: str | Path, target: Transformer, items, layers: tuple[int, ...], top_k: int = 16,
                    target_model: str = "") -> Path:
-    """Write the features of every item not yet on disk; the manifest lists training and held-out names."""
+    """Write the features of every item not yet on disk; the manifest lists training and held-out names. No
+    ``layers``: no taps, except in a directory begun with taps, whose new files get the same taps (one kind of file
+    a directory)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / FEATURES_MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {
         "target_layers": list(layers), "target_hidden_size": target.config.hidden_size, "top_k": top_k,
         "target_model": target_model, "train": [], "heldout": []}
-    if tuple(manifest["target_layers"]) != tuple(layers):
-        raise ValueError(f"{out_dir} holds taps of layers {manifest['target_layers']}, not {list(layers)}")
+    layers = tuple(layers) or tuple(manifest["target_layers"])
+    if tuple(manifest["target_layers"]) != layers:
+        held = f"taps of layers {manifest['target_layers']}" if manifest["target_layers"] else "no taps"
+        raise ValueError(f"{out_dir} holds {held}, not of layers {list(layers)}")
     started = time.perf_counter()
     for item in items:
         path = out_dir / f"{item.name}.safetensors"

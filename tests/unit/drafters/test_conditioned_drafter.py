@@ -237,6 +237,7 @@ def test_distil_on_a_prompt_file_reports_the_held_out_gain(tiny_model_dirs, tmp_
     is), the held-out tau before and after."""
     from dflash2.train.distil import distil, read_prompt_file
     from dflash2.train.pard_trainer import PardTrainConfig, build_model, save_adapter
+    from dflash2.train.target_features import FeatureSet, build_features
 
     rows = [{"prompt": f"question {i}"} for i in range(9)]
     rows += [{"messages": [{"role": "user", "content": f"hello {i}"}, {"role": "assistant", "content": "hi"},
@@ -270,10 +271,26 @@ def test_distil_on_a_prompt_file_reports_the_held_out_gain(tiny_model_dirs, tmp_
     state = sorted((tmp_path / "mine" / "run" / "checkpoints").glob("*/trainer_state.json"))[-1]
     assert json.loads(state.read_text())["recipe"]["exact_gradient"] is True
     assert any("tau" in line for line in report.lines())
+    plain_files = sorted((tmp_path / "mine" / "features").glob("*.safetensors"))
+    unconditioned = {"tokens", "label_start", "topk_ids", "topk_probs", "rest"}  # no taps: nothing reads them
+    assert len(plain_files) == 12 and all(_tensor_names(f) == unconditioned for f in plain_files)
+    assert FeatureSet(tmp_path / "mine" / "features").target_layers == ()
+    with pytest.raises(ValueError, match="no taps"):
+        FeatureSet(tmp_path / "mine" / "features").read(plain_files[0].stem)
+    with pytest.raises(ValueError, match="no taps"):  # a directory keeps one kind of file
+        build_features(tmp_path / "mine" / "features", target, [], LAYERS)
 
     conditioned = distil(target, chats, encode, [], tmp_path / "cond", condition=True, **common)
     assert conditioned.after["heldout"]["tau"] > conditioned.before["heldout"]["tau"]
     assert (conditioned.drafter_dir / "conditioning.json").exists()
+    assert all("taps" in _tensor_names(f) for f in (tmp_path / "cond" / "features").glob("*.safetensors"))
     with pytest.raises(ValueError, match="conditioned on the target"):  # a conditioned start keeps its conditioning
         distil(target, chats, encode, [], tmp_path / "again", condition=False,
                **{**common, "init_adapter": str(conditioned.drafter_dir)})
+
+
+def _tensor_names(path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return set(handle.keys())
