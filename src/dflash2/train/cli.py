@@ -309,7 +309,6 @@ def _add_distil_parser(sub) -> None:
 
 def run_train_distil(args: argparse.Namespace) -> int:
     from dflash2.drafters import TRAINED_DIR
-    from dflash2.drafters.conditioning import has_conditioning
     from dflash2.drafters.pard import PardConfig
     from dflash2.models.store import canonical_name, resolve_model
     from dflash2.models.tokenizer import Tokenizer
@@ -330,11 +329,10 @@ def run_train_distil(args: argparse.Namespace) -> int:
                     layers=tuple(int(x) for x in args.layers.split(",")), steps=args.steps,
                     heldout_share=args.heldout_share, max_new_tokens=args.max_new_tokens, threads=args.threads,
                     condition=True if args.condition else None)
-    conditioned = has_conditioning(report.drafter_dir)
-    print(f"started from {start}" + (" (conditioned)" if has_conditioning(start) else
-                                     " (conditioning added)" if conditioned else ""))
+    print(f"started from {start}" + (" (conditioned)" if report.conditioned_start else
+                                     " (conditioning added)" if report.conditioned else ""))
     print("\n".join(report.lines()))
-    drafter = "dflash2" if conditioned else "pard+ngram"
+    drafter = "dflash2" if report.conditioned else "pard+ngram"
     print(f"drafter: {report.drafter_dir} (use: --drafter {drafter} --draft-model {report.drafter_dir})")
     return 0
 

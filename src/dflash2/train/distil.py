@@ -32,6 +32,8 @@ class DistilReport:
     drafter_dir: Path
     before: dict  # held-out set -> {"tau", "blocks", "acceptance_by_position"} at step 0
     after: dict  # the same at the end
+    conditioned: bool  # the result is conditioned on the target (loads with --drafter dflash2)
+    conditioned_start: bool  # the adapter it started from was (then so is the result)
 
     def lines(self) -> list[str]:
         out = []
@@ -119,4 +121,4 @@ def distil(target: Transformer, chats: list[list[dict]], encode: Encoder, stop_i
     before = next(e for e in evals if e["step"] == 0)
     after = evals[-1]
     return DistilReport(drafter_dir, {k: v for k, v in before.items() if k != "step"},
-                        {k: v for k, v in after.items() if k != "step"})
+                        {k: v for k, v in after.items() if k != "step"}, condition, conditioned_start)

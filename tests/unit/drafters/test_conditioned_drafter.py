@@ -267,7 +267,8 @@ def test_distil_on_a_prompt_file_reports_the_held_out_gain(tiny_model_dirs, tmp_
     report = distil(target, chats, encode, [], tmp_path / "mine", **common)
     assert set(report.before) == {"heldout"} and report.before["heldout"]["blocks"] > 0
     assert report.after["heldout"]["tau"] > report.before["heldout"]["tau"]
-    assert not (report.drafter_dir / "conditioning.json").exists()
+    assert not (report.drafter_dir / "conditioning.json").exists() and not report.conditioned
+    assert not report.conditioned_start
     state = sorted((tmp_path / "mine" / "run" / "checkpoints").glob("*/trainer_state.json"))[-1]
     assert json.loads(state.read_text())["recipe"]["exact_gradient"] is True
     assert any("tau" in line for line in report.lines())
@@ -283,10 +284,14 @@ def test_distil_on_a_prompt_file_reports_the_held_out_gain(tiny_model_dirs, tmp_
     conditioned = distil(target, chats, encode, [], tmp_path / "cond", condition=True, **common)
     assert conditioned.after["heldout"]["tau"] > conditioned.before["heldout"]["tau"]
     assert (conditioned.drafter_dir / "conditioning.json").exists()
+    assert conditioned.conditioned and not conditioned.conditioned_start
     assert all("taps" in _tensor_names(f) for f in (tmp_path / "cond" / "features").glob("*.safetensors"))
     with pytest.raises(ValueError, match="conditioned on the target"):  # a conditioned start keeps its conditioning
         distil(target, chats, encode, [], tmp_path / "again", condition=False,
                **{**common, "init_adapter": str(conditioned.drafter_dir)})
+    further = distil(target, chats, encode, [], tmp_path / "further",
+                     **{**common, "steps": 2, "init_adapter": str(conditioned.drafter_dir)})
+    assert further.conditioned and further.conditioned_start  # (a conditioned start: conditioned by default)
 
 
 def _tensor_names(path) -> set[str]:
