@@ -5,6 +5,7 @@ half of one."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -52,9 +53,19 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         partial.write_text(text)
 
 
-def save_tensors_atomic(tensors: dict, path: str | Path) -> None:
-    """``safetensors.torch.save_file(tensors, path)``, atomically."""
-    from safetensors.torch import save_file
+def save_tensors_atomic(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file(tensors, path, metadata)``, atomically, and with ``metadata`` in sorted key
+    order: safetensors keeps it in a Rust hash map, whose order changes from one map to the next, so the same
+    content would give other bytes."""
+    from safetensors.torch import save, save_file
 
     with atomic_path(path) as partial:
-        save_file(tensors, str(partial))
+        if not metadata:
+            save_file(tensors, str(partial))
+            return
+        raw = save(tensors)  # (no metadata: a deterministic header, 8-byte length first, then JSON)
+        length = int.from_bytes(raw[:8], "little")
+        header = {"__metadata__": dict(sorted(metadata.items())), **json.loads(raw[8 : 8 + length])}
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()  # (as safetensors writes it)
+        text += b" " * (-len(text) % 8)  # (the data 8-byte aligned, as safetensors pads it)
+        partial.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])

@@ -46,3 +46,21 @@ def test_a_durable_file_is_renamed_into_place_shared_and_removed_on_failure(tmp_
             raise ValueError("a chunk's sha256 differs")
     assert path.read_bytes() == b"GGUF" * 4
     assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
+
+
+def test_tensors_with_metadata_give_the_same_bytes_whatever_the_metadata_order(tmp_path):
+    """safetensors keeps the metadata in a hash map whose order varies from one write to the next; sorted here."""
+    from safetensors import safe_open
+
+    tensors = {"draft_vocab": torch.arange(40, dtype=torch.int32), "other": torch.ones(3, dtype=torch.float16)}
+    orders = [{"source": "a,b", "sequences": "7", "kind": "x"}, {"kind": "x", "sequences": "7", "source": "a,b"}]
+    written = []
+    for index in range(16):
+        path = tmp_path / f"{index}.safetensors"
+        save_tensors_atomic(tensors, path, metadata=orders[index % 2])
+        written.append(path.read_bytes())
+    assert all(raw == written[0] for raw in written)
+    with safe_open(str(tmp_path / "0.safetensors"), framework="pt") as handle:
+        assert handle.metadata() == orders[0]
+        assert all(torch.equal(handle.get_tensor(name), tensor) for name, tensor in tensors.items())
+    assert int.from_bytes(written[0][:8], "little") % 8 == 0  # the data stay 8-byte aligned

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash2.atomic import save_tensors_atomic
 from dflash2.drafters.lora import LORA_TARGETS, adapter_state, add_lora, load_adapter_state
 from dflash2.drafters.pard import ADAPTER_FILE, PardConfig, default_mask_token_id, initial_mask_embedding
 from dflash2.models.decoder import Transformer
@@ -383,8 +384,8 @@ def write_draft_vocab(adapter_dir: str | Path, token_dirs: str, size: int, heldo
     if bool((ids == mask_id).any()):
         raise ValueError(f"draft vocabulary of {size} ids would contain the mask token {mask_id}")
     path = Path(adapter_dir) / DRAFT_VOCAB_FILE
-    save_file({"draft_vocab": ids.to(torch.int32).contiguous()}, str(path),
-              metadata={"source": token_dirs, "sequences": str(len(train))})
+    save_tensors_atomic({"draft_vocab": ids.to(torch.int32).contiguous()}, path,
+                        metadata={"source": token_dirs, "sequences": str(len(train))})  # (the same bytes each time)
     return path
 
 

@@ -81,3 +81,18 @@ def test_other_settings_are_refused(tmp_path, tiny_model_dirs):
 def test_gsm8k_answers_are_cleaned():
     answer = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nIn all 48+24 = <<48+24=72>>72.\n#### 72"
     assert clean_gsm8k_answer(answer) == "Natalia sold 48/2 = 24 clips in May.\nIn all 48+24 = 72.\nThe answer is 72."
+
+
+def test_a_draft_vocabulary_rewritten_from_the_same_data_keeps_its_bytes(tmp_path):
+    from dflash2.drafters.pard import DRAFT_VOCAB_FILE, PardConfig
+    from dflash2.train.pard_trainer import write_draft_vocab
+
+    regen, _ = regen_dir(tmp_path, count=9)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    PardConfig(base_model="tiny", mask_token_id=300, num_draft_tokens=4, lora_rank=4, lora_alpha=8.0).save(adapter)
+    written = set()
+    for _ in range(12):  # (its two metadata keys came out in either order before they were sorted)
+        written.add(write_draft_vocab(adapter, str(regen), 32, heldout_sequences=2).read_bytes())
+    assert len(written) == 1
+    assert sorted(p.name for p in adapter.iterdir()) == [DRAFT_VOCAB_FILE, "pard_config.json"]
