@@ -54,8 +54,9 @@
 // Built twice (kernels/gguf_linear.py): for AVX2 + FMA, and for AVX512-VNNI (-mavx512vnni -mavx512vl), where the
 // integer sums use VPDPBUSD (u8 x s8 products summed by 4 into int32 lanes, one instruction; 256-bit in
 // block_integers_dp) and up to 12 rows share an unpacked block of two panels (from gguf_pair_min_rows rows: 4 on
-// every CPU, overridable with DFLASH2_GGUF_PAIR_ROWS; fewer rows take the 256-bit kernel, faster there). The
-// integers are exact either way, so both builds give the same bits.
+// every CPU, overridable with DFLASH2_GGUF_PAIR_ROWS; fewer rows take the 256-bit kernel, faster there; blocks of
+// 32 without sub-scales, Q4_0 / Q4_1 / Q5_0 / Q8_0, from one row: plain_pair_rows). The integers are exact either
+// way, so both builds give the same bits.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define GGUF_VNNI 1
 #else
@@ -133,6 +134,7 @@ struct Args {
   int zshift;           // log2(zero), -1 for zero == 0
   Output out;
   const int16_t* xsum = nullptr;  // [M, B] each block's sum of xq (block_sums), where a kernel asked for it
+  const int32_t* zb = nullptr;    // [M, B] -(each block's sum of xq) << the zero point's shift (plain_pair_rows)
 };
 
 // Each row's sums of its activation bytes over each block of 32 (|sum| <= 32 * 127: int16), from the half sums
@@ -362,6 +364,27 @@ inline __mmask16 pair_keep(const Args& a, int64_t p, int64_t q) {
 // overrides it).
 std::atomic<int64_t> pair_min_rows{4};
 
+// Blocks of 32 with one scale each and no sub-scales (Q4_0, Q4_1, Q5_0, Q8_0): plain_pair_rows's kinds, paired
+// from one row on (pair_min_rows is the K-quants').
+inline bool plain_blocks(int kind, int h, int off, int64_t group) {
+  return group == 1 && h == 0 && off < 2 && kind != kNib6;
+}
+
+// plain_pair_rows for (kind, offset kind 0 / 1, rows).
+template <int KIND>
+PlainPairs::Fn pick_plain_kind(int off, int mr) {
+  constexpr auto rows = std::make_integer_sequence<int, PlainPairs::kRows>{};
+  return off == 1 ? pick_rows<PlainPairs, KIND, 0, 1>(mr, rows) : pick_rows<PlainPairs, KIND, 0, 0>(mr, rows);
+}
+
+inline PlainPairs::Fn pick_plain(int kind, int off, int mr) {
+  switch (kind) {
+    case kNib4: return pick_plain_kind<kNib4>(off, mr);
+    case kNib5: return pick_plain_kind<kNib5>(off, mr);
+    default: return pick_plain_kind<kSigned>(off, mr);
+  }
+}
+
 // All rows over panels in pairs (gemm_gguf_vnni.h): panel i with panel i + ceil(P / 2), far apart in memory (an odd
 // P's middle panel alone, stored once). Panels i and i + 1 in one vector, the pairing until 2026-12-06, read two
 // streams a few KB apart, which streamed at half the speed of one panel on the AMD EPYC Zen 4 (one Q4_K [8960,
@@ -375,13 +398,27 @@ void paired_panels(const Args& args, int kind, int h, int off, int64_t M, int64_
     xsum = block_sums(a.bs, M, a.B);
     a.xsum = xsum.data();
   }
+  const bool plain = plain_blocks(kind, h, off, a.group);
+  std::vector<int32_t> zb;
+  if (plain) {  // each row's block sums (the offset term), and minus them shifted (the zero point's term)
+    xsum = block_sums(a.bs, M, a.B);
+    a.xsum = xsum.data();
+    const int shift = kind == kSigned ? 7 : a.zshift;  // (Q8_0's codes go in as w + 128)
+    zb.resize(static_cast<size_t>(M * a.B));
+    for (int64_t i = 0; i < M * a.B; ++i) zb[i] = shift < 0 ? 0 : -(int32_t{xsum[i]} * (int32_t{1} << shift));
+    a.zb = zb.data();
+  }
   chunked_for(half, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = i, q = i + half < P ? i + half : i;
       const __mmask16 keep = pair_keep(a, p, q);
       for (int64_t m = 0; m < M;) {
         const int mr = rows_for_call(M - m, Pairs::kRows);
-        pick<Pairs>(kind, h, off, mr)(a, p, q, m, keep);
+        if (plain) {
+          pick_plain(kind, off, mr)(a, p, q, m, keep);
+        } else {
+          pick<Pairs>(kind, h, off, mr)(a, p, q, m, keep);
+        }
         m += mr;
       }
     }
@@ -440,8 +477,10 @@ void matmul_into(const at::Tensor& xq, const at::Tensor& dx, const at::Tensor& b
   }
 #endif
 #if GGUF_VNNI
-  // Panels in pairs (16 outputs per vector) from pair_min_rows rows; fewer take the 256-bit micro-kernel below.
-  if (M >= pair_min_rows.load(std::memory_order_relaxed) && group <= kMaxPairGroup) {
+  // Panels in pairs (16 outputs per vector) from pair_min_rows rows, plain blocks at every row count; fewer take the
+  // 256-bit micro-kernel below.
+  if ((M >= pair_min_rows.load(std::memory_order_relaxed) || plain_blocks(kind, h, off, group)) &&
+      group <= kMaxPairGroup) {
     paired_panels(a, kind, h, off, M, P, std::max<int64_t>(1, grain / 2));
     return;
   }

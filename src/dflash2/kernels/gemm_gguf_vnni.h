@@ -1,6 +1,7 @@
-// The AVX512-VNNI micro-kernel of gemm_gguf_avx2.cpp (included there, inside its namespace, when built with
-// -mavx512vnni; used from gguf_pair_min_rows rows: 4 on every CPU, overridable with DFLASH2_GGUF_PAIR_ROWS; fewer
-// rows take the 256-bit kernel, faster there): two panels (16 outputs) per 64-byte vector, so each row's broadcast
+// The AVX512-VNNI micro-kernels of gemm_gguf_avx2.cpp (included there, inside its namespace, when built with
+// -mavx512vnni; pair_rows from gguf_pair_min_rows rows: 4 on every CPU, overridable with DFLASH2_GGUF_PAIR_ROWS;
+// fewer rows take the 256-bit kernel, faster there; plain_pair_rows, at the end, for blocks of 32 without
+// sub-scales at every row count): two panels (16 outputs) per 64-byte vector, so each row's broadcast
 // activation bytes, VPDPBUSD and per-block bookkeeping serve twice the outputs of the 256-bit path. Lanes 0-7 are
 // panel p's outputs, lanes 8-15 panel q's, each lane the 256-bit path's lane: the same exact integers and the same
 // fp32 sequence per output (y = y + (A * dx) * float(J), then the offset term), so the same bits (tested against the
@@ -238,4 +239,75 @@ struct Pairs {
   static constexpr int kRows = 12;
   template <int MR, int KIND, int H, int OFF>
   static constexpr Fn fn = &pair_rows<MR, KIND, H, OFF>;
+};
+
+// Blocks of 32 inputs with one scale each and no sub-scales (group 1, H 0: Q4_0, Q4_1, Q5_0, Q8_0; the PARD
+// drafter's Q4_0), panels p and q (lanes 0-7 and 8-15), rows m0 .. m0 + MR - 1, from one row on. pair_rows ran these
+// until 2026-12-07 (and the 256-bit panels below 4 rows), but with a scale group of one block its per-group work
+// cost as much as the products: the zero-point term (zero x the block's activation sum, one integer per row for all
+// 16 lanes) was a VPDPWSSD + shift + subtract per row and block, and with the group's length known only at run time
+// GCC kept the rows' sums on the stack (a store after every VPDPBUSD). Here each row's sum starts at -(block sum <<
+// zero shift) (Args::zb, one broadcast), takes the block's 8 VPDPBUSD in one chain (two chains measured the same at
+// 1-4 rows), and the fp32 steps follow in registers: per row and block 8 products + 4 fp32 operations. The offset
+// term of Q4_1 (c = 1) is the block sum itself (Args::xsum). Q8_0's signed codes go in as w + 128 (XOR 0x80, once
+// per block for all rows) with zero point 128, instead of pair_rows' per-row sign fix. The same exact integers and
+// the same fp32 sequence per output, so the same bits. The 0.5B drafter's 24 layers on the AMD EPYC Zen 4, one
+// thread, CPU time (docs/kernels.md, 2026-12-07): 1 / 4 / 9 rows 12.2 / 23.2 / 43.2 -> 10.4 / 15.0 / 23.6 ms.
+template <int MR, int KIND, int OFF>
+void plain_pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 keep) {
+  __m512 yv[MR];
+  const int8_t* xr[MR];
+  const int32_t* zr[MR];
+  for (int r = 0; r < MR; ++r) {
+    yv[r] = _mm512_setzero_ps();
+    xr[r] = a.xq + (m0 + r) * a.K;
+    zr[r] = a.zb + (m0 + r) * a.B;
+  }
+  constexpr int64_t bytes = block_bytes(KIND);
+  for (int64_t b = 0; b < a.B; ++b) {
+    // kPairsAhead blocks on (past the panel's end: the next pair's first blocks, p + 1 and q + 1 follow p and q)
+    const uint8_t* ahead0 = a.w + (p * a.B + b + kPairsAhead) * bytes;
+    const uint8_t* ahead1 = a.w + (q * a.B + b + kPairsAhead) * bytes;
+    for (int64_t off = 0; off < bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead0 + off), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead1 + off), _MM_HINT_T0);
+    }
+    __m512i J[MR];
+    for (int r = 0; r < MR; ++r) J[r] = _mm512_set1_epi32(zr[r][b]);
+    if constexpr (KIND == kSigned) {
+      const uint8_t* w0 = a.w + (p * a.B + b) * bytes;
+      const uint8_t* w1 = a.w + (q * a.B + b) * bytes;
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const __m512i u = _mm512_xor_si512(load_pair(w0 + 32 * t, w1 + 32 * t), _mm512_set1_epi8(char(0x80)));
+        for (int r = 0; r < MR; ++r) J[r] = dpbusd_x(J[r], u, xr[r], 32 * b + 4 * t);
+      }
+    } else {
+      pair_codes<KIND>(a, p, q, b, [&](int c, __m512i lo, __m512i hi) {
+        for (int r = 0; r < MR; ++r) {
+          J[r] = dpbusd_x(J[r], lo, xr[r], 32 * b + 4 * c);
+          J[r] = dpbusd_x(J[r], hi, xr[r], 32 * b + 16 + 4 * c);
+        }
+      });
+    }
+    const __m512 Av = float_pair(a.A + (p * a.B + b) * kPanel, a.A + (q * a.B + b) * kPanel);
+    __m512 Cv = _mm512_setzero_ps();
+    if constexpr (OFF != 0) Cv = float_pair(a.C + (p * a.B + b) * kPanel, a.C + (q * a.B + b) * kPanel);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 d = _mm512_set1_ps(a.dx[(m0 + r) * a.B + b]);
+      yv[r] = _mm512_add_ps(yv[r], _mm512_mul_ps(_mm512_mul_ps(Av, d), _mm512_cvtepi32_ps(J[r])));
+      if constexpr (OFF != 0) {  // T = the block's activation sum (c = 1)
+        const __m512 T = _mm512_set1_ps(static_cast<float>(a.xsum[(m0 + r) * a.B + b]));
+        yv[r] = _mm512_add_ps(yv[r], _mm512_mul_ps(_mm512_mul_ps(Cv, d), T));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) store_pair(a, m0 + r, p, q, keep, yv[r]);
+}
+
+struct PlainPairs {
+  using Fn = Pairs::Fn;
+  static constexpr int kRows = Pairs::kRows;
+  template <int MR, int KIND, int H, int OFF>
+  static constexpr Fn fn = &plain_pair_rows<MR, KIND, OFF>;
 };

@@ -216,7 +216,8 @@ PAIRS_ENV = "DFLASH2_GGUF_PAIR_ROWS"
 def pair_min_rows() -> int:
     """From how many rows the AVX512-VNNI and AMX builds multiply two panels per 512-bit vector: 4, unless
     ``DFLASH2_GGUF_PAIR_ROWS`` says otherwise (:func:`dflash2.platform.gguf_pair_min_rows`, where the measurements
-    are). Either choice gives the same bits."""
+    are). Blocks of 32 without sub-scales (Q4_0, Q4_1, Q5_0, Q8_0) go in pairs at every row count (their own
+    micro-kernel, ``plain_pair_rows``: faster than the 256-bit one from one row). Either choice gives the same bits."""
     return platform.gguf_pair_min_rows()
 
 

@@ -166,8 +166,8 @@ def test_kernel_equals_reference_and_is_row_count_invariant(qtype, backend):
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0"])
 def test_kernel_over_every_grouping_of_panels_equals_the_reference(qtype, backend):
-    # The kinds without sub-scales, whose pair micro-kernel sums each row in two chains: even and odd panel counts
-    # (a lone last panel), 1-11 rows per call.
+    # The kinds without sub-scales, whose pair micro-kernel (plain_pair_rows) sums each row and block in one chain:
+    # even and odd panel counts (a lone last panel), 1-11 rows per call.
     op, quantize = _op(backend)
     x = torch.randn(11, 256)
     for n in (8, 16, 20, 24, 32, 36, 40, 56, 64, 72):
@@ -192,7 +192,7 @@ def _loaded_library(namespace: str) -> str | None:
 @pytest.mark.skipif(not gl.gguf_kernels_available(gl.VNNI), reason="needs the gguf VNNI build")
 def test_every_pair_micro_kernel_prefetches_its_codes():
     # GCC 12 once deleted every prefetch of the pairs (an out-of-line prefetch_pair counted as const): the same bits,
-    # so only the machine code shows it. Each pair_rows instantiation must hold PREFETCHT0.
+    # so only the machine code shows it. Each pair_rows / plain_pair_rows instantiation must hold PREFETCHT0.
     import shutil
     import subprocess
 
@@ -202,7 +202,8 @@ def test_every_pair_micro_kernel_prefetches_its_codes():
         pytest.skip("needs /proc/self/maps and objdump")
     listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", library], capture_output=True, text=True,
                              check=True).stdout
-    bodies = [body for body in listing.split("\n\n") if "::pair_rows<" in body.split("\n", 1)[0]]
+    bodies = [body for body in listing.split("\n\n")
+              if any(name in body.split("\n", 1)[0] for name in ("::pair_rows<", "::plain_pair_rows<"))]
     assert bodies, "no pair_rows functions found"
     missing = [body.split("\n", 1)[0] for body in bodies if "prefetcht0" not in body]
     assert not missing, missing[:3]
