@@ -265,13 +265,7 @@ void plain_pair_rows(const Args& a, int64_t p, int64_t q, int64_t m0, __mmask16 
   }
   constexpr int64_t bytes = block_bytes(KIND);
   for (int64_t b = 0; b < a.B; ++b) {
-    // kPairsAhead blocks on (past the panel's end: the next pair's first blocks, p + 1 and q + 1 follow p and q)
-    const uint8_t* ahead0 = a.w + (p * a.B + b + kPairsAhead) * bytes;
-    const uint8_t* ahead1 = a.w + (q * a.B + b + kPairsAhead) * bytes;
-    for (int64_t off = 0; off < bytes; off += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead0 + off), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead1 + off), _MM_HINT_T0);
-    }
+    prefetch_pair<KIND>(a, p, q, b, kPairsAhead);
     __m512i J[MR];
     for (int r = 0; r < MR; ++r) J[r] = _mm512_set1_epi32(zr[r][b]);
     if constexpr (KIND == kSigned) {
