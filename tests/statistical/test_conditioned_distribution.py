@@ -42,3 +42,20 @@ def test_conditioned_generation_has_the_target_distribution(models, name, runs):
     drafter = ConditionedPardDrafter(draft, MASK, conditioning, 3)
     samples = closing_engine_samples(tiny_engine(target, drafter, pipeline), PROMPT, params, runs)
     assert_lossless(samples, exact_joint(target, PROMPT, params))
+
+
+@pytest.mark.parametrize("runs", [RUNS, pytest.param(SLOW_RUNS, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", list(CASES))
+def test_kv_conditioned_generation_has_the_target_distribution(models, name, runs):
+    """The same with gated key / value conditioning (``drafters/kv_conditioned.py``), its gates open."""
+    from dflash2.drafters.kv_conditioned import KVConditionedPardDrafter
+    from dflash2.drafters.kv_conditioning import GatedKVConditioning, KVConditioningConfig
+
+    target, draft, _ = models
+    params, pipeline = CASES[name]
+    kv = GatedKVConditioning(KVConditioningConfig((0,), target.config.hidden_size, draft.config.hidden_size,
+                                                  draft.config.num_layers), seed=3)
+    kv.gates.data.fill_(1.0)
+    drafter = KVConditionedPardDrafter(draft, MASK, kv.requires_grad_(False), 3)
+    samples = closing_engine_samples(tiny_engine(target, drafter, pipeline), PROMPT, params, runs)
+    assert_lossless(samples, exact_joint(target, PROMPT, params))

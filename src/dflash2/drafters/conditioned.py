@@ -30,7 +30,41 @@ from dflash2.drafters.pard import PARD_CONFIG, PardDrafter
 from dflash2.models.decoder import Transformer
 
 
-class ConditionedPardDrafter(PardDrafter):
+class TargetReadingPardDrafter(PardDrafter):
+    """What the conditioned PARD drafters share: the conditioning, the target layers the engine hands them
+    (``observe``), one pass per request, and which observed positions past a context window they keep."""
+
+    def __init__(self, model: Transformer, mask_token_id: int, conditioning, num_draft_tokens: int = 8,
+                 target_vocab_size: int | None = None, num_paths: int = 1,
+                 context_window: tuple[int, int] | None = None, catch_up: int | None = None,
+                 reader: Transformer | None = None) -> None:
+        super().__init__(model, mask_token_id, num_draft_tokens, target_vocab_size, num_paths, context_window,
+                         catch_up, 0, reader)
+        self.conditioning = conditioning
+        self.hidden_layers = conditioning.config.target_layers
+
+    def for_request(self) -> TargetReadingPardDrafter:
+        """The same networks (weights shared), its own caches."""
+        return type(self)(self.model, self.mask_token_id, self.conditioning, self.num_draft_tokens,
+                          self.target_vocab_size, self.num_paths, self.context_window, self.catch_up, self.reader)
+
+    def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> None:
+        """Each request's pass reads its own target states: drafted one by one (``propose``)."""
+        return None
+
+    def _positions_to_keep(self, first: int, last: int) -> torch.Tensor:
+        """The observed positions a pass may read: all, or past a context window's reach only its sink and its
+        recent ids (a long prompt: mapping every position would cost more than the drafter's read)."""
+        device = self.model.device
+        if self.context_window is None or last - first + 1 <= sum(self.context_window) + 8:
+            return torch.arange(first, last + 1, device=device)
+        sink, recent = self.context_window
+        head = torch.arange(first, min(sink, last + 1), device=device)
+        tail = torch.arange(max(first, last - recent - 8), last + 1, device=device)
+        return torch.unique(torch.cat([head, tail]))
+
+
+class ConditionedPardDrafter(TargetReadingPardDrafter):
     """PARD drafting with the target's hidden states of the last verified position (module docstring)."""
 
     name = "dflash2"
@@ -39,26 +73,14 @@ class ConditionedPardDrafter(PardDrafter):
                  num_draft_tokens: int = 8, target_vocab_size: int | None = None, num_paths: int = 1,
                  context_window: tuple[int, int] | None = None, catch_up: int | None = None,
                  reader: Transformer | None = None) -> None:
-        super().__init__(model, mask_token_id, num_draft_tokens, target_vocab_size, num_paths, context_window,
-                         catch_up, 0, reader)
-        self.conditioning = conditioning
-        self.hidden_layers = conditioning.config.target_layers
+        super().__init__(model, mask_token_id, conditioning, num_draft_tokens, target_vocab_size, num_paths,
+                         context_window, catch_up, reader)
         self._offset: torch.Tensor | None = None  # [D] in the drafter's dtype
         self._offset_position = -1  # the position whose target state made it
         # every context position (conditioning.config.context): row p holds the offset of the id at position p
         # (from the target's state at p - 1) where ``_have_offset[p]``
         self._row_offsets: torch.Tensor | None = None  # [capacity + extra_slots + 1, D]
         self._have_offset: torch.Tensor | None = None  # [capacity + extra_slots + 1] bool
-
-    def for_request(self) -> ConditionedPardDrafter:
-        """The same networks (weights shared), its own cache and offset."""
-        return ConditionedPardDrafter(self.model, self.mask_token_id, self.conditioning, self.num_draft_tokens,
-                                      self.target_vocab_size, self.num_paths, self.context_window, self.catch_up,
-                                      self.reader)
-
-    def shared_pass(self, sequence: list[int], num_draft_tokens: int) -> None:
-        """Each request's pass carries its own offset: drafted one by one (``propose``)."""
-        return None
 
     def reset(self, capacity: int) -> None:
         super().reset(capacity)
@@ -86,22 +108,12 @@ class ConditionedPardDrafter(PardDrafter):
         if num_accepted == -1:  # a new context (a prompt's first chunk): what was observed before is not its
             self._have_offset.zero_()
         first = last - target_hidden[0].shape[1] + 1
-        rows = self._positions_to_condition(first, last)  # [r] target positions p; their offsets go to row p + 1
+        rows = self._positions_to_keep(first, last)  # [r] target positions p; their offsets go to row p + 1
         states = fuse_taps(tuple(h[0, rows - first] for h in target_hidden))  # [r, T * Dt]
         self._row_offsets[rows + 1] = self.conditioning(states).to(self.model.dtype)
         self._have_offset[rows + 1] = True
         self._offset = self._row_offsets[last + 1]
         self._offset_position = last
-
-    def _positions_to_condition(self, first: int, last: int) -> torch.Tensor:
-        """The observed positions whose offsets a pass may read: all, or past a context window's reach only its
-        sink and its recent ids (a long prompt: the projection of every position would cost more than the read)."""
-        if self.context_window is None or last - first + 1 <= sum(self.context_window) + 8:
-            return torch.arange(first, last + 1, device=self.model.device)
-        sink, recent = self.context_window
-        head = torch.arange(first, min(sink, last + 1), device=self.model.device)
-        tail = torch.arange(max(first, last - recent - 8), last + 1, device=self.model.device)
-        return torch.unique(torch.cat([head, tail]))
 
     def _read_offsets(self, positions: list[int]) -> torch.Tensor | None:
         """[1, n, D] the offsets of the ids read at ``positions`` (zero where none was observed), or None without
@@ -134,7 +146,8 @@ def build_conditioned_drafter(target, draft_model: str | Path | None, num_draft_
                               dtype: str = "bf16", weights: str | None = None, pull: bool = True,
                               num_paths: int = 1) -> ConditionedPardDrafter:
     """The ``dflash2`` drafter for ``target`` (a :class:`~dflash2.drafters.DraftTarget`): ``draft_model`` is a
-    trained adapter directory with its conditioning (``pard_config.json`` + ``conditioning.json``); None = the one
+    trained adapter directory with its conditioning (``pard_config.json`` + ``conditioning.json``, or
+    ``kv_conditioning.json``: gated keys / values, ``drafters/kv_conditioned.py``); None = the one
     shipped for the target (``drafters/trained/<target>-dflash2-conditioned``, none yet). The network loads as the
     PARD drafter's (:func:`~dflash2.drafters.pard.build_pard_drafter`: weight format, draft vocabulary, prompt
     reader)."""
@@ -143,15 +156,28 @@ def build_conditioned_drafter(target, draft_model: str | Path | None, num_draft_
 
     if draft_model is None:
         draft_model = SHIPPED_DIR / f"{canonical_name(target.name) or target.name}-dflash2-conditioned"
+    from dflash2.drafters.kv_conditioned import KVConditionedPardDrafter
+    from dflash2.drafters.kv_conditioning import GatedKVConditioning, has_kv_conditioning
+
     directory = Path(draft_model)
-    if not ((directory / PARD_CONFIG).exists() and has_conditioning(directory)):
+    keys_values = has_kv_conditioning(directory)
+    if not ((directory / PARD_CONFIG).exists() and (has_conditioning(directory) or keys_values)):
         raise ValueError(f"no target-conditioned drafter in {directory}: train one with `dflash2 train pard "
-                         f"--features DIR --condition` and pass its drafter/ directory as --draft-model")
+                         f"--features DIR --condition-kv` and pass its drafter/ directory as --draft-model")
     pard = build_pard_drafter(target, directory, num_draft_tokens, dtype=dtype, weights=weights, pull=pull,
                               num_paths=num_paths)
+    if keys_values:
+        kv = GatedKVConditioning.load(directory).to(pard.model.device)
+        _check_target_width(directory, kv.config.target_hidden_size, target)
+        return KVConditionedPardDrafter(pard.model, pard.mask_token_id, kv, pard.num_draft_tokens,
+                                        pard.target_vocab_size, num_paths, pard.context_window, pard.catch_up,
+                                        pard.reader)
     conditioning = TargetConditioning.load(directory).to(pard.model.device)
-    if conditioning.config.target_hidden_size != target.target.config.hidden_size:
-        raise ValueError(f"{directory} reads a target of width {conditioning.config.target_hidden_size}, not "
-                         f"{target.target.config.hidden_size}")
+    _check_target_width(directory, conditioning.config.target_hidden_size, target)
     return ConditionedPardDrafter(pard.model, pard.mask_token_id, conditioning, pard.num_draft_tokens,
                                   pard.target_vocab_size, num_paths, pard.context_window, pard.catch_up, pard.reader)
+
+
+def _check_target_width(directory: Path, width: int, target) -> None:
+    if width != target.target.config.hidden_size:
+        raise ValueError(f"{directory} reads a target of width {width}, not {target.target.config.hidden_size}")

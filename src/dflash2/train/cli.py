@@ -385,7 +385,11 @@ def _add_pard_parser(sub) -> None:
                       help="with --condition: every context position's target state too (the context pass then trains)")
     pard.add_argument("--exact-gradient", action="store_true",
                       help="the gradient through the context pass too (about twice a step's cost)")
+    pard.add_argument("--condition-kv", action="store_true",
+                      help="condition the drafter on the target's hidden states through gated keys and values in "
+                           "every layer (drafters/kv_conditioning.py; needs --features)")
     pard.add_argument("--conditioning-lr", type=float, default=5e-4)
+    pard.add_argument("--gate-lr", type=float, default=1e-2, help="with --condition-kv: the per-layer gates' LR")
     pard.add_argument("--checkpoint-every", type=int, default=10)
     pard.add_argument("--stop-at-step", type=int, default=None, help="stop the run at this step; a re-run resumes")
     pard.add_argument("--no-resume", action="store_true")
@@ -413,7 +417,8 @@ def run_train_pard(args: argparse.Namespace) -> int:
         resume=not args.no_resume, threads=args.threads, initial_eval=not args.no_initial_eval,
         init_adapter=args.init_adapter, features_dir=args.features, train_sequences=args.train_sequences,
         condition=args.condition, condition_context=args.condition_context, exact_gradient=args.exact_gradient,
-        conditioning_learning_rate=args.conditioning_lr,
+        conditioning_learning_rate=args.conditioning_lr, condition_kv=args.condition_kv,
+        gate_learning_rate=args.gate_lr,
     )
     print(train_pard(config))
     return 0

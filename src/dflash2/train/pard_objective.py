@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dflash2.models.decoder import Transformer
+from dflash2.drafters.kv_conditioning import GatedKVConditioning
+from dflash2.models.decoder import CachedAttention, Transformer
 from dflash2.train.labels import LabelledText
 
 
@@ -95,7 +96,7 @@ def block_offsets(conditioning, text: LabelledText, batch: PardBatch) -> torch.T
     """[Q, D] each block row's input offset: the conditioning of the target's taps at the position before the
     block's anchor (the last position the target has verified when the anchor is the pending token); None
     without conditioning (``drafters/conditioning.py``)."""
-    if conditioning is None:
+    if conditioning is None or isinstance(conditioning, GatedKVConditioning):
         return None
     anchors = batch.positions - batch.depth  # [Q]
     return conditioning(text.taps[(anchors - 1).clamp_min(0)])
@@ -124,19 +125,23 @@ class RecordingContext:
 def context_offsets(conditioning, text: LabelledText, length: int) -> torch.Tensor | None:
     """[S, D] the input offsets of the context rows 0 .. S - 1 where the conditioning reads every position
     (``config.context``): row i gets the conditioning of the target's taps at i - 1, row 0 none; else None."""
-    if conditioning is None or not conditioning.config.context or length == 0:
+    if conditioning is None or isinstance(conditioning, GatedKVConditioning) or not conditioning.config.context \
+            or length == 0:
         return None
     offsets = conditioning(text.taps[: length - 1])  # [S - 1, D]
     return torch.cat([offsets.new_zeros(1, offsets.shape[-1]), offsets])
 
 
 def block_hidden(model: Transformer, ids: torch.Tensor, batch: PardBatch, offsets: torch.Tensor | None = None,
-                 context_offsets: torch.Tensor | None = None, exact: bool = False) -> torch.Tensor:
+                 context_offsets: torch.Tensor | None = None, exact: bool = False,
+                 target_kv: tuple[GatedKVConditioning, torch.Tensor] | None = None) -> torch.Tensor:
     """[Q, D] final hidden states (before the norm) of every block row. ``offsets`` [Q, D]: added to the block
     rows' input embeddings (target conditioning); ``context_offsets`` [S, D]: to the context rows'. The context's
     keys / values are computed without gradients (the loss reaches the weights through the block rows only: about
     half the cost of the exact gradient on these cores) unless ``exact`` or ``context_offsets`` (the conditioning
-    of every position learns only through the context pass) asks for the gradient through the context too."""
+    of every position learns only through the context pass) asks for the gradient through the context too.
+    ``target_kv`` (conditioning, taps [N, T * Dt]): the block rows also look up the target's states at the context
+    positions they see, through gated keys / values (``drafters/kv_conditioning.py``)."""
     device, S = model.device, batch.context_length
     offsets_in = None if context_offsets is None else context_offsets[None].to(device)  # [1, S, D]
     if (exact or offsets_in is not None) and S and torch.is_grad_enabled():
@@ -150,9 +155,13 @@ def block_hidden(model: Transformer, ids: torch.Tensor, batch: PardBatch, offset
                 model(ids[None, :S].to(device), cache=cache, logits="none", input_offsets=offsets_in)
         context = FrozenContext(cache.keys[:, :, :, :S], cache.values[:, :, :, :S])
     last = model.config.num_layers - 1
-    out = model(batch.input_ids[None].to(device), batch.positions[None].to(device), context,
-                batch.attn_mask.to(device), hidden_layers=(last,), logits="none",
-                input_offsets=None if offsets is None else offsets[None].to(device))
+    attention = CachedAttention(context, batch.attn_mask[:, None].to(device))  # [1, 1, Q, S + Q]
+    if target_kv is not None:
+        conditioning, taps = target_kv
+        attention = conditioning.attention(model, attention, taps[:S].to(device), torch.arange(S, device=device),
+                                           batch.attn_mask[:, :, :S].to(device))
+    out = model(batch.input_ids[None].to(device), batch.positions[None].to(device), context=attention,
+                hidden_layers=(last,), logits="none", input_offsets=None if offsets is None else offsets[None].to(device))
     return out.hidden_states[0][0]
 
 
@@ -190,8 +199,9 @@ def conditioned_hidden(model: Transformer, text: LabelledText, batch: PardBatch,
                        exact: bool = False) -> torch.Tensor:
     """:func:`block_hidden` of a labelled text's blocks with the conditioning's offsets (the drafting rows', and the
     context rows' where it reads every position)."""
+    target_kv = (conditioning, text.taps) if isinstance(conditioning, GatedKVConditioning) else None
     return block_hidden(model, text.ids, batch, block_offsets(conditioning, text, batch),
-                        context_offsets(conditioning, text, batch.context_length), exact)
+                        context_offsets(conditioning, text, batch.context_length), exact, target_kv)
 
 
 def pard_loss(model: Transformer, text: LabelledText, batch: PardBatch, *, decay: float, ce_weight: float,

@@ -63,6 +63,7 @@ class PardTrainConfig:
     condition: bool = False  # read the target's taps (drafters/conditioning.py; needs features_dir)
     condition_context: bool = False  # ... at every context position too (ConditioningConfig.context)
     exact_gradient: bool = False  # the loss's gradient through the context pass too (implied by condition_context)
+    condition_kv: bool = False  # read the target's taps through gated keys / values (drafters/kv_conditioning.py)
     seed: int = 0
     anchors_per_sequence: int = 32  # blocks per sequence per step
     sequences_per_step: int = 4  # gradient accumulation
@@ -70,6 +71,7 @@ class PardTrainConfig:
     learning_rate: float = 2e-4
     mask_learning_rate: float = 2e-3  # the mask embedding starts far from anything trained: a faster rate
     conditioning_learning_rate: float = 5e-4  # the conditioning's projection (starts at zero)
+    gate_learning_rate: float = 1e-2  # condition_kv: the per-layer gates (start closed, at 0)
     warmup_steps: int = 20
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -87,7 +89,7 @@ class PardTrainConfig:
     def recipe(self) -> dict:
         fields = asdict(self)
         added = {"features_dir": "", "train_sequences": None, "condition": False,  # absent from older recipes
-                 "condition_context": False, "exact_gradient": False}
+                 "condition_context": False, "exact_gradient": False, "condition_kv": False}
         return {key: fields[key] for key in list(fields)[: list(fields).index("seed") + 1]
                 if key not in ("base_dir", "label_dirs", "hard_label_dirs", "out_dir", "features_dir")
                 and not (key in added and fields[key] == added[key])}
@@ -101,7 +103,7 @@ class TrainingData:
         if config.features_dir:
             self._read_features(config)
             return
-        if config.condition:
+        if config.condition or config.condition_kv:
             raise ValueError("a conditioned drafter trains on `dflash2 train features` data: give features_dir")
         self.soft = LabelShards(config.label_dirs) if config.label_dirs else None
         self.hard = HardLabels(config.hard_label_dirs) if config.hard_label_dirs else None
@@ -126,7 +128,7 @@ class TrainingData:
         from dflash2.train.target_features import FeatureSet
 
         self.features = FeatureSet(config.features_dir)
-        self.taps = config.condition
+        self.taps = config.condition or config.condition_kv
         self.feature_train = self.features.train[: config.train_sequences]
         self.ordered = config.train_sequences  # None: random draws among all training sequences
         self.heldout = {kind: [_truncate(self.features.read(n, self.taps), config.max_sequence_length)
@@ -208,9 +210,19 @@ class MaskedEmbedding(torch.nn.Module):
 
 
 def build_conditioning(config: PardTrainConfig, data: TrainingData, model: Transformer):
-    """The zero-initialised target conditioning (fp32, trainable), or None when the run does not condition."""
+    """The target conditioning (fp32, trainable; drafting as without it at start), or None when the run does not
+    condition."""
     if config.condition_context and not config.condition:
         raise ValueError("condition_context conditions every context position on the target: it needs condition")
+    if config.condition_kv:
+        if config.condition:
+            raise ValueError("condition (input offsets) and condition_kv (gated keys / values) are two designs: "
+                             "choose one")
+        from dflash2.drafters.kv_conditioning import GatedKVConditioning, KVConditioningConfig
+
+        return GatedKVConditioning(KVConditioningConfig(data.features.target_layers, data.features.target_hidden_size,
+                                                        model.config.hidden_size, model.config.num_layers),
+                                   seed=config.seed)
     if not config.condition:
         return None
     from dflash2.drafters.conditioning import ConditioningConfig, TargetConditioning
@@ -233,7 +245,10 @@ def train_pard(config: PardTrainConfig) -> Path:
     groups = [{"params": lora_params, "lr": config.learning_rate},
               {"params": [mask_embedding], "lr": config.mask_learning_rate}]
     if conditioning is not None:
-        groups.append({"params": list(conditioning.parameters()), "lr": config.conditioning_learning_rate})
+        gates = [getattr(conditioning, "gates")] if config.condition_kv else []
+        groups.append({"params": [p for p in conditioning.parameters() if all(p is not g for g in gates)],
+                       "lr": config.conditioning_learning_rate})
+        groups.append({"params": gates, "lr": config.gate_learning_rate})
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cosine_with_warmup(
@@ -359,13 +374,11 @@ def adapter_from_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int 
                extra={"steps": step, "checkpoint": str(path), "recipe": recipe,
                       "heldout": {k: v for k, v in heldout.items() if k != "step"} if heldout else None}
                ).save(out_dir)
-    if "conditioning" in state:  # a run conditioned on the target: its projection ships beside the adapter
-        from dflash2.drafters.conditioning import ConditioningConfig, TargetConditioning
-
-        conditioning = TargetConditioning(ConditioningConfig(**{**state["conditioning"], "target_layers": tuple(
-            state["conditioning"]["target_layers"])}))
+    if "conditioning" in state:  # a run conditioned on the target: its conditioning ships beside the adapter
+        conditioning = conditioning_from_record(state["conditioning"])
         with safe_open(str(path / STATE_TENSORS), framework="pt") as handle:
-            conditioning.proj.weight.data.copy_(handle.get_tensor("conditioning.proj.weight"))
+            conditioning.load_state_dict({name.removeprefix("conditioning."): handle.get_tensor(name)
+                                          for name in handle.keys() if name.startswith("conditioning.")})
         conditioning.save(out_dir, parse_dtype(dtype))
     return out_dir
 
@@ -428,14 +441,15 @@ def save_checkpoint(out_dir: Path, model, mask_embedding, optimizer, scheduler, 
     try:
         tensors = {f"adapter.{k}": v for k, v in adapter_state(model, mask_embedding, torch.float32).items()}
         if conditioning is not None:
-            tensors["conditioning.proj.weight"] = conditioning.proj.weight.detach().float().contiguous()
+            tensors.update({f"conditioning.{name}": tensor.detach().float().contiguous()
+                            for name, tensor in conditioning.state_dict().items()})
         optimizer_state = optimizer.state_dict()
         scalars = split_optimizer_state(optimizer_state, tensors)
         save_file(tensors, str(tmp / STATE_TENSORS))
         state = {"step": step, "recipe": config.recipe(), "optimizer_param_groups": optimizer_state["param_groups"],
                  "optimizer_scalars": scalars, "scheduler": scheduler.state_dict()}
         if conditioning is not None:
-            state["conditioning"] = {**asdict(conditioning.config), "target_layers": list(conditioning.config.target_layers)}
+            state["conditioning"] = conditioning_record(conditioning)
         (tmp / STATE_JSON).write_text(json.dumps(state, indent=1) + "\n")
         tmp.rename(destination)
     except BaseException:
@@ -470,16 +484,40 @@ def _warm_start(adapter_dir: Path, config: PardTrainConfig, model, mask_embeddin
     print(f"warm start from {adapter_dir} ({shipped.extra.get('steps', '?')} steps{grown})", flush=True)
 
 
-def _warm_start_conditioning(adapter_dir: Path, conditioning) -> None:
-    """A conditioned run from a conditioned adapter starts from its projection too (else at zero)."""
-    from dflash2.drafters.conditioning import TargetConditioning, has_conditioning
+def conditioning_record(conditioning) -> dict:
+    """The checkpoint's record of a conditioning's kind and config (``conditioning_from_record`` reads it)."""
+    from dflash2.drafters.kv_conditioning import GatedKVConditioning
 
-    if conditioning is None or not has_conditioning(adapter_dir):
+    record = {**asdict(conditioning.config), "target_layers": list(conditioning.config.target_layers)}
+    return {**record, "kind": "kv"} if isinstance(conditioning, GatedKVConditioning) else record
+
+
+def conditioning_from_record(record: dict):
+    from dflash2.drafters.conditioning import ConditioningConfig, TargetConditioning
+    from dflash2.drafters.kv_conditioning import GatedKVConditioning, KVConditioningConfig
+
+    fields = {**record, "target_layers": tuple(record["target_layers"])}
+    if fields.pop("kind", None) == "kv":
+        return GatedKVConditioning(KVConditioningConfig(**fields))
+    return TargetConditioning(ConditioningConfig(**fields))
+
+
+def _warm_start_conditioning(adapter_dir: Path, conditioning) -> None:
+    """A conditioned run from an adapter conditioned the same way starts from its conditioning too."""
+    from dflash2.drafters.conditioning import TargetConditioning, has_conditioning
+    from dflash2.drafters.kv_conditioning import GatedKVConditioning, has_kv_conditioning
+
+    if conditioning is None:
         return
-    shipped = TargetConditioning.load(adapter_dir)
+    if isinstance(conditioning, GatedKVConditioning):
+        shipped = GatedKVConditioning.load(adapter_dir) if has_kv_conditioning(adapter_dir) else None
+    else:
+        shipped = TargetConditioning.load(adapter_dir) if has_conditioning(adapter_dir) else None
+    if shipped is None:
+        return
     if shipped.config != conditioning.config:
         raise ValueError(f"{adapter_dir} conditions on {shipped.config}, this run on {conditioning.config}")
-    conditioning.proj.weight.data.copy_(shipped.proj.weight)
+    conditioning.load_state_dict(shipped.state_dict())
 
 
 def _load_checkpoint(path: Path, config: PardTrainConfig, model, mask_embedding, optimizer, scheduler,
@@ -493,7 +531,8 @@ def _load_checkpoint(path: Path, config: PardTrainConfig, model, mask_embedding,
     load_adapter_state(model, adapter)
     mask_embedding.data.copy_(adapter["mask_embedding"])
     if conditioning is not None:
-        conditioning.proj.weight.data.copy_(tensors["conditioning.proj.weight"])
+        conditioning.load_state_dict({name.removeprefix("conditioning."): t for name, t in tensors.items()
+                                      if name.startswith("conditioning.")})
     load_optimizer_state(optimizer, state, tensors)
     scheduler.load_state_dict(state["scheduler"])
     return int(state["step"])

@@ -43,11 +43,12 @@ def target_taps(target, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([h[0] for h in out.hidden_states], dim=-1)
 
 
-def assert_draft_passes_equal(target, model, conditioning, ids, logits, blocks) -> None:
+def assert_draft_passes_equal(target, model, conditioning, ids, logits, blocks,
+                              drafter_class=ConditionedPardDrafter) -> None:
     """Each block (anchor, depth, first row in ``logits``) of a training batch's logits equals what the drafter's
     pass computes after observing the target's states of positions 0 .. anchor - 1 (the anchor pending)."""
     for anchor, depth, first in blocks:
-        drafter = ConditionedPardDrafter(model, MASK, conditioning, depth + 1)
+        drafter = drafter_class(model, MASK, conditioning, depth + 1)
         drafter.reset(64)
         sequence = ids[: anchor + 1].tolist()
         with torch.no_grad():
@@ -229,6 +230,23 @@ def test_features_and_conditioned_training(tiny_model_dirs, tmp_path):
     with pytest.raises(ValueError, match="conditions on"):  # a warm start keeps where its conditioning reads
         train_pard(PardTrainConfig(out_dir=str(tmp_path / "mixed"), init_adapter=str(context_dir), **ordered,
                                    **common))
+
+    # gated keys / values (drafters/kv_conditioning.py): closed gates start where the plain run starts, a stopped
+    # run resumes (gates and projection from the checkpoint), it learns, and a checkpoint ships both
+    from dflash2.drafters.kv_conditioning import GatedKVConditioning, has_kv_conditioning
+    from dflash2.train.pard_trainer import adapter_from_checkpoint
+
+    kv = dict(condition_kv=True, train_sequences=16, gate_learning_rate=5e-2)
+    train_pard(PardTrainConfig(out_dir=str(tmp_path / "kv"), stop_at_step=10, **kv, **common))
+    kv_dir = train_pard(PardTrainConfig(out_dir=str(tmp_path / "kv"), **kv, **common))
+    kv_evals = [json.loads(line) for line in (tmp_path / "kv" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in kv_evals] == [0, 10, 20]
+    assert kv_evals[0]["code"] == plain_evals[0]["code"]
+    assert kv_evals[-1]["code"]["tau"] > kv_evals[0]["code"]["tau"]
+    assert has_kv_conditioning(kv_dir) and not has_conditioning(kv_dir)
+    assert bool(GatedKVConditioning.load(kv_dir).gates.abs().gt(0).all())
+    shipped = adapter_from_checkpoint(tmp_path / "kv", tmp_path / "kv-shipped")
+    assert torch.equal(GatedKVConditioning.load(shipped).gates, GatedKVConditioning.load(kv_dir).gates)
 
 
 def test_distil_on_a_prompt_file_reports_the_held_out_gain(tiny_model_dirs, tmp_path):
