@@ -8,6 +8,7 @@
 #   scripts/train/train_qwen_conditioned.sh experiment  # the same warm start trained with and without conditioning
 #   scripts/train/train_qwen_conditioned.sh train       # the long run (conditioned; EXTRA=--condition-context: every position)
 #   scripts/train/train_qwen_conditioned.sh control     # the same long run unconditioned, exact gradient (RUN=...)
+#   scripts/train/train_qwen_conditioned.sh kv          # the control's run conditioned through gated keys / values
 #   scripts/train/train_qwen_conditioned.sh ship        # adapter + conditioning + draft vocabulary into the package
 # Data: the committed regenerated token shards (the target's greedy responses; never data/eval), the last 12 of
 # each directory held out, and the target's greedy answers to the last 4 MT-bench questions (held out only: the
@@ -50,11 +51,17 @@ case "${1:-}" in
     $NICE .venv/bin/dflash2 train pard "${COMMON[@]}" --out "$RUN" --steps "${STEPS:-300}" --lr 5e-5 --warmup 10 \
       --eval-every "${EVAL_EVERY:-50}" --no-initial-eval --exact-gradient ${EXTRA:-}
     ;;
+  kv)  # gated keys / values in every layer (drafters/kv_conditioning.py): the control's recipe (exact gradient, LR
+       # 5e-5) plus the conditioning, its projection at 1e-4 and its per-layer gates (closed at start) at 1e-2
+    $NICE .venv/bin/dflash2 train pard "${COMMON[@]}" --out "$RUN" --steps "${STEPS:-600}" --lr 5e-5 --warmup 10 \
+      --eval-every "${EVAL_EVERY:-50}" --no-initial-eval --exact-gradient --condition-kv --conditioning-lr 1e-4 \
+      --gate-lr 1e-2 ${EXTRA:-}
+    ;;
   ship)  # the adapter + conditioning of checkpoint STEP (default: the latest) + a draft vocabulary
     rm -rf "$SHIPPED" && .venv/bin/dflash2 train pard-adapter --run "$RUN" --out "$SHIPPED" ${STEP:+--step "$STEP"} \
       --default-num-draft-tokens "${DEFAULT_K:-3}"
     .venv/bin/dflash2 train pard-vocab --adapter "$SHIPPED" --data "$REGEN" --size "${DRAFT_VOCAB:-65536}"
     cp "$RUN/eval.jsonl" "$SHIPPED/eval.jsonl"
     ;;
-  *) echo "usage: $0 features | experiment | train | control | ship" >&2; exit 2 ;;
+  *) echo "usage: $0 features | experiment | train | control | kv | ship" >&2; exit 2 ;;
 esac

@@ -58,7 +58,8 @@ class KVConditioningConfig:
 class GatedKVConditioning(nn.Module):
     """taps [S, T * Dt] -> per-layer gated keys / values that a draft pass's rows attend to (module doc)."""
 
-    def __init__(self, config: KVConditioningConfig, eps: float = 1e-6, seed: int = 0) -> None:
+    def __init__(self, config: KVConditioningConfig, eps: float = 1e-6, seed: int = 0, gate_init: float = 0.0
+                 ) -> None:
         super().__init__()
         self.config = config
         self.eps = eps
@@ -68,7 +69,9 @@ class GatedKVConditioning(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             self.fc.weight.copy_(torch.randn(self.fc.weight.shape, generator=generator) / math.sqrt(width))
-        self.gates = nn.Parameter(torch.zeros(config.num_layers))  # [L]: tanh(gate) scales a layer's lookup
+        # [L]: tanh(gate) scales a layer's lookup; a small start of one sign keeps the projection's gradient from
+        # flipping with gates that wander around 0 (measured: docs/pard.md, "Gated keys and values")
+        self.gates = nn.Parameter(torch.full((config.num_layers,), float(gate_init)))
 
     def context_states(self, taps: torch.Tensor) -> torch.Tensor:  # [..., T * Dt] -> [..., D]
         x = taps.float().unflatten(-1, (len(self.config.target_layers), self.config.target_hidden_size))

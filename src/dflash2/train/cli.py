@@ -390,6 +390,8 @@ def _add_pard_parser(sub) -> None:
                            "every layer (drafters/kv_conditioning.py; needs --features)")
     pard.add_argument("--conditioning-lr", type=float, default=5e-4)
     pard.add_argument("--gate-lr", type=float, default=1e-2, help="with --condition-kv: the per-layer gates' LR")
+    pard.add_argument("--gate-init", type=float, default=0.0,
+                      help="with --condition-kv: the gates' start (0: closed, step 0 drafts as the start adapter)")
     pard.add_argument("--checkpoint-every", type=int, default=10)
     pard.add_argument("--stop-at-step", type=int, default=None, help="stop the run at this step; a re-run resumes")
     pard.add_argument("--no-resume", action="store_true")
@@ -418,7 +420,7 @@ def run_train_pard(args: argparse.Namespace) -> int:
         init_adapter=args.init_adapter, features_dir=args.features, train_sequences=args.train_sequences,
         condition=args.condition, condition_context=args.condition_context, exact_gradient=args.exact_gradient,
         conditioning_learning_rate=args.conditioning_lr, condition_kv=args.condition_kv,
-        gate_learning_rate=args.gate_lr,
+        gate_learning_rate=args.gate_lr, gate_init=args.gate_init,
     )
     print(train_pard(config))
     return 0

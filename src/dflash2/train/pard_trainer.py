@@ -64,6 +64,7 @@ class PardTrainConfig:
     condition_context: bool = False  # ... at every context position too (ConditioningConfig.context)
     exact_gradient: bool = False  # the loss's gradient through the context pass too (implied by condition_context)
     condition_kv: bool = False  # read the target's taps through gated keys / values (drafters/kv_conditioning.py)
+    gate_init: float = 0.0  # condition_kv: the gates' start (0 = closed: step 0 drafts as the adapter it starts from)
     seed: int = 0
     anchors_per_sequence: int = 32  # blocks per sequence per step
     sequences_per_step: int = 4  # gradient accumulation
@@ -89,7 +90,7 @@ class PardTrainConfig:
     def recipe(self) -> dict:
         fields = asdict(self)
         added = {"features_dir": "", "train_sequences": None, "condition": False,  # absent from older recipes
-                 "condition_context": False, "exact_gradient": False, "condition_kv": False}
+                 "condition_context": False, "exact_gradient": False, "condition_kv": False, "gate_init": 0.0}
         return {key: fields[key] for key in list(fields)[: list(fields).index("seed") + 1]
                 if key not in ("base_dir", "label_dirs", "hard_label_dirs", "out_dir", "features_dir")
                 and not (key in added and fields[key] == added[key])}
@@ -222,7 +223,7 @@ def build_conditioning(config: PardTrainConfig, data: TrainingData, model: Trans
 
         return GatedKVConditioning(KVConditioningConfig(data.features.target_layers, data.features.target_hidden_size,
                                                         model.config.hidden_size, model.config.num_layers),
-                                   seed=config.seed)
+                                   seed=config.seed, gate_init=config.gate_init)
     if not config.condition:
         return None
     from dflash2.drafters.conditioning import ConditioningConfig, TargetConditioning
