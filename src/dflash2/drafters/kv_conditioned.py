@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from dflash2.drafters.conditioning import fuse_taps
-from dflash2.drafters.conditioned import TargetReadingPardDrafter
 from dflash2.drafters.kv_conditioning import GatedKVConditioning, GatedTargetAttention
+from dflash2.drafters.target_reading import TargetReadingPardDrafter
 from dflash2.models.decoder import CachedAttention, Transformer
 
 
