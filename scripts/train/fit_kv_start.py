@@ -14,16 +14,13 @@ from pathlib import Path
 
 import torch
 
+from dflash2.drafters.conditioning import normalised_taps
 from dflash2.drafters.kv_conditioning import GatedKVConditioning, KVConditioningConfig
 from dflash2.models.store import resolve_model
 from dflash2.train.pard_trainer import PardTrainConfig, TrainingData, _warm_start, build_model
 
 SHIPPED = Path("src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct-pard")
 FEATURES = "runs/features/v1"
-
-
-def unit_rms(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 def main(out: Path, layer: int, count: int, gate: float) -> None:
@@ -36,7 +33,6 @@ def main(out: Path, layer: int, count: int, gate: float) -> None:
     _warm_start(SHIPPED, config, model, mask_embedding, mask_id)
     kv = GatedKVConditioning(KVConditioningConfig(data.features.target_layers, data.features.target_hidden_size,
                                                   model.config.hidden_size, model.config.num_layers))
-    taps_shape = (len(kv.config.target_layers), kv.config.target_hidden_size)
     width = kv.fc.in_features
     xtx = torch.zeros(width, width, dtype=torch.float64)  # the normal equations, summed over positions
     xty = torch.zeros(width, model.config.hidden_size, dtype=torch.float64)
@@ -45,8 +41,8 @@ def main(out: Path, layer: int, count: int, gate: float) -> None:
             text = data.features.read(name, True)
             ids = text.ids[: config.max_sequence_length]
             residual = model(ids[None], hidden_layers=(layer - 1,), logits="none").hidden_states[0][0]  # [S, D]
-            x = unit_rms(text.taps[: len(ids)].float().unflatten(-1, taps_shape)).flatten(-2).double()  # [S, T*Dt]
-            y = unit_rms(residual).double()  # [S, D]: the layer's own norm removes the scale
+            x = normalised_taps(text.taps[: len(ids)], len(kv.config.target_layers)).double()  # [S, T * Dt]
+            y = normalised_taps(residual, 1).double()  # [S, D] at unit RMS: the layer's own norm removes the scale
             xtx += x.T @ x
             xty += x.T @ y
     ridge = 1e-2 * xtx.diagonal().mean()

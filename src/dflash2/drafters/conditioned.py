@@ -130,7 +130,8 @@ def build_conditioned_drafter(target, draft_model: str | Path | None, num_draft_
     keys_values = has_kv_conditioning(directory)
     if not ((directory / PARD_CONFIG).exists() and (has_conditioning(directory) or keys_values)):
         raise ValueError(f"no target-conditioned drafter in {directory}: train one with `dflash2 train pard "
-                         f"--features DIR --condition-kv` and pass its drafter/ directory as --draft-model")
+                         f"--features DIR --condition` (or `--condition-kv`) and pass its drafter/ directory as "
+                         f"--draft-model")
     pard = build_pard_drafter(target, directory, num_draft_tokens, dtype=dtype, weights=weights, pull=pull,
                               num_paths=num_paths)
     if keys_values:

@@ -40,22 +40,33 @@ class ConditioningConfig:
     context: bool = False
 
     def save(self, directory: str | Path) -> None:
-        data = asdict(self)
-        data["target_layers"] = list(self.target_layers)
-        (Path(directory) / CONDITIONING_CONFIG).write_text(json.dumps(data, indent=2) + "\n")
+        (Path(directory) / CONDITIONING_CONFIG).write_text(json.dumps(config_record(self), indent=2) + "\n")
 
     @classmethod
     def load(cls, directory: str | Path) -> "ConditioningConfig":
-        data = json.loads((Path(directory) / CONDITIONING_CONFIG).read_text())
-        data["target_layers"] = tuple(data["target_layers"])
-        return cls(**data)
+        return config_from_record(cls, json.loads((Path(directory) / CONDITIONING_CONFIG).read_text()))
+
+
+def config_record(config) -> dict:
+    """A conditioning config (a dataclass with ``target_layers``) as JSON-ready fields."""
+    return {**asdict(config), "target_layers": list(config.target_layers)}
+
+
+def config_from_record(cls, record: dict):
+    """:func:`config_record`'s fields back into a config of ``cls``."""
+    return cls(**{**record, "target_layers": tuple(record["target_layers"])})
+
+
+def normalised_taps(taps: torch.Tensor, num_taps: int, eps: float = 1e-6) -> torch.Tensor:
+    """taps [..., T * Dt] (``fuse_taps``) in fp32, each tap at unit RMS without a learned scale: the target's
+    residual stream carries a few huge channels that would swamp a linear map."""
+    x = taps.float().unflatten(-1, (num_taps, -1))  # [..., T, Dt]
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
 
 
 class TargetConditioning(nn.Module):
-    """taps [..., T * Dt] (the T tapped layers' states side by side) -> [..., D] input offsets.
-
-    Each tap is RMS-normalised without a learned scale first (the target's residual stream carries a few huge
-    channels that would swamp a linear map), then one linear map, zero-initialised."""
+    """taps [..., T * Dt] (the T tapped layers' states side by side) -> [..., D] input offsets: each tap
+    RMS-normalised (``normalised_taps``), then one linear map, zero-initialised."""
 
     def __init__(self, config: ConditioningConfig, eps: float = 1e-6) -> None:
         super().__init__()
@@ -66,9 +77,8 @@ class TargetConditioning(nn.Module):
         nn.init.zeros_(self.proj.weight)
 
     def forward(self, taps: torch.Tensor) -> torch.Tensor:  # [..., T * Dt] -> [..., D]
-        x = taps.float().unflatten(-1, (len(self.config.target_layers), self.config.target_hidden_size))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., T, Dt]
-        return self.proj(x.flatten(-2).to(self.proj.weight.dtype))
+        x = normalised_taps(taps, len(self.config.target_layers), self.eps)  # [..., T * Dt]
+        return self.proj(x.to(self.proj.weight.dtype))
 
     def save(self, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         from safetensors.torch import save_file

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from dflash2.drafters.conditioning import config_from_record, config_record, normalised_taps
 from dflash2.kernels import layer_ops
 from dflash2.models.attention import attend
 
@@ -44,15 +45,11 @@ class KVConditioningConfig:
     num_layers: int  # the drafter's layers (one gate each)
 
     def save(self, directory: str | Path) -> None:
-        data = asdict(self)
-        data["target_layers"] = list(self.target_layers)
-        (Path(directory) / KV_CONDITIONING_CONFIG).write_text(json.dumps(data, indent=2) + "\n")
+        (Path(directory) / KV_CONDITIONING_CONFIG).write_text(json.dumps(config_record(self), indent=2) + "\n")
 
     @classmethod
     def load(cls, directory: str | Path) -> "KVConditioningConfig":
-        data = json.loads((Path(directory) / KV_CONDITIONING_CONFIG).read_text())
-        data["target_layers"] = tuple(data["target_layers"])
-        return cls(**data)
+        return config_from_record(cls, json.loads((Path(directory) / KV_CONDITIONING_CONFIG).read_text()))
 
 
 class GatedKVConditioning(nn.Module):
@@ -74,9 +71,8 @@ class GatedKVConditioning(nn.Module):
         self.gates = nn.Parameter(torch.full((config.num_layers,), float(gate_init)))
 
     def context_states(self, taps: torch.Tensor) -> torch.Tensor:  # [..., T * Dt] -> [..., D]
-        x = taps.float().unflatten(-1, (len(self.config.target_layers), self.config.target_hidden_size))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # [..., T, Dt] each tap at unit RMS
-        return self.fc(x.flatten(-2).to(self.fc.weight.dtype))
+        x = normalised_taps(taps, len(self.config.target_layers), self.eps)  # [..., T * Dt]
+        return self.fc(x.to(self.fc.weight.dtype))
 
     def layer_keys_values(self, model, layer: int, states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                           ) -> tuple[torch.Tensor, torch.Tensor]:

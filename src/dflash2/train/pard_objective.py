@@ -96,7 +96,7 @@ def block_offsets(conditioning, text: LabelledText, batch: PardBatch) -> torch.T
     """[Q, D] each block row's input offset: the conditioning of the target's taps at the position before the
     block's anchor (the last position the target has verified when the anchor is the pending token); None
     without conditioning (``drafters/conditioning.py``)."""
-    if conditioning is None or isinstance(conditioning, GatedKVConditioning):
+    if conditioning is None:
         return None
     anchors = batch.positions - batch.depth  # [Q]
     return conditioning(text.taps[(anchors - 1).clamp_min(0)])
@@ -125,8 +125,7 @@ class RecordingContext:
 def context_offsets(conditioning, text: LabelledText, length: int) -> torch.Tensor | None:
     """[S, D] the input offsets of the context rows 0 .. S - 1 where the conditioning reads every position
     (``config.context``): row i gets the conditioning of the target's taps at i - 1, row 0 none; else None."""
-    if conditioning is None or isinstance(conditioning, GatedKVConditioning) or not conditioning.config.context \
-            or length == 0:
+    if conditioning is None or not conditioning.config.context or length == 0:
         return None
     offsets = conditioning(text.taps[: length - 1])  # [S - 1, D]
     return torch.cat([offsets.new_zeros(1, offsets.shape[-1]), offsets])
@@ -198,10 +197,11 @@ def distill_loss(logits: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch
 def conditioned_hidden(model: Transformer, text: LabelledText, batch: PardBatch, conditioning=None,
                        exact: bool = False) -> torch.Tensor:
     """:func:`block_hidden` of a labelled text's blocks with the conditioning's offsets (the drafting rows', and the
-    context rows' where it reads every position)."""
-    target_kv = (conditioning, text.taps) if isinstance(conditioning, GatedKVConditioning) else None
+    context rows' where it reads every position), or its gated keys / values."""
+    if isinstance(conditioning, GatedKVConditioning):
+        return block_hidden(model, text.ids, batch, exact=exact, target_kv=(conditioning, text.taps))
     return block_hidden(model, text.ids, batch, block_offsets(conditioning, text, batch),
-                        context_offsets(conditioning, text, batch.context_length), exact, target_kv)
+                        context_offsets(conditioning, text, batch.context_length), exact)
 
 
 def pard_loss(model: Transformer, text: LabelledText, batch: PardBatch, *, decay: float, ce_weight: float,

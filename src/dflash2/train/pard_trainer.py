@@ -245,11 +245,11 @@ def train_pard(config: PardTrainConfig) -> Path:
     conditioning = build_conditioning(config, data, model)
     groups = [{"params": lora_params, "lr": config.learning_rate},
               {"params": [mask_embedding], "lr": config.mask_learning_rate}]
-    if conditioning is not None:
-        gates = [getattr(conditioning, "gates")] if config.condition_kv else []
-        groups.append({"params": [p for p in conditioning.parameters() if all(p is not g for g in gates)],
-                       "lr": config.conditioning_learning_rate})
-        groups.append({"params": gates, "lr": config.gate_learning_rate})
+    if config.condition_kv:  # the projection, and the gates at a rate of their own
+        groups += [{"params": list(conditioning.fc.parameters()), "lr": config.conditioning_learning_rate},
+                   {"params": [conditioning.gates], "lr": config.gate_learning_rate}]
+    elif conditioning is not None:
+        groups.append({"params": list(conditioning.parameters()), "lr": config.conditioning_learning_rate})
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cosine_with_warmup(
@@ -487,20 +487,21 @@ def _warm_start(adapter_dir: Path, config: PardTrainConfig, model, mask_embeddin
 
 def conditioning_record(conditioning) -> dict:
     """The checkpoint's record of a conditioning's kind and config (``conditioning_from_record`` reads it)."""
+    from dflash2.drafters.conditioning import config_record
     from dflash2.drafters.kv_conditioning import GatedKVConditioning
 
-    record = {**asdict(conditioning.config), "target_layers": list(conditioning.config.target_layers)}
+    record = config_record(conditioning.config)
     return {**record, "kind": "kv"} if isinstance(conditioning, GatedKVConditioning) else record
 
 
 def conditioning_from_record(record: dict):
-    from dflash2.drafters.conditioning import ConditioningConfig, TargetConditioning
+    from dflash2.drafters.conditioning import ConditioningConfig, TargetConditioning, config_from_record
     from dflash2.drafters.kv_conditioning import GatedKVConditioning, KVConditioningConfig
 
-    fields = {**record, "target_layers": tuple(record["target_layers"])}
+    fields = dict(record)
     if fields.pop("kind", None) == "kv":
-        return GatedKVConditioning(KVConditioningConfig(**fields))
-    return TargetConditioning(ConditioningConfig(**fields))
+        return GatedKVConditioning(config_from_record(KVConditioningConfig, fields))
+    return TargetConditioning(config_from_record(ConditioningConfig, fields))
 
 
 def _warm_start_conditioning(adapter_dir: Path, conditioning) -> None:
