@@ -636,7 +636,7 @@ TORCH_LIBRARY(DFLASH2_GGUF_NS, m) {
         &gguf_linear);
   m.class_<GgufLayer>("GgufLayer").def(torch::init<>()).def("set", &GgufLayer::set);
   m.def("gguf_layer(Tensor x, Tensor cos, Tensor sin, Tensor keys, Tensor values, int length, "
-        "__torch__.torch.classes." DFLASH2_GGUF_NS_STR ".GgufLayer layer) -> Tensor",
+        "__torch__.torch.classes." DFLASH2_GGUF_NS_STR ".GgufLayer layer, Tensor? mask=None) -> Tensor",
         &gguf_layer);
   m.def("gguf_layer_segments(Tensor x, Tensor cos, Tensor sin, Tensor[] keys, Tensor[] values, int[] lengths, "
         "int[] seq, __torch__.torch.classes." DFLASH2_GGUF_NS_STR ".GgufLayer layer) -> Tensor",

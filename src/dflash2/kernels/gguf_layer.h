@@ -1,9 +1,10 @@
 // A whole decoder layer over GGUF blocks in one call (included by gemm_gguf_avx2.cpp; kernels/gguf_layer.py).
 //
-// gguf_layer(x, cos, sin, keys, values, length, layer) runs what models/decoder.py's DecoderLayer computes for one
-// request's static KV cache without an explicit mask (plain decoding, chain verification, prefill), making the same
-// calls in the same order -- rms_norm and qkv_rope (layer_ops), the layer's four gguf_linear calls, the cache
-// write, attention_rows (the row-invariant attention kernel) with the same causal rule, the bf16 / fp32 adds,
+// gguf_layer(x, cos, sin, keys, values, length, layer, mask) runs what models/decoder.py's DecoderLayer computes for
+// one request's static KV cache, causal without a mask (plain decoding, chain verification, prefill) or with an
+// explicit bool mask (tree verification), making the same calls in the same order -- rms_norm and qkv_rope
+// (layer_ops), the layer's four gguf_linear calls, the cache write, attention_rows (the row-invariant attention
+// kernel) with the same mask and causal flag, the bf16 / fp32 adds,
 // silu_mul (layer_ops) -- so the same bits; it only leaves out the ~25 Python round trips per layer (~6 ms of a ~40 ms
 // one-row step of the 1.5B target on 2 Zen 4 cores). The other ops are reached through the dispatcher: their
 // extensions must be loaded first (kernels/gguf_layer.py checks).
@@ -58,19 +59,28 @@ const LayerOps& layer_ops() {  // found once, at the first call (the Python side
 
 // One cache's attention (CachedAttention.attend + kernels/attention.invariant_attention): the new keys / values k, v
 // [B, H_kv, T, Dh] written at [length, length + T) of keys / values [B, H_kv, capacity, Dh], then q [B, H, T, Dh]
-// attended over slots [0, length + T) with the causal rule -> [B, H, T, Dh] in q's dtype.
+// attended over slots [0, length + T) with the causal rule, or where mask [B or 1, T or 1, length + T] (bool, the
+// Python layer's [B or 1, 1, T or 1, S] mask without its head axis, as invariant_attention passes it) says -> [B, H,
+// T, Dh] in q's dtype.
 at::Tensor cached_attention(const LayerOps& ops, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& keys, const at::Tensor& values, int64_t length) {
+                            const at::Tensor& keys, const at::Tensor& values, int64_t length,
+                            const c10::optional<at::Tensor>& mask = c10::nullopt) {
   TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes(), "gguf_layer: cache [B, H_kv, S, Dh]");
   const int64_t seq = q.size(2), end = length + seq;
   TORCH_CHECK(end <= keys.size(2), "KV cache overflow: ", end, " slots needed, capacity ", keys.size(2));
   keys.slice(2, length, end).copy_(k);
   values.slice(2, length, end).copy_(v);
   const at::Tensor k_all = keys.slice(2, 0, end), v_all = values.slice(2, 0, end);
-  // Query t sees slots up to S - T + t: the kernel's causal rule, what the Python layer's mask says
-  // (models/decoder.causal_mask), so the same keys in the same order and the same bits, without making the mask
-  // (~20 us per layer at 9 rows).
-  at::Tensor out = ops.attention.call(q, k_all, v_all, c10::nullopt, seq > 1, 1.0 / std::sqrt(double(q.size(-1))), 0);
+  const double scale = 1.0 / std::sqrt(double(q.size(-1)));
+  at::Tensor out;
+  if (mask.has_value()) {  // an explicit mask (trees): CachedAttention.attend passes it with is_causal false
+    out = ops.attention.call(q, k_all, v_all, mask, false, scale, 0);
+  } else {
+    // Query t sees slots up to S - T + t: the kernel's causal rule, what the Python layer's mask says
+    // (models/decoder.causal_mask), so the same keys in the same order and the same bits, without making the mask
+    // (~20 us per layer at 9 rows).
+    out = ops.attention.call(q, k_all, v_all, c10::nullopt, seq > 1, scale, 0);
+  }
   return out.scalar_type() != q.scalar_type() ? out.to(q.scalar_type()) : out;  // fp32 -> x's dtype
 }
 
@@ -91,18 +101,21 @@ at::Tensor layer_around(const at::Tensor& x, const at::Tensor& cos, const at::Te
 }
 
 // x [B, T, D]; cos / sin [B or 1, 1, T, Dh]; keys / values: this layer's cache [B, H_kv, capacity, Dh], slots
-// [0, length) committed -> x after the layer [B, T, D] (the new keys / values written at [length, length + T)).
+// [0, length) committed; mask: None (causal) or bool [B or 1, T or 1, length + T] -> x after the layer [B, T, D]
+// (the new keys / values written at [length, length + T)).
 at::Tensor gguf_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& keys,
-                      const at::Tensor& values, int64_t length, const c10::intrusive_ptr<GgufLayer>& layer) {
+                      const at::Tensor& values, int64_t length, const c10::intrusive_ptr<GgufLayer>& layer,
+                      const c10::optional<at::Tensor>& mask) {
   const LayerOps& ops = layer_ops();
   return layer_around(x, cos, sin, *layer, ops, [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    return cached_attention(ops, q, k, v, keys, values, length);
+    return cached_attention(ops, q, k, v, keys, values, length, mask);
   });
 }
 
 // Several sequences in one forward (models/decoder.SegmentedAttention): x [1, N, D] holds segment i's T_i = seq[i]
 // new tokens after segment i - 1's; segment i attends to its own cache (keys[i] / values[i] [1, H_kv, capacity_i,
-// Dh], lengths[i] committed), as gguf_layer would for that segment alone. The linear layers read their weights once.
+// Dh], lengths[i] committed), causally, as gguf_layer without a mask would for that segment alone. The linear layers
+// read their weights once.
 at::Tensor gguf_layer_segments(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                                at::TensorList keys, at::TensorList values, at::IntArrayRef lengths,
                                at::IntArrayRef seq, const c10::intrusive_ptr<GgufLayer>& layer) {

@@ -6,11 +6,13 @@ round trips per layer (module calls, checks, views, small ops of a few microseco
 same calls in the same order from C++ (the layer ops, the gguf linears, the cache write, the row-invariant
 attention), so its output is the Python layer's bit for bit (tested) and speculation stays exactly lossless.
 
-It runs where the Python layer would take exactly those kernels: a request's static KV cache without an explicit
-mask (plain decoding, chain verification, prefill) or several requests' caches, one per segment of the token axis
-(``gguf_layer_segments``: the batch engine's shared draft pass), every projection a ``GgufLinear`` on a kernel
-backend, fp32 / bf16 inference, the layer ops and the attention kernel on. Elsewhere (trees, the batch engine's
-paged cache, autograd, ``DFLASH2_GGUF_LAYER=off``) the decoder runs its Python layer.
+It runs where the Python layer would take exactly those kernels: a request's static KV cache, causal (plain decoding,
+chain verification, prefill) or with an explicit bool mask the attention kernel takes (tree verification: the mask
+handed to the kernel as ``invariant_attention`` hands it, with the same causal flag), or several requests' caches,
+causal, one per segment of the token axis (``gguf_layer_segments``: the batch engine's shared draft pass), every
+projection a ``GgufLinear`` on a kernel backend, fp32 / bf16 inference, the layer ops and the attention kernel on.
+Elsewhere (masks over several segments, a mask the kernel would refuse, sliding windows, the batch engine's paged
+cache, autograd, ``DFLASH2_GGUF_LAYER=off``) the decoder runs its Python layer.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ LayerRunner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Te
 def fused_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
     """A function running layer ``i`` of ``model`` in one call for this forward, or None where the Python layers
     must run (see the module doc). ``context`` is the forward's attention context, ``x`` its embeddings [B, T, D]:
-    one request's cache (``CachedAttention`` without a mask), or several requests' caches, one per segment of the
-    token axis (``SegmentedAttention``: the shared draft pass of the batch engine)."""
+    one request's cache (``CachedAttention``, causal or with a tree's mask), or several requests' caches, one per
+    segment of the token axis (``SegmentedAttention``: the shared draft pass of the batch engine)."""
     config = model.config
     if not _switched_on() or x.device.type != "cpu" or x.dtype not in layer_ops.DTYPES or config.head_dim % 8 \
             or config.hidden_size % 8 or config.intermediate_size % 8:  # (the layer ops' and attention's conditions)
@@ -43,8 +45,13 @@ def fused_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
     if parts is not None:
         return _segmented_layers(model, parts, context.lengths, x)
     cache = getattr(context, "cache", None)
-    if cache is None or getattr(context, "mask", True) is not None:
+    if cache is None or not hasattr(context, "mask"):
         return None
+    mask = None
+    if context.mask is not None:
+        mask = _kernel_mask(context.mask, x, cache.length)
+        if mask is None:
+            return None
     layers = _usable_layers(model, [cache], x)
     if layers is None:
         return None
@@ -53,9 +60,23 @@ def fused_layers(model, context, x: torch.Tensor) -> LayerRunner | None:
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, index: int) -> torch.Tensor:
         with jit.no_torch_function():  # (the layer handle is a C++ object: jit.no_torch_function)
-            return op(x, cos, sin, keys[index], values[index], length, handles[index])
+            return op(x, cos, sin, keys[index], values[index], length, handles[index], mask)
 
     return run
+
+
+def _kernel_mask(mask: torch.Tensor, x: torch.Tensor, length: int) -> torch.Tensor | None:
+    """``CachedAttention``'s mask [B or 1, 1, T or 1, S] as ``invariant_attention`` hands it to the kernel ([B or 1,
+    T or 1, S], the last axis contiguous), made once per forward; None where the Python layer would not give this
+    mask to the kernel as it is (not bool: PyTorch's attention; a shape the kernel refuses: its error)."""
+    batch, seq = x.shape[:2]
+    if mask.dtype != torch.bool or mask.device.type != "cpu" or mask.dim() != 4:
+        return None
+    mask_batch, mask_heads, mask_tokens, mask_slots = mask.shape
+    if mask_batch not in (1, batch) or mask_heads != 1 or mask_tokens not in (1, seq) or mask_slots != length + seq:
+        return None
+    mask = mask[:, 0]
+    return mask if mask.stride(-1) == 1 else mask.contiguous()
 
 
 def _segmented_layers(model, parts: list, lengths: list[int], x: torch.Tensor) -> LayerRunner | None:
