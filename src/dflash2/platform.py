@@ -152,6 +152,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("DFLASH2_VERIFY_CALIBRATION", "off", "on: auto's tree-or-chain choice for one request follows the "
              "target's measured verify cost per row count (timed once per CPU, model, format and kernel code; "
              "cached in the store) instead of the AMX-tiles rule"),
+    Variable("DFLASH2_DRAFT_TRIM", "on", "off: the adaptive draft length (`--adaptive-draft`, the default on gguf) "
+             "verifies each draft whole instead of trimming it by the drafter's confidence in each token "
+             "([pard.md](pard.md#trimming-drafts-by-the-drafters-confidence))"),
 )
 DEFAULT_HOME = "~/.cache/dflash2"
 
@@ -213,6 +216,7 @@ class Settings:
     data: Path | None = None  # None: the checkout's data/
     api_key: str | None = field(default=None, repr=False)
     verify_calibration: bool = False
+    draft_trim: bool = True  # the adaptive draft length trims each draft by the drafter's confidences
     problems: Mapping[str, str] = field(default_factory=dict)  # variable -> why its value was refused
 
     def check(self, name: str) -> None:
@@ -344,6 +348,7 @@ _PARSERS: tuple[tuple[str, str, Parser], ...] = (
     ("DFLASH2_DATA", "data", _path),
     ("DFLASH2_API_KEY", "api_key", lambda name, text: text or None),
     ("DFLASH2_VERIFY_CALIBRATION", "verify_calibration", lambda name, text: _on_off(name, text or "off")),
+    ("DFLASH2_DRAFT_TRIM", "draft_trim", _on_off),
 )
 _NULLABLE = frozenset({"gguf_kernel", "gguf_pair_rows", "pard_weights", "pard_reader", "pard_catch_up",
                        "pard_window", "llama_cpp_bin", "data", "api_key"})

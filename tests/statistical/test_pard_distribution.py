@@ -1,8 +1,8 @@
 """End to end at T > 0 through ``Engine.generate`` with the PARD drafter (drafts of one forward over mask positions,
 each position sampled from its own q_draft): the first four generated tokens must have exactly the target's
 distribution (checks: tests/statistical/decode_paths.py), with top-k / top-p, the overlapped pipeline, a draft
-vocabulary (the head scores 4 of the 6 ids) and lead tokens (a sampled chain; a tree below a trunk). A companion
-breaks the chain rule and must be caught."""
+vocabulary (the head scores 4 of the 6 ids), lead tokens (a sampled chain; a tree below a trunk) and drafts trimmed
+by their confidence (the adaptive policy). A companion breaks the chain rule and must be caught."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from dflash2.drafters.pard import PardDrafter, VocabSubsetHead
 from dflash2.verify import SamplingParams
+from tests.unit.drafters.test_pard import PricedRows
 from tests.statistical.decode_paths import (DRAFT_VOCAB, VOCAB, assert_caught, assert_lossless, broken,
                                             closing_engine_samples, exact_joint, swap_p_and_q, tiny_engine, tiny_target)
 
@@ -30,6 +31,7 @@ class Case:
     draft_vocab: bool = False
     lead: int = 0  # lead tokens (pard:L+k): drafted one per pass, sampled with their own q_draft
     width: int = 1  # a tree of width W (below the lead's trunk)
+    trimmed: bool = False  # the adaptive policy trims each draft by its confidences (rows priced steeply)
 
 
 CASES = {
@@ -38,6 +40,8 @@ CASES = {
     "pard-chain-draft-vocab": Case(SamplingParams(temperature=1.1), draft_vocab=True),
     "pard-lead-chain-top-p": Case(SamplingParams(temperature=0.9, top_p=0.8), lead=1),
     "pard-lead-tree": Case(SamplingParams(temperature=1.0), lead=1, width=2),
+    "pard-chain-trimmed-top-p": Case(SamplingParams(temperature=0.9, top_p=0.8), trimmed=True),
+    "pard-tree-trimmed": Case(SamplingParams(temperature=1.0), width=2, trimmed=True),
 }
 
 
@@ -56,7 +60,11 @@ def samples_of(models, case: Case, runs: int) -> torch.Tensor:
         head.weight.data = draft.lm_head.weight.data[DRAFT_VOCAB].clone()
         draft.lm_head = VocabSubsetHead(head, DRAFT_VOCAB, VOCAB)
     drafter = PardDrafter(draft, MASK, 3, num_paths=case.width, lead_tokens=case.lead)
-    return closing_engine_samples(tiny_engine(target, drafter, case.pipeline), PROMPT, case.params, runs)
+    engine = tiny_engine(target, drafter, case.pipeline)
+    if case.trimmed:  # drafts cut where the drafter's q of its token stops paying for a row (1 + n) / 2 steps
+        engine.adaptive_draft = True
+        engine._verify_costs[case.pipeline] = PricedRows()
+    return closing_engine_samples(engine, PROMPT, case.params, runs)
 
 
 @pytest.mark.parametrize("runs", [RUNS, pytest.param(SLOW_RUNS, marks=pytest.mark.slow)])

@@ -7,6 +7,8 @@ c1: compute per token), fitted online from measured forwards. The batch planner 
 the drafts of a ragged step with the line; the adaptive draft length (``decode/draft_length.py``) prices a
 verification of k drafts as ``relative(1 + k)`` plain steps, from the mean time of each size seen (``seconds``).
 :class:`StepCosts`: one speculative step, sync vs overlapped: what overlap can gain, from measured times.
+:class:`Confidence`: how often a draft is accepted given the drafter's own probability of it, counted per bin of that
+probability (the adaptive draft length trims each draft by it).
 
 Per target pass (one step), with times measured when each side runs alone:
 - sync:    ``T_sync = D + V``: draft the block (D), then verify it (V); each side idles while the other works.
@@ -140,6 +142,52 @@ class DraftCost:
             return 0.0
         pass_s, read_s = self.coefficients()
         return pass_s * self.passes(num_drafted) + read_s * (unread + num_drafted)
+
+
+class Confidence:
+    """P(a draft node is accepted | its parent was, the drafter gave its token probability p), from counts per
+    bin of p. Each bin starts from p itself (the bin's middle) with ``prior_weight`` pseudo-counts: a drafter's
+    own probability of its argmax is close to this rate already (the PARD drafter on the 1.5B target, greedy:
+    0.95-0.97 accepted at p >= 0.8, 0.25-0.36 at p 0.2-0.4; docs/pard.md), and the counts correct a drafter
+    whose probabilities are over- or underconfident. Counts decay by ``decay`` per update of their bin."""
+
+    def __init__(self, bins: int = 10, prior_weight: float = 2.0, decay: float = 0.995) -> None:
+        if bins < 1 or prior_weight <= 0 or not 0.0 < decay <= 1.0:
+            raise ValueError(f"need bins >= 1, prior_weight > 0, 0 < decay <= 1; got {bins}, {prior_weight}, {decay}")
+        self.bins, self.decay = bins, decay
+        self.accepted = [prior_weight * (b + 0.5) / bins for b in range(bins)]
+        self.tested = [prior_weight] * bins
+
+    def _bin(self, p: float) -> int:
+        return min(max(int(p * self.bins), 0), self.bins - 1)
+
+    def rate(self, p: float) -> float:
+        b = self._bin(p)
+        return self.accepted[b] / self.tested[b]
+
+    def update(self, outcomes: list[tuple[float, bool]]) -> None:
+        """``outcomes``: (the drafter's probability, accepted) of each node the verification tested (a node is
+        tested where its parent was accepted)."""
+        for p, hit in outcomes:
+            b = self._bin(p)
+            self.accepted[b] = self.decay * self.accepted[b] + hit
+            self.tested[b] = self.decay * self.tested[b] + 1.0
+
+
+def nodes_tested(parents: list[int] | None, num_nodes: int, kept_positions: list[int]) -> list[tuple[int, bool]]:
+    """(node, accepted) for each node of a draft that its verification tested: the children of the pending token,
+    then those of each accepted node (a chain: its accepted drafts and the first rejected one). ``kept_positions``:
+    the verification's kept inputs (0 = the pending token, node i = input i + 1)."""
+    accepted = {position - 1 for position in kept_positions[1:]}
+    parents = list(range(-1, num_nodes - 1)) if parents is None else parents
+    out: list[tuple[int, bool]] = []
+    current = -1
+    while True:
+        children = [node for node in range(num_nodes) if parents[node] == current]
+        out.extend((node, node in accepted) for node in children)
+        current = next((node for node in children if node in accepted), None)
+        if current is None:
+            return out
 
 
 class ForwardCost:

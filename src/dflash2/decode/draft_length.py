@@ -10,6 +10,12 @@ token) or per pass (a block drafter fills k positions in one forward: ``Drafter.
 
     expected tokens per step / expected seconds per step,   E(k) = 1 + reach(0) + ... + reach(k - 1)
 
+Where the drafter gives each draft's probability (``Draft.confidence``: the PARD drafter), the adaptive policy also
+trims each draft after it is made (:meth:`AdaptiveDraftLength.trim`): a node's chance of acceptance is the product
+of ``cost_model.Confidence`` rates along its path, and the verification keeps the likeliest n nodes for the n with
+the most expected tokens per second. So a step verifies a long chain (or a tree) where the drafter is sure and one
+or two drafts where it guesses, within the same pass.
+
 k = 0 is plain decoding (speculation off). While off, nothing is drafted so nothing is learnt: every
 ``probe_interval`` steps one short probe draft refreshes the estimate; a probe that leaves speculation off doubles
 the interval (up to ``max_probe_interval``): a probe costs more than a draft pass (the drafter first reads what it
@@ -24,7 +30,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash2.decode.cost_model import Acceptance, ForwardCost, StepCosts
+import torch
+
+from dflash2 import platform
+from dflash2.decode.cost_model import Acceptance, Confidence, ForwardCost, StepCosts, nodes_tested
+from dflash2.drafters.base import Draft
 
 
 class FixedDraftLength:
@@ -38,7 +48,15 @@ class FixedDraftLength:
     def next_length(self, room: int) -> int:
         return max(0, min(self.k, room))
 
-    def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+    def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, verify_seconds: float,
+               rows: int | None = None) -> None:
+        """Fixed: nothing to learn."""
+
+    def trim(self, draft: Draft) -> Draft:
+        """Fixed: the draft as it is."""
+        return draft
+
+    def calibrate(self, draft: Draft, kept_positions: list[int]) -> None:
         """Fixed: nothing to learn."""
 
 
@@ -57,6 +75,7 @@ class AdaptiveConfig:
     probe_interval: int = 16  # steps with speculation off before one probe draft
     max_probe_interval: int = 128  # the interval after failed probes (it doubles per failed probe)
     probe_length: int = 2
+    trim: bool = True  # trim each draft that carries confidences (:meth:`AdaptiveDraftLength.trim`)
 
 
 class AdaptiveDraftLength:
@@ -67,6 +86,7 @@ class AdaptiveDraftLength:
             raise ValueError(f"k_max must be >= 1, got {config.k_max}")
         self.config = config
         self.acceptance = Acceptance(config.prior, config.prior_weight, config.decay)
+        self.confidence = Confidence()  # acceptance by the drafter's own probability (drafts that carry one)
         # verification forwards over 1 + k tokens; the prior (c0 + c1 = 1 plain step, c1 = verify_growth) holds
         # until the measured draft lengths vary enough for a fit
         self.forward = forward or ForwardCost(prior=(1.0 - config.verify_growth, config.verify_growth))
@@ -115,22 +135,76 @@ class AdaptiveDraftLength:
                           ahead_s=self.draft_cost(k + 1), num_draft_tokens=k)  # ahead: the bonus guess + k drafts
         return costs.overlap_step() if self.config.overlap else costs.sync_step()
 
-    def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, verify_seconds: float) -> None:
-        """One verification: ``num_drafted`` drafts, the first ``num_accepted`` kept; the step's measured times
-        (a step without drafts is a plain step: it only times the forward)."""
+    def trim(self, draft: Draft) -> Draft:
+        """The part of ``draft`` worth verifying, by its nodes' confidences: nodes ranked by their chance of being
+        accepted (the :class:`Confidence` rates multiplied along the path: a child never ranks above its parent,
+        so every prefix of the ranking is a tree), the best n kept for the n in [1, nodes] that maximises expected
+        tokens per step cost, the draft's pass being paid already. At least the likeliest node stays: one more row
+        costs next to nothing where a row streams the weights, and a bin of confidences that is never verified
+        would never learn (whether to draft at all, and how far, is :meth:`next_length`'s call). A draft without
+        confidences is kept whole, and so is every draft of the overlapped pipeline (its pre-drafts are priced as a
+        whole block)."""
+        count = len(draft.tokens)
+        if draft.confidence is None or count == 0 or self.config.overlap or not self.config.trim:
+            return draft
+        parents = list(range(-1, count - 1)) if draft.parents is None else draft.parents
+        reach: list[float] = []
+        for node, p in enumerate(draft.confidence.tolist()):
+            reach.append(self.confidence.rate(p) * (1.0 if parents[node] < 0 else reach[parents[node]]))
+        ranking = sorted(range(count), key=lambda node: -reach[node])  # stable: parents before their children
+        paid = self.draft_cost(count)
+        best, best_rate, expected = 0, 0.0, 1.0
+        for n in range(1, count + 1):
+            expected += reach[ranking[n - 1]]
+            rate = expected / (paid + self.forward.relative(1 + n))
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return keep_nodes(draft, sorted(ranking[:best]))
+
+    def calibrate(self, draft: Draft, kept_positions: list[int]) -> None:
+        """After a verification of ``draft``: count each tested node's outcome by its confidence."""
+        if draft.confidence is None or len(draft.tokens) == 0:
+            return
+        confidence = draft.confidence.tolist()
+        outcomes = nodes_tested(draft.parents, len(confidence), kept_positions)
+        self.confidence.update([(confidence[node], hit) for node, hit in outcomes])
+
+    def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, verify_seconds: float,
+               rows: int | None = None) -> None:
+        """One verification: ``num_drafted`` drafts deep (a tree's depth), the first ``num_accepted`` kept; the
+        step's measured times (a step without drafts is a plain step: it only times the forward); ``rows``: the
+        verification's rows, the pending token and every node (None: a chain's 1 + ``num_drafted``)."""
+        rows = 1 + num_drafted if rows is None else rows
         if verify_seconds > 0:
-            self.forward.record(1 + num_drafted, verify_seconds)
+            self.forward.record(rows, verify_seconds)
         if num_drafted <= 0:
             return
         self.acceptance.update(num_drafted, num_accepted)
         if draft_seconds > 0 and verify_seconds > 0:
-            plain_step = verify_seconds / self.forward.relative(1 + num_drafted)
+            plain_step = verify_seconds / self.forward.relative(rows)
             measured = draft_seconds / plain_step / (1 if self.config.per_pass else num_drafted)
             decay = self.config.decay
             self.draft_ratio = decay * self.draft_ratio + (1.0 - decay) * measured
 
 
 DraftLengthPolicy = FixedDraftLength | AdaptiveDraftLength
+
+
+def keep_nodes(draft: Draft, nodes: list[int]) -> Draft:
+    """The draft of ``nodes`` (ascending; every kept node's parent kept too): a chain's first n drafts stay a
+    chain, a tree's nodes keep their parents, renumbered."""
+    if nodes == list(range(len(draft.tokens))):
+        return draft
+    index = torch.tensor(nodes, dtype=torch.int64)
+    q_draft = None if draft.q_draft is None else draft.q_draft[index.to(draft.q_draft.device)]
+    confidence = None if draft.confidence is None else draft.confidence[index]
+    parents = None
+    if draft.parents is not None:
+        renumbered = {node: i for i, node in enumerate(nodes)}
+        parents = [-1 if draft.parents[node] < 0 else renumbered[draft.parents[node]] for node in nodes]
+    elif nodes != list(range(len(nodes))):
+        raise ValueError(f"a chain keeps a prefix of its drafts, not {nodes}")
+    return Draft(tokens=draft.tokens[index], q_draft=q_draft, parents=parents, confidence=confidence)
 
 
 def default_adaptive_draft(weights: str) -> bool:
@@ -146,7 +220,8 @@ def make_policy(adaptive: bool, k_max: int, overlap: bool, per_pass: bool = Fals
     verification cost model, shared by its requests; None: the request's own)."""
     if not adaptive:
         return FixedDraftLength(k_max)
-    return AdaptiveDraftLength(AdaptiveConfig(k_max=k_max, overlap=overlap, per_pass=per_pass), forward)
+    config = AdaptiveConfig(k_max=k_max, overlap=overlap, per_pass=per_pass, trim=platform.settings().draft_trim)
+    return AdaptiveDraftLength(config, forward)
 
 
 def verification_cost_model(growth: float = AdaptiveConfig.verify_growth) -> ForwardCost:

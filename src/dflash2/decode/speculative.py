@@ -55,7 +55,7 @@ def speculative_decode(
         room = capacity - cache.length - 1  # slots left after the pending token
         started = time.perf_counter()
         k = policy.next_length(room)
-        draft = fit_draft(drafter.propose(sequence, k, params, generator), room) if k else empty_draft()
+        draft = fit_draft(policy.trim(drafter.propose(sequence, k, params, generator)), room) if k else empty_draft()
         drafted = time.perf_counter()
         stats.draft_seconds += drafted - started
         start = cache.length

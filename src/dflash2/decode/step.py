@@ -160,7 +160,8 @@ def record_step(stats: DecodeStats, policy: DraftLengthPolicy | None, draft: Dra
     stats.committed_tokens += len(outcome.emitted)
     stats.record_draft(draft.depth, len(outcome.emitted) - 1)
     if policy is not None:
-        policy.record(draft.depth, len(outcome.emitted) - 1, draft_seconds, verify_seconds)
+        policy.record(draft.depth, len(outcome.emitted) - 1, draft_seconds, verify_seconds, 1 + len(draft.tokens))
+        policy.calibrate(draft, outcome.kept_positions)
 
 
 def commit_kept(cache: KVCommit, start: int, kept_positions: list[int]) -> None:
@@ -182,7 +183,8 @@ def fit_draft(draft: Draft, room: int) -> Draft:
         return draft
     q_draft = None if draft.q_draft is None else draft.q_draft[:room]
     parents = None if draft.parents is None else draft.parents[:room]
-    return Draft(tokens=draft.tokens[:room], q_draft=q_draft, parents=parents)
+    confidence = None if draft.confidence is None else draft.confidence[:room]
+    return Draft(tokens=draft.tokens[:room], q_draft=q_draft, parents=parents, confidence=confidence)
 
 
 def tree_outcome(

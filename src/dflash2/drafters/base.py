@@ -40,6 +40,9 @@ class Draft:
     tokens: torch.Tensor  # [k] (chain) or [n] (tree nodes) int64 proposed ids; may be empty
     q_draft: torch.Tensor | None  # chain: [k, vocab] distributions the tokens were sampled from; None = deterministic
     parents: list[int] | None = None  # tree: parent node of each node (-1 = child of the pending token); None = chain
+    # [k] / [n] float32: the drafter's probability of each node's token where its parent (or the pending token) is
+    # the target's; the draft-length policy trims a draft by it (decode/draft_length.py). None: not known.
+    confidence: torch.Tensor | None = None
 
     @property
     def depth(self) -> int:

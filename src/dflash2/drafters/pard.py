@@ -303,13 +303,16 @@ class PardDrafter(CachedModelDrafter):
         return self._to_target_vocab(head.expand(part) if isinstance(head, VocabSubsetHead) else part)
 
     def _draft_from_part(self, part: torch.Tensor, params: SamplingParams, generator) -> Draft:
-        """The draft from the head's logits [k, V']: a greedy chain over a draft vocabulary is their argmax mapped to
-        ids (no [k, V_target] logits: the same tokens, ties to the lowest id as there); otherwise :meth:`_draft` on
-        the target vocabulary."""
+        """The draft from the head's logits [k, V']: a tree, or a greedy chain over a draft vocabulary, from the
+        head's rows mapped to ids (no [k, V_target] logits: the same tokens, ties to the lowest id as there);
+        otherwise :meth:`_draft` on the target vocabulary."""
         head = self.model.lm_head
+        if self.num_paths > 1 and (not isinstance(head, VocabSubsetHead) or head.vocab_size <= self.target_vocab_size):
+            return self._tree(part)
         if (self.num_paths == 1 and params.greedy and isinstance(head, VocabSubsetHead)
                 and head.vocab_size <= self.target_vocab_size):
-            return Draft(tokens=head.ids[greedy_ids(part)].cpu(), q_draft=None)
+            rows = greedy_ids(part)  # [k]
+            return Draft(tokens=head.ids[rows].cpu(), q_draft=None, confidence=probabilities(part, rows))
         return self._draft(self._to_target(part), params, generator)
 
     @torch.inference_mode()
@@ -358,15 +361,44 @@ class PardDrafter(CachedModelDrafter):
         q = logits_to_probs(self._to_target(part)[0], params)  # [V]
         return int(sample(q, generator)), q
 
+    def _tree(self, logits: torch.Tensor, head_rows: bool = True) -> Draft:
+        """The best-first tree of k * W nodes through logits [k, V'] (:func:`best_tree`) over the head's rows
+        (``head_rows``) or the target's ids: deterministic nodes, verified by the exact tree rule at T > 0 too
+        (lossless)."""
+        rows, parents = best_tree(None, logits, logits, 0, len(logits) * self.num_paths)
+        chosen = torch.tensor(rows, dtype=torch.int64)
+        head = self.model.lm_head
+        tokens = head.ids[chosen].cpu() if head_rows and isinstance(head, VocabSubsetHead) else chosen
+        return Draft(tokens=tokens, q_draft=None, parents=parents,
+                     confidence=probabilities(logits[node_depths(parents)], chosen))
+
     def _draft(self, logits: torch.Tensor, params: SamplingParams, generator) -> Draft:
         """logits [k, V] -> the draft: a tree (``num_paths`` > 1), the argmaxes (T = 0) or samples with q_draft."""
-        if self.num_paths > 1:  # deterministic nodes (verified by the exact tree rule at T > 0: lossless)
-            rows, parents = best_tree(None, logits, logits, 0, len(logits) * self.num_paths)
-            return Draft(tokens=torch.tensor(rows, dtype=torch.int64), q_draft=None, parents=parents)
+        if self.num_paths > 1:
+            return self._tree(logits, head_rows=False)
         if params.greedy:
-            return Draft(tokens=greedy_ids(logits).cpu(), q_draft=None)
+            rows = greedy_ids(logits)
+            return Draft(tokens=rows.cpu(), q_draft=None, confidence=probabilities(logits, rows))
         q_draft = logits_to_probs(logits, params)  # [k, V]: each position's own distribution
-        return Draft(tokens=sample(q_draft, generator).to(torch.int64).cpu(), q_draft=q_draft)
+        tokens = sample(q_draft, generator).to(torch.int64)
+        return Draft(tokens=tokens.cpu(), q_draft=q_draft,
+                     confidence=q_draft.gather(1, tokens[:, None].to(q_draft.device))[:, 0].float().cpu())
+
+
+def probabilities(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """logits [n, V'] and one row per line [n] -> [n] float32 softmax probabilities of those rows (the drafter's
+    confidence in each draft, ``Draft.confidence``)."""
+    logits = logits.float()
+    chosen = logits.gather(1, rows[:, None].to(logits.device))[:, 0]
+    return (chosen - logits.logsumexp(dim=-1)).exp().cpu()
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """The block position (0-based: a child of the pending token is at 0) of each node of a tree."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
 
 
 def _after_lead(lead: list[int], dists: list[torch.Tensor], rest: Draft) -> Draft:

@@ -84,7 +84,8 @@ VERIFICATION: dict[str, Callable[[DraftHardware], bool]] = {
 
 # "auto", the one table: the first row for the target, the mode and the target's verification wins; targets not
 # named here draft with ngram. Elsewhere than AMX tiles more verified rows cost more (AVX2 on the AMD EPYC Zen 3: 7
-# rows 1.45x 4 rows; the gguf AMX build: no gain from trees), so one request drafts a chain there.
+# rows 1.45x 4 rows; the GGUF blocks, where trimmed trees of pard+ngram:4x3 / 4x2 run at the trimmed chain's speed:
+# docs/pard.md), so one request drafts a chain there.
 AUTO_DRAFTERS: tuple[AutoDrafter, ...] = (
     AutoDrafter("qwen2.5-coder-1.5b-instruct", False, "flat", "pard+ngram:4x3",
                 "2026-12-04, Intel Xeon (AMX, model 207), 2 cores, commit 364940b: `dflash2 bench --suite "

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from dflash2.decode.draft_length import AdaptiveConfig, AdaptiveDraftLength, FixedDraftLength, make_policy
+from dflash2.decode.cost_model import Confidence, ForwardCost, nodes_tested
+from dflash2.decode.draft_length import AdaptiveConfig, AdaptiveDraftLength, FixedDraftLength, keep_nodes, make_policy
+from dflash2.drafters.base import Draft
 
 
 def feed(policy: AdaptiveDraftLength, steps: int, accepted: int, drafted: int, draft_s=0.01, verify_s=0.1) -> None:
@@ -152,3 +155,100 @@ def test_verifications_are_priced_by_the_measured_time_of_their_size():
     assert policy.best_length() == 0
     c0, c1 = policy.forward.coefficients()
     assert (c0 + 2 * c1) / (c0 + c1) < 1.35  # what the line would have charged
+
+
+# ---- trimming a draft by the drafter's confidence ---------------------------------------------------------------
+
+def steep_policy(k_max: int = 4) -> AdaptiveDraftLength:
+    """An adaptive policy whose verification of n rows costs (1 + n) / 2 one-row forwards (the prior line, no
+    forward recorded) and whose pass costs 0.3 of one."""
+    return AdaptiveDraftLength(AdaptiveConfig(k_max=k_max, per_pass=True, draft_ratio=0.3),
+                               ForwardCost(prior=(0.5, 0.5)))
+
+
+def chain(confidence: list[float]) -> Draft:
+    return Draft(tokens=torch.arange(10, 10 + len(confidence)), q_draft=None,
+                 confidence=torch.tensor(confidence))
+
+
+def test_a_chain_is_cut_where_its_drafts_stop_paying_for_their_rows():
+    """Rates from the bins' priors (0.95 for p 0.99, 0.15 for p 0.1): 2 drafts give 2.85 tokens for 0.3 + 1.5 steps,
+    the third adds 0.14 tokens for half a step."""
+    kept = steep_policy().trim(chain([0.99, 0.99, 0.1, 0.99]))
+    assert kept.tokens.tolist() == [10, 11] and kept.parents is None
+    assert kept.confidence.tolist() == pytest.approx([0.99, 0.99])
+
+
+def test_where_rows_cost_nothing_more_the_whole_draft_is_verified():
+    flat = AdaptiveDraftLength(AdaptiveConfig(k_max=4, per_pass=True), ForwardCost(prior=(1.0, 0.0)))
+    draft = chain([0.99, 0.5, 0.1, 0.05])
+    assert flat.trim(draft) is draft
+
+
+def test_the_likeliest_draft_stays_however_unlikely():
+    kept = steep_policy().trim(chain([0.05, 0.05, 0.05]))
+    assert kept.tokens.tolist() == [10]
+
+
+def test_drafts_without_confidence_and_fixed_lengths_are_never_trimmed():
+    draft = Draft(tokens=torch.arange(4), q_draft=None)
+    assert steep_policy().trim(draft) is draft
+    confident = chain([0.99, 0.1, 0.1])
+    assert FixedDraftLength(3).trim(confident) is confident
+    overlapped = AdaptiveDraftLength(AdaptiveConfig(k_max=3, overlap=True), ForwardCost(prior=(0.5, 0.5)))
+    assert overlapped.trim(confident) is confident
+
+
+def test_a_tree_keeps_its_likeliest_nodes_with_their_parents_renumbered():
+    """Nodes: a chain 0-1-2 and a branch 3-4 under the pending token. Reach: 0.95, 0.90, 0.14 (chain) and 0.45,
+    0.43 (branch): the best four are 0, 1, 3, 4."""
+    draft = Draft(tokens=torch.tensor([20, 21, 22, 30, 31]), q_draft=None, parents=[-1, 0, 1, -1, 3],
+                  confidence=torch.tensor([0.99, 0.99, 0.1, 0.45, 0.99]))
+    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=4, per_pass=True), ForwardCost(prior=(0.8, 0.2)))
+    kept = policy.trim(draft)
+    assert kept.tokens.tolist() == [20, 21, 30, 31]
+    assert kept.parents == [-1, 0, -1, 2]
+    assert kept.confidence.tolist() == pytest.approx([0.99, 0.99, 0.45, 0.99])
+
+
+def test_keep_nodes_renumbers_parents_and_refuses_a_chain_with_a_gap():
+    draft = Draft(tokens=torch.tensor([5, 6, 7, 8]), q_draft=torch.eye(4), parents=[-1, 0, 0, 2],
+                  confidence=torch.tensor([0.9, 0.2, 0.8, 0.7]))
+    kept = keep_nodes(draft, [0, 2, 3])
+    assert kept.tokens.tolist() == [5, 7, 8] and kept.parents == [-1, 0, 1]
+    assert torch.equal(kept.q_draft, torch.eye(4)[[0, 2, 3]])
+    with pytest.raises(ValueError, match="prefix"):
+        keep_nodes(chain([0.9, 0.9, 0.9]), [0, 2])
+
+
+def test_tested_nodes_are_the_children_of_the_accepted_path():
+    # a chain of 4, two accepted: drafts 0, 1 hit, 2 missed, 3 never tested
+    assert nodes_tested(None, 4, [0, 1, 2]) == [(0, True), (1, True), (2, False)]
+    # a tree: root children 0 and 3; 3 accepted; its children 4 (missed) and 5 (accepted), then 5 has none
+    parents = [-1, 0, 1, -1, 3, 3]
+    assert nodes_tested(parents, 6, [0, 4, 6]) == [(0, False), (3, True), (4, False), (5, True)]
+    assert nodes_tested(parents, 6, [0]) == [(0, False), (3, False)]
+
+
+def test_the_confidence_bins_learn_what_was_accepted():
+    policy = steep_policy()
+    draft = chain([0.95, 0.95, 0.95])
+    assert policy.confidence.rate(0.95) == pytest.approx(0.95)
+    for _ in range(40):  # an overconfident drafter: its first draft always rejected
+        policy.calibrate(draft, kept_positions=[0])
+    assert policy.confidence.rate(0.95) < 0.1
+    assert policy.confidence.rate(0.55) == pytest.approx(0.55)  # other bins untouched
+    assert policy.trim(chain([0.95, 0.95, 0.95])).tokens.tolist() == [10]
+    with pytest.raises(ValueError):
+        Confidence(bins=0)
+
+
+def test_a_tree_verification_is_priced_by_its_rows_not_its_depth():
+    """A tree of 8 nodes and depth 3 verifies 9 rows: its time goes to the cost of 9 rows."""
+    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=4, per_pass=True))
+    for _ in range(4):
+        policy.record(0, 0, 0.0, 0.030)  # plain steps: 1 row
+        policy.record(3, 1, 0.010, 0.060, rows=9)
+    assert policy.forward.seconds(9) == pytest.approx(0.060)
+    assert policy.forward.relative(9) == pytest.approx(2.0)
+    assert len(policy.acceptance.tested) == 2  # depth 3, one accepted: drafts 1 and 2 were tested

@@ -8,6 +8,8 @@ import itertools
 import pytest
 import torch
 
+from dflash2.decode.cost_model import ForwardCost
+from dflash2.decode.draft_length import AdaptiveConfig, AdaptiveDraftLength, FixedDraftLength
 from dflash2.decode.plain import plain_decode
 from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.model import ModelDrafter
@@ -125,6 +127,64 @@ def test_greedy_identity(models, k, drafter_key, pipeline):
     assert spec == plain
     if drafter_key == "qwen2":  # the target itself drafts: draft 1 is its own greedy token, always accepted
         assert stats.accepted_by_position[0] == stats.drafted_by_position[0]
+
+
+class PricedRows(ForwardCost):
+    """Verification priced at (1 + n) / 2 plain steps for n rows whatever the tiny models' own times (next to nothing
+    at any size), so that trimming a draft has something to trade."""
+
+    def __init__(self) -> None:
+        super().__init__(prior=(0.5, 0.5))
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+
+class CountingTrims(AdaptiveDraftLength):
+    """The adaptive policy over :class:`PricedRows`, keeping (nodes proposed, nodes kept) of every trim."""
+
+    def __init__(self, k_max: int) -> None:
+        super().__init__(AdaptiveConfig(k_max=k_max, per_pass=True), PricedRows())
+        self.trims: list[tuple[int, int]] = []
+
+    def trim(self, draft):
+        kept = super().trim(draft)
+        self.trims.append((len(draft.tokens), len(kept.tokens)))
+        return kept
+
+
+@pytest.mark.parametrize("width", [1, 2], ids=["chain", "tree"])
+@pytest.mark.parametrize("drafter_key", ["qwen2", "qwen2_other"])
+def test_drafts_trimmed_by_their_confidence_stay_lossless(models, drafter_key, width):
+    """The adaptive policy trims each draft by the drafter's probabilities (decode/draft_length.py): greedy output
+    equals plain decoding's, every trim keeps at least one node, and some drafts were cut."""
+    target, ids = models["qwen2"], prompt()
+    drafter = PardDrafter(models[drafter_key], MASK, 4, num_paths=width)
+    capacity = len(ids) + NEW_TOKENS + drafter.max_draft_tokens + 1
+    plain = run(plain_decode(target, ids, GREEDY, None, capacity, DecodeStats()))
+    policy = CountingTrims(k_max=4)
+    assert run(speculative_steps("sync", target, drafter, ids, GREEDY, None, capacity, DecodeStats(), policy)) == plain
+    assert policy.trims and all(kept >= 1 for _, kept in policy.trims)
+    assert any(kept < proposed for proposed, kept in policy.trims)
+
+
+def test_each_draft_carries_the_drafters_probability_of_it(models):
+    """Greedy: the softmax probability of each position's argmax; a tree: each node's probability at its depth;
+    sampled: q_draft of the token drawn."""
+    drafter_model, ids = models["qwen2_other"], prompt().tolist()
+    chain, tree = PardDrafter(drafter_model, MASK, 3), PardDrafter(drafter_model, MASK, 3, num_paths=2)
+    chain.reset(64), tree.reset(64)
+    logits = chain.draft_logits(ids, 3)  # [3, V]
+    probs = torch.softmax(logits, dim=-1)
+    greedy = chain.propose(ids, 3, GREEDY, None)
+    assert torch.allclose(greedy.confidence, probs.max(dim=-1).values, atol=1e-6)
+    drafted = tree.propose(ids, 3, GREEDY, None)
+    depths = [0, 1, 2] + [None] * 3
+    for node, parent in enumerate(drafted.parents):
+        depths[node] = 0 if parent < 0 else depths[parent] + 1
+        assert drafted.confidence[node] == pytest.approx(float(probs[depths[node], drafted.tokens[node]]), abs=1e-6)
+    sampled = chain.propose(ids, 3, SamplingParams(temperature=0.8), torch.Generator().manual_seed(1))
+    assert torch.equal(sampled.confidence, sampled.q_draft.gather(1, sampled.tokens[:, None])[:, 0])
 
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
@@ -591,19 +651,17 @@ def test_context_window_reads_the_sink_and_the_recent_ids_of_a_long_prompt(model
     assert run(speculative_steps("sync", target, windowed, ids, GREEDY, None, capacity, DecodeStats())) == plain
 
 
-class _EveryOtherThird:
+class _EveryOtherThird(FixedDraftLength):
     """A draft-length policy that drafts k only every third step (speculation off in between: the drafter falls
     behind by several ids each time)."""
 
     def __init__(self, k: int) -> None:
-        self.k, self.steps = k, 0
+        super().__init__(k)
+        self.steps = 0
 
     def next_length(self, room: int) -> int:
         self.steps += 1
         return min(self.k, room) if self.steps % 3 == 0 else 0
-
-    def record(self, *args) -> None:
-        pass
 
 
 @pytest.mark.parametrize("kind", ["pard", "model"])
