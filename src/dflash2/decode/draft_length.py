@@ -10,11 +10,12 @@ token) or per pass (a block drafter fills k positions in one forward: ``Drafter.
 
     expected tokens per step / expected seconds per step,   E(k) = 1 + reach(0) + ... + reach(k - 1)
 
-Where the drafter gives each draft's probability (``Draft.confidence``: the PARD drafter), the adaptive policy also
-trims each draft after it is made (:meth:`AdaptiveDraftLength.trim`): a node's chance of acceptance is the product
-of ``cost_model.Confidence`` rates along its path, and the verification keeps the likeliest n nodes for the n with
-the most expected tokens per second. So a step verifies a long chain (or a tree) where the drafter is sure and one
-or two drafts where it guesses, within the same pass.
+Where the drafter gives each draft's probability (``Draft.confidence``: the PARD drafter), either policy also trims
+each draft after it is made (:meth:`TrimmedDrafts.trim`): a node's chance of acceptance is the product of
+``cost_model.Confidence`` rates along its path, and the verification keeps the likeliest n nodes for the n with the
+most expected tokens per second, a verification of n + 1 rows priced by the measured cost of each size. So a step
+verifies a long chain (or a wide tree) where the drafter is sure and one or two drafts where it guesses, within the
+same pass.
 
 k = 0 is plain decoding (speculation off). While off, nothing is drafted so nothing is learnt: every
 ``probe_interval`` steps one short probe draft refreshes the estimate; a probe that leaves speculation off doubles
@@ -37,12 +38,78 @@ from dflash2.decode.cost_model import Acceptance, Confidence, ForwardCost, StepC
 from dflash2.drafters.base import Draft
 
 
-class FixedDraftLength:
-    """Always ``k`` drafts (capped by the room left in the cache)."""
+VERIFY_GROWTH = 0.05  # prior: a verification of k drafts costs (1 + VERIFY_GROWTH * k) plain steps
+DRAFT_RATIO = 0.3  # prior: drafting's cost (per token, or per pass) relative to a plain step
 
-    def __init__(self, k: int) -> None:
+
+class TrimmedDrafts:
+    """What both policies share to trim a draft by its confidences (:meth:`trim`): the verification cost model by
+    rows (``forward``, fitted from the verifications seen), the cost of drafting relative to a plain step
+    (``draft_ratio``, per pass or per draft token), and the acceptance by confidence (``confidence``)."""
+
+    def __init__(self, forward: ForwardCost | None, per_pass: bool, trim: bool, decay: float = 0.9) -> None:
+        # the prior (c0 + c1 = 1 plain step, c1 = VERIFY_GROWTH) holds until the sizes seen vary enough for a fit
+        self.forward = forward or ForwardCost(prior=(1.0 - VERIFY_GROWTH, VERIFY_GROWTH))
+        self.per_pass, self.trims, self.decay = per_pass, trim, decay
+        self.draft_ratio = DRAFT_RATIO  # seconds per draft token (or pass) / seconds per plain target step
+        self.confidence = Confidence()  # acceptance by the drafter's own probability (drafts that carry one)
+
+    def draft_cost(self, k: int) -> float:
+        """Drafting k tokens, in plain target steps."""
+        return self.draft_ratio * (1 if self.per_pass else k)
+
+    def trim(self, draft: Draft) -> Draft:
+        """The part of ``draft`` worth verifying, by its nodes' confidences: nodes ranked by their chance of being
+        accepted (the :class:`Confidence` rates multiplied along the path: a child never ranks above its parent,
+        so every prefix of the ranking is a tree), the best n kept for the n in [1, nodes] that maximises expected
+        tokens per step cost, the draft's pass being paid already. At least the likeliest node stays: one more row
+        costs next to nothing where a row streams the weights, and a bin of confidences that is never verified
+        would never learn (whether to draft at all, and how far, is ``next_length``'s call). A draft without
+        confidences is kept whole, and so is every draft where trimming is off (the overlapped pipeline, whose
+        pre-drafts are priced as a whole block, or ``DFLASH2_DRAFT_TRIM=off``)."""
+        count = len(draft.tokens)
+        if draft.confidence is None or count == 0 or not self.trims:
+            return draft
+        parents = list(range(-1, count - 1)) if draft.parents is None else draft.parents
+        reach: list[float] = []
+        for node, p in enumerate(draft.confidence.tolist()):
+            reach.append(self.confidence.rate(p) * (1.0 if parents[node] < 0 else reach[parents[node]]))
+        ranking = sorted(range(count), key=lambda node: -reach[node])  # stable: parents before their children
+        paid = self.draft_cost(count)
+        best, best_rate, expected = 0, 0.0, 1.0
+        for n in range(1, count + 1):
+            expected += reach[ranking[n - 1]]
+            rate = expected / (paid + self.forward.relative(1 + n))
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return keep_nodes(draft, sorted(ranking[:best]))
+
+    def calibrate(self, draft: Draft, kept_positions: list[int]) -> None:
+        """After a verification of ``draft``: count each tested node's outcome by its confidence."""
+        if draft.confidence is None or len(draft.tokens) == 0:
+            return
+        confidence = draft.confidence.tolist()
+        outcomes = nodes_tested(draft.parents, len(confidence), kept_positions)
+        self.confidence.update([(confidence[node], hit) for node, hit in outcomes])
+
+    def record_costs(self, num_drafted: int, draft_seconds: float, verify_seconds: float, rows: int) -> None:
+        """A verification's measured times: the forward's by its rows, drafting's relative to a plain step."""
+        if verify_seconds > 0:
+            self.forward.record(rows, verify_seconds)
+        if num_drafted > 0 and draft_seconds > 0 and verify_seconds > 0:
+            plain_step = verify_seconds / self.forward.relative(rows)
+            measured = draft_seconds / plain_step / (1 if self.per_pass else num_drafted)
+            self.draft_ratio = self.decay * self.draft_ratio + (1.0 - self.decay) * measured
+
+
+class FixedDraftLength(TrimmedDrafts):
+    """Always ``k`` drafts (capped by the room left in the cache), each draft trimmed by its confidences
+    (:meth:`TrimmedDrafts.trim`) unless ``trim`` is off."""
+
+    def __init__(self, k: int, forward: ForwardCost | None = None, per_pass: bool = False, trim: bool = True) -> None:
         if k < 0:
             raise ValueError(f"draft length must be >= 0, got {k}")
+        super().__init__(forward, per_pass, trim)
         self.k = k
 
     def next_length(self, room: int) -> int:
@@ -50,14 +117,8 @@ class FixedDraftLength:
 
     def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, verify_seconds: float,
                rows: int | None = None) -> None:
-        """Fixed: nothing to learn."""
-
-    def trim(self, draft: Draft) -> Draft:
-        """Fixed: the draft as it is."""
-        return draft
-
-    def calibrate(self, draft: Draft, kept_positions: list[int]) -> None:
-        """Fixed: nothing to learn."""
+        """One verification (see :meth:`AdaptiveDraftLength.record`): only the costs are learnt, for trimming."""
+        self.record_costs(num_drafted, draft_seconds, verify_seconds, 1 + num_drafted if rows is None else rows)
 
 
 @dataclass(frozen=True)
@@ -70,27 +131,28 @@ class AdaptiveConfig:
     decay: float = 0.9  # weight of the past in each position's acceptance counts (per observation)
     prior: float = 0.75  # acceptance assumed before any evidence (first position; later ones lean on the previous)
     prior_weight: float = 2.0  # pseudo-counts of that assumption
-    verify_growth: float = 0.05  # prior: a verification of k drafts costs (1 + verify_growth * k) plain steps
-    draft_ratio: float = 0.3  # initial guess of drafting's cost (per token, or per pass) relative to a plain step
+    verify_growth: float = VERIFY_GROWTH  # prior: a verification of k drafts costs (1 + verify_growth * k) plain steps
+    draft_ratio: float = DRAFT_RATIO  # initial guess of drafting's cost (per token, or per pass) relative to a plain step
     probe_interval: int = 16  # steps with speculation off before one probe draft
     max_probe_interval: int = 128  # the interval after failed probes (it doubles per failed probe)
     probe_length: int = 2
     trim: bool = True  # trim each draft that carries confidences (:meth:`AdaptiveDraftLength.trim`)
 
 
-class AdaptiveDraftLength:
-    """Picks k per step from the acceptance and costs observed so far in this request."""
+class AdaptiveDraftLength(TrimmedDrafts):
+    """Picks k per step from the acceptance and costs observed so far in this request; trims each draft by its
+    confidences (:meth:`TrimmedDrafts.trim`) unless the config says not to or the pipeline overlaps."""
 
     def __init__(self, config: AdaptiveConfig, forward: ForwardCost | None = None) -> None:
         if config.k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {config.k_max}")
-        self.config = config
-        self.acceptance = Acceptance(config.prior, config.prior_weight, config.decay)
-        self.confidence = Confidence()  # acceptance by the drafter's own probability (drafts that carry one)
         # verification forwards over 1 + k tokens; the prior (c0 + c1 = 1 plain step, c1 = verify_growth) holds
         # until the measured draft lengths vary enough for a fit
-        self.forward = forward or ForwardCost(prior=(1.0 - config.verify_growth, config.verify_growth))
-        self.draft_ratio = config.draft_ratio  # seconds per draft token (or pass) / seconds per plain target step
+        super().__init__(forward or ForwardCost(prior=(1.0 - config.verify_growth, config.verify_growth)),
+                         config.per_pass, config.trim and not config.overlap, config.decay)
+        self.config = config
+        self.acceptance = Acceptance(config.prior, config.prior_weight, config.decay)
+        self.draft_ratio = config.draft_ratio
         self.steps_off = 0
         self.steps_on = 0
         self.probe_interval = config.probe_interval  # grows while probes fail, back to the config's when one pays
@@ -122,10 +184,6 @@ class AdaptiveDraftLength:
     def expected_tokens(self, k: int) -> float:
         return self.acceptance.expected_tokens(k)
 
-    def draft_cost(self, k: int) -> float:
-        """Drafting k tokens, in plain target steps."""
-        return self.draft_ratio * (1 if self.config.per_pass else k)
-
     def step_cost(self, k: int) -> float:
         """Seconds of one step in units of a plain target step (decode/cost_model.py, slowdowns taken as 1)."""
         if k == 0:
@@ -135,56 +193,14 @@ class AdaptiveDraftLength:
                           ahead_s=self.draft_cost(k + 1), num_draft_tokens=k)  # ahead: the bonus guess + k drafts
         return costs.overlap_step() if self.config.overlap else costs.sync_step()
 
-    def trim(self, draft: Draft) -> Draft:
-        """The part of ``draft`` worth verifying, by its nodes' confidences: nodes ranked by their chance of being
-        accepted (the :class:`Confidence` rates multiplied along the path: a child never ranks above its parent,
-        so every prefix of the ranking is a tree), the best n kept for the n in [1, nodes] that maximises expected
-        tokens per step cost, the draft's pass being paid already. At least the likeliest node stays: one more row
-        costs next to nothing where a row streams the weights, and a bin of confidences that is never verified
-        would never learn (whether to draft at all, and how far, is :meth:`next_length`'s call). A draft without
-        confidences is kept whole, and so is every draft of the overlapped pipeline (its pre-drafts are priced as a
-        whole block)."""
-        count = len(draft.tokens)
-        if draft.confidence is None or count == 0 or self.config.overlap or not self.config.trim:
-            return draft
-        parents = list(range(-1, count - 1)) if draft.parents is None else draft.parents
-        reach: list[float] = []
-        for node, p in enumerate(draft.confidence.tolist()):
-            reach.append(self.confidence.rate(p) * (1.0 if parents[node] < 0 else reach[parents[node]]))
-        ranking = sorted(range(count), key=lambda node: -reach[node])  # stable: parents before their children
-        paid = self.draft_cost(count)
-        best, best_rate, expected = 0, 0.0, 1.0
-        for n in range(1, count + 1):
-            expected += reach[ranking[n - 1]]
-            rate = expected / (paid + self.forward.relative(1 + n))
-            if rate > best_rate:
-                best, best_rate = n, rate
-        return keep_nodes(draft, sorted(ranking[:best]))
-
-    def calibrate(self, draft: Draft, kept_positions: list[int]) -> None:
-        """After a verification of ``draft``: count each tested node's outcome by its confidence."""
-        if draft.confidence is None or len(draft.tokens) == 0:
-            return
-        confidence = draft.confidence.tolist()
-        outcomes = nodes_tested(draft.parents, len(confidence), kept_positions)
-        self.confidence.update([(confidence[node], hit) for node, hit in outcomes])
-
     def record(self, num_drafted: int, num_accepted: int, draft_seconds: float, verify_seconds: float,
                rows: int | None = None) -> None:
         """One verification: ``num_drafted`` drafts deep (a tree's depth), the first ``num_accepted`` kept; the
         step's measured times (a step without drafts is a plain step: it only times the forward); ``rows``: the
         verification's rows, the pending token and every node (None: a chain's 1 + ``num_drafted``)."""
-        rows = 1 + num_drafted if rows is None else rows
-        if verify_seconds > 0:
-            self.forward.record(rows, verify_seconds)
-        if num_drafted <= 0:
-            return
-        self.acceptance.update(num_drafted, num_accepted)
-        if draft_seconds > 0 and verify_seconds > 0:
-            plain_step = verify_seconds / self.forward.relative(rows)
-            measured = draft_seconds / plain_step / (1 if self.config.per_pass else num_drafted)
-            decay = self.config.decay
-            self.draft_ratio = decay * self.draft_ratio + (1.0 - decay) * measured
+        self.record_costs(num_drafted, draft_seconds, verify_seconds, 1 + num_drafted if rows is None else rows)
+        if num_drafted > 0:
+            self.acceptance.update(num_drafted, num_accepted)
 
 
 DraftLengthPolicy = FixedDraftLength | AdaptiveDraftLength
@@ -218,13 +234,13 @@ def make_policy(adaptive: bool, k_max: int, overlap: bool, per_pass: bool = Fals
                 forward: ForwardCost | None = None) -> DraftLengthPolicy:
     """A fresh policy for one request (``per_pass``: the drafter's ``cost_per_pass``; ``forward``: the engine's
     verification cost model, shared by its requests; None: the request's own)."""
+    trim = platform.settings().draft_trim
     if not adaptive:
-        return FixedDraftLength(k_max)
-    config = AdaptiveConfig(k_max=k_max, overlap=overlap, per_pass=per_pass, trim=platform.settings().draft_trim)
-    return AdaptiveDraftLength(config, forward)
+        return FixedDraftLength(k_max, forward, per_pass, trim=trim and not overlap)
+    return AdaptiveDraftLength(AdaptiveConfig(k_max=k_max, overlap=overlap, per_pass=per_pass, trim=trim), forward)
 
 
-def verification_cost_model(growth: float = AdaptiveConfig.verify_growth) -> ForwardCost:
+def verification_cost_model(growth: float = VERIFY_GROWTH) -> ForwardCost:
     """A verification cost model for an engine's requests to share (prior: a verification of k drafts costs
     ``1 + growth * k`` plain steps)."""
     return ForwardCost(prior=(1.0 - growth, growth))

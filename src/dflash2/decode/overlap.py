@@ -132,7 +132,7 @@ def overlap_decode(
     policy: DraftLengthPolicy | None = None,
 ) -> Iterator[list[int]]:
     """Like ``speculative_decode`` (same output distribution, token for token at T = 0), drafting concurrently."""
-    policy = policy or FixedDraftLength(drafter.num_draft_tokens)
+    policy = policy or FixedDraftLength(drafter.num_draft_tokens, trim=False)  # pre-drafts: whole blocks
     stats.pipeline = "overlap"
     draft_generator = _fork(generator)
     busy_before = worker.busy_seconds

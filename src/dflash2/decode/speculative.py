@@ -33,7 +33,7 @@ def speculative_decode(
 
     A cache that keeps hidden states (``cache.tap_layers`` == the drafter's) keeps those of every committed slot;
     a drafter that reads hidden states can start from a reused prefix only through them."""
-    policy = policy or FixedDraftLength(drafter.num_draft_tokens)
+    policy = policy or FixedDraftLength(drafter.num_draft_tokens, per_pass=drafter.cost_per_pass)
     taps = drafter.hidden_layers
     cache = target.new_cache(capacity) if cache is None else cache
     reused = cache.length

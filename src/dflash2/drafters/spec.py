@@ -84,19 +84,21 @@ VERIFICATION: dict[str, Callable[[DraftHardware], bool]] = {
 
 # "auto", the one table: the first row for the target, the mode and the target's verification wins; targets not
 # named here draft with ngram. Elsewhere than AMX tiles more verified rows cost more (AVX2 on the AMD EPYC Zen 3: 7
-# rows 1.45x 4 rows; the GGUF blocks, where trimmed trees of pard+ngram:4x3 / 4x2 run at the trimmed chain's speed:
-# docs/pard.md), so one request drafts a chain there.
+# rows 1.45x 4 rows), so one request drafts a narrower tree there, trimmed to the nodes that pay for their rows by
+# the drafter's confidence (decode/draft_length.py).
 AUTO_DRAFTERS: tuple[AutoDrafter, ...] = (
     AutoDrafter("qwen2.5-coder-1.5b-instruct", False, "flat", "pard+ngram:4x3",
                 "2026-12-04, Intel Xeon (AMX, model 207), 2 cores, commit 364940b: `dflash2 bench --suite "
                 "gsm8k,mt_bench --limit 4 --max-new-tokens 128 --drafters auto,pard+ngram:3x2,pard+ngram:4x3,...`, "
                 "two runs: 4x3 (13 rows) 2.62x / 2.01x plain against the chain's 2.23x / 1.66x; int8 2.28x / 1.74x "
                 "against 1.92x / 1.44x; 4x4 (17 rows, a second block of rows) loses (docs/pard.md)"),
-    AutoDrafter("qwen2.5-coder-1.5b-instruct", False, "any", "pard+ngram",
-                "2026-12-03, AMD EPYC Zen 3 (AVX2), 2 cores, commit 32ed2e9: `dflash2 bench --suite "
-                "humaneval,gsm8k,mt_bench --limit 4 --max-new-tokens 128 --drafters auto,pard+ngram,pard,pard:3x2`"
-                ": decode 2.18x plain against dflash2+ngram's 1.97x (Spec-Bench 1.41x against 1.15x; end to end "
-                "1.68x against 1.58x) (docs/pard.md)"),
+    AutoDrafter("qwen2.5-coder-1.5b-instruct", False, "any", "pard+ngram:4x2",
+                "2026-12-07, AMD EPYC Zen 4, 2 cores, commit da66b08: `dflash2 bench --suite "
+                "humaneval,gsm8k,mt_bench --limit 4 --max-new-tokens 128 --drafters auto,pard+ngram:4x2,...`, "
+                "drafts trimmed by confidence: bf16 2.78x plain overall against the trimmed chain's 2.70x "
+                "(MT-bench 1.82x against 1.65x) and the fixed chain's 2.62x in the run after; gguf 1.86x against "
+                "1.84x; interleaved in bf16 GSM8K 2.08x against 1.85x. pard+ngram over dflash2+ngram: 2026-12-03, "
+                "AMD EPYC Zen 3 (AVX2), commit 32ed2e9, decode 2.18x plain against 1.97x (docs/pard.md)"),
     AutoDrafter("qwen2.5-coder-1.5b-instruct", True, "amx", "pard+ngram",
                 "2026-12-05, Intel Xeon (AMX, model 207), 2 cores, commit 35c4558 (adopted in b640fc5): "
                 "`dflash2 bench serve batch --model qwen2.5-coder-1.5b-instruct --dtype bf16 --drafter D --streams 8 "

@@ -190,13 +190,25 @@ def test_the_likeliest_draft_stays_however_unlikely():
     assert kept.tokens.tolist() == [10]
 
 
-def test_drafts_without_confidence_and_fixed_lengths_are_never_trimmed():
+def test_drafts_without_confidence_and_policies_that_do_not_trim_keep_them_whole():
     draft = Draft(tokens=torch.arange(4), q_draft=None)
     assert steep_policy().trim(draft) is draft
     confident = chain([0.99, 0.1, 0.1])
-    assert FixedDraftLength(3).trim(confident) is confident
+    assert FixedDraftLength(3, ForwardCost(prior=(0.5, 0.5)), per_pass=True, trim=False).trim(confident) is confident
     overlapped = AdaptiveDraftLength(AdaptiveConfig(k_max=3, overlap=True), ForwardCost(prior=(0.5, 0.5)))
     assert overlapped.trim(confident) is confident
+    assert not make_policy(False, 3, overlap=True).trims and not make_policy(True, 3, overlap=True).trims
+
+
+def test_a_fixed_length_trims_like_the_adaptive_policy_and_learns_the_costs():
+    fixed = FixedDraftLength(4, ForwardCost(prior=(0.5, 0.5)), per_pass=True)
+    assert fixed.trim(chain([0.99, 0.99, 0.1, 0.99])).tokens.tolist() == [10, 11]
+    assert fixed.next_length(room=10) == 4  # the pass's size stays fixed
+    for _ in range(4):  # a plain step of 30 ms, a pass of 15 ms and 5 rows of 45 ms
+        fixed.record(0, 0, 0.0, 0.030)
+        fixed.record(4, 2, 0.015, 0.045)
+    assert fixed.forward.relative(5) == pytest.approx(1.5)
+    assert 0.3 < fixed.draft_ratio < 0.5  # moving from the prior 0.3 to the measured 0.5
 
 
 def test_a_tree_keeps_its_likeliest_nodes_with_their_parents_renumbered():

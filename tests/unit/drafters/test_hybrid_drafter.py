@@ -78,13 +78,13 @@ def test_auto_means_the_drafter_measured_fastest_for_the_target():
 
     tiles = DraftHardware(tile_verification=True, amx_verification=True)  # bf16 / int8 on whole-K AMX tiles
     gguf_amx = DraftHardware(amx_verification=True)  # the gguf kernel's AMX build
-    assert default_drafter("qwen2.5-coder-1.5b-instruct") == "pard+ngram" == default_drafter("qwen-1.5b")
+    assert default_drafter("qwen2.5-coder-1.5b-instruct") == "pard+ngram:4x2" == default_drafter("qwen-1.5b")
     assert default_drafter("qwen2.5-coder-1.5b-instruct", serving=True) == "dflash2+ngram"
     assert default_drafter("smollm2", serving=True) == "ngram"
     assert default_drafter("smollm2") == "ngram" and default_drafter("/some/local/dir") == "ngram"
     # where the target verifies on AMX bf16 tiles (16 rows cost about 4), one request drafts a tree
     assert default_drafter("qwen-1.5b", hardware=tiles) == "pard+ngram:4x3"
-    assert default_drafter("qwen-1.5b", hardware=gguf_amx) == "pard+ngram"  # more rows cost more there: a chain
+    assert default_drafter("qwen-1.5b", hardware=gguf_amx) == "pard+ngram:4x2"  # rows cost more: a narrower tree
     # the server drafts with pard only where the target verifies on tiles (elsewhere its pass costs more than it saves)
     assert default_drafter("qwen-1.5b", serving=True, hardware=tiles) == "pard+ngram"
     assert default_drafter("qwen-1.5b", serving=True, hardware=gguf_amx) == "pard+ngram"
@@ -107,7 +107,7 @@ def test_auto_resolves_to_the_tree_only_without_a_shape_of_its_own():
     tiles = DraftHardware(tile_verification=True, amx_verification=True)
     auto = DrafterSpec.parse("auto")
     assert str(auto.resolved("qwen-1.5b", hardware=tiles)) == "pard+ngram:4x3"
-    assert str(auto.resolved("qwen-1.5b")) == "pard+ngram"
+    assert str(auto.resolved("qwen-1.5b")) == "pard+ngram:4x2"
     assert str(DrafterSpec.parse("auto:3").resolved("qwen-1.5b", hardware=tiles)) == "pard+ngram:3"
     assert str(DrafterSpec.parse("auto:2x2").resolved("qwen-1.5b", hardware=tiles)) == "pard+ngram:2x2"
     assert DrafterSpec.parse("ngram").resolved("qwen-1.5b", hardware=tiles) == DrafterSpec.parse("ngram")

@@ -31,7 +31,7 @@ def test_measured_costs_decide_where_they_exist_and_the_tile_rule_where_not():
     name = "qwen2.5-coder-1.5b-instruct"
     assert spec_module.default_drafter(name, hardware=DraftHardware(verify_costs=FLAT)) == "pard+ngram:4x3"
     assert spec_module.default_drafter(name, hardware=DraftHardware(tile_verification=True, verify_costs=STEEP)) \
-        == "pard+ngram"
+        == "pard+ngram:4x2"
 
 
 def test_a_forward_per_row_count_is_timed_and_cached_per_model_format_and_machine(tiny_model_dirs, tmp_path,
