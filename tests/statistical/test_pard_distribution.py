@@ -7,16 +7,20 @@ by their confidence (the adaptive policy). A companion breaks the chain rule and
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from dflash2.decode.draft_length import AdaptiveConfig, AdaptiveDraftLength
+from dflash2.decode.speculative import speculative_decode
+from dflash2.decode.stats import DecodeStats
 from dflash2.drafters.pard import PardDrafter, VocabSubsetHead
 from dflash2.verify import SamplingParams
-from tests.unit.drafters.test_pard import PricedRows
-from tests.statistical.decode_paths import (DRAFT_VOCAB, VOCAB, assert_caught, assert_lossless, broken,
+from tests.statistical.decode_paths import (DEPTH, DRAFT_VOCAB, VOCAB, assert_caught, assert_lossless, broken,
                                             closing_engine_samples, exact_joint, swap_p_and_q, tiny_engine, tiny_target)
+from tests.unit.drafters.test_pard import PricedRows
 
 RUNS = 1000
 SLOW_RUNS = 10_000
@@ -60,11 +64,22 @@ def samples_of(models, case: Case, runs: int) -> torch.Tensor:
         head.weight.data = draft.lm_head.weight.data[DRAFT_VOCAB].clone()
         draft.lm_head = VocabSubsetHead(head, DRAFT_VOCAB, VOCAB)
     drafter = PardDrafter(draft, MASK, 3, num_paths=case.width, lead_tokens=case.lead)
-    engine = tiny_engine(target, drafter, case.pipeline)
-    if case.trimmed:  # drafts cut where the drafter's q of its token stops paying for a row (1 + n) / 2 steps
-        engine.adaptive_draft = True
-        engine._verify_costs[case.pipeline] = PricedRows()
-    return closing_engine_samples(engine, PROMPT, case.params, runs)
+    if case.trimmed:
+        return trimmed_samples(target, drafter, case.params, runs)
+    return closing_engine_samples(tiny_engine(target, drafter, case.pipeline), PROMPT, case.params, runs)
+
+
+def trimmed_samples(target, drafter: PardDrafter, params: SamplingParams, runs: int) -> torch.Tensor:
+    """[runs, DEPTH] first tokens of the speculative loop with the adaptive policy trimming every draft, rows priced
+    at (1 + n) / 2 plain steps (the engine keeps a seeded request's drafts whole, so the loop is driven here, one
+    generator per run)."""
+    out = []
+    for run in range(runs):
+        policy = AdaptiveDraftLength(AdaptiveConfig(k_max=3, per_pass=True), PricedRows())
+        steps = speculative_decode(target, drafter, torch.tensor(PROMPT), params,
+                                   torch.Generator().manual_seed(run), len(PROMPT) + DEPTH + 8, DecodeStats(), policy)
+        out.append(list(itertools.islice(itertools.chain.from_iterable(steps), DEPTH)))
+    return torch.tensor(out)
 
 
 @pytest.mark.parametrize("runs", [RUNS, pytest.param(SLOW_RUNS, marks=pytest.mark.slow)])

@@ -36,6 +36,7 @@ import torch
 from dflash2 import platform
 from dflash2.decode.cost_model import Acceptance, Confidence, ForwardCost, StepCosts, nodes_tested
 from dflash2.drafters.base import Draft
+from dflash2.verify.sampling import SamplingParams
 
 
 VERIFY_GROWTH = 0.05  # prior: a verification of k drafts costs (1 + VERIFY_GROWTH * k) plain steps
@@ -230,11 +231,21 @@ def default_adaptive_draft(weights: str) -> bool:
     return weights == "gguf"
 
 
+def keeps_its_drafts(params: SamplingParams) -> bool:
+    """Whether a request's drafts stay as drafted, at a fixed length: a seeded sampled request's, so that its random
+    draws, hence its output, do not depend on timings (trimming and the adaptive length price steps by measured
+    seconds). Greedy output is plain output whatever the drafts."""
+    return not params.greedy and params.seed is not None
+
+
 def make_policy(adaptive: bool, k_max: int, overlap: bool, per_pass: bool = False,
-                forward: ForwardCost | None = None) -> DraftLengthPolicy:
+                forward: ForwardCost | None = None, params: SamplingParams | None = None) -> DraftLengthPolicy:
     """A fresh policy for one request (``per_pass``: the drafter's ``cost_per_pass``; ``forward``: the engine's
-    verification cost model, shared by its requests; None: the request's own)."""
+    verification cost model, shared by its requests; None: the request's own; ``params``: the request's sampling,
+    a seeded sampled request keeping its drafts, :func:`keeps_its_drafts`)."""
     trim = platform.settings().draft_trim
+    if params is not None and keeps_its_drafts(params):
+        return FixedDraftLength(k_max, forward, per_pass, trim=False)
     if not adaptive:
         return FixedDraftLength(k_max, forward, per_pass, trim=trim and not overlap)
     return AdaptiveDraftLength(AdaptiveConfig(k_max=k_max, overlap=overlap, per_pass=per_pass, trim=trim), forward)

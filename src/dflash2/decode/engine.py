@@ -167,7 +167,8 @@ class Engine:
 
         drafter, overlap = self.drafter, self.pipeline == "overlap"
         forward = self._verify_costs.setdefault(self.pipeline, verification_cost_model())
-        policy = make_policy(self.adaptive_draft, drafter.num_draft_tokens, overlap, drafter.cost_per_pass, forward)
+        policy = make_policy(self.adaptive_draft, drafter.num_draft_tokens, overlap, drafter.cost_per_pass, forward,
+                             params)
         if not overlap:
             return speculative_decode(self.target, drafter, prompt_ids, params, generator, capacity, stats, policy,
                                       cache)

@@ -264,3 +264,14 @@ def test_a_tree_verification_is_priced_by_its_rows_not_its_depth():
     assert policy.forward.seconds(9) == pytest.approx(0.060)
     assert policy.forward.relative(9) == pytest.approx(2.0)
     assert len(policy.acceptance.tested) == 2  # depth 3, one accepted: drafts 1 and 2 were tested
+
+
+def test_a_seeded_sampled_request_keeps_its_drafts_whole_at_a_fixed_length():
+    """Its random draws must not depend on timings: no trimming, no adaptive length. Unseeded or greedy: as asked."""
+    from dflash2.verify.sampling import GREEDY, SamplingParams
+
+    seeded = make_policy(True, 4, overlap=False, per_pass=True, params=SamplingParams(temperature=0.8, seed=1))
+    assert isinstance(seeded, FixedDraftLength) and not seeded.trims and seeded.k == 4
+    unseeded = make_policy(True, 4, overlap=False, per_pass=True, params=SamplingParams(temperature=0.8))
+    assert isinstance(unseeded, AdaptiveDraftLength) and unseeded.trims
+    assert make_policy(False, 4, overlap=False, params=GREEDY).trims
