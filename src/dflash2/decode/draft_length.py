@@ -48,11 +48,12 @@ class TrimmedDrafts:
     rows (``forward``, fitted from the verifications seen), the cost of drafting relative to a plain step
     (``draft_ratio``, per pass or per draft token), and the acceptance by confidence (``confidence``)."""
 
-    def __init__(self, forward: ForwardCost | None, per_pass: bool, trim: bool, decay: float = 0.9) -> None:
+    def __init__(self, forward: ForwardCost | None, per_pass: bool, trim: bool, decay: float = 0.9,
+                 draft_ratio: float = DRAFT_RATIO) -> None:
         # the prior (c0 + c1 = 1 plain step, c1 = VERIFY_GROWTH) holds until the sizes seen vary enough for a fit
         self.forward = forward or ForwardCost(prior=(1.0 - VERIFY_GROWTH, VERIFY_GROWTH))
         self.per_pass, self.trims, self.decay = per_pass, trim, decay
-        self.draft_ratio = DRAFT_RATIO  # seconds per draft token (or pass) / seconds per plain target step
+        self.draft_ratio = draft_ratio  # seconds per draft token (or pass) / seconds per plain target step
         self.confidence = Confidence()  # acceptance by the drafter's own probability (drafts that carry one)
 
     def draft_cost(self, k: int) -> float:
@@ -150,10 +151,9 @@ class AdaptiveDraftLength(TrimmedDrafts):
         # verification forwards over 1 + k tokens; the prior (c0 + c1 = 1 plain step, c1 = verify_growth) holds
         # until the measured draft lengths vary enough for a fit
         super().__init__(forward or ForwardCost(prior=(1.0 - config.verify_growth, config.verify_growth)),
-                         config.per_pass, config.trim and not config.overlap, config.decay)
+                         config.per_pass, config.trim and not config.overlap, config.decay, config.draft_ratio)
         self.config = config
         self.acceptance = Acceptance(config.prior, config.prior_weight, config.decay)
-        self.draft_ratio = config.draft_ratio
         self.steps_off = 0
         self.steps_on = 0
         self.probe_interval = config.probe_interval  # grows while probes fail, back to the config's when one pays

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from dflash2.decode.draft_length import DraftLengthPolicy, FixedDraftLength
+from dflash2.decode.draft_length import DraftLengthPolicy, make_policy
 from dflash2.decode.speculative import verify_draft
 from dflash2.decode.step import StepOutcome, empty_draft, fit_draft, prompt_observation, settle
 from dflash2.decode.stats import DecodeStats
@@ -132,7 +132,7 @@ def overlap_decode(
     policy: DraftLengthPolicy | None = None,
 ) -> Iterator[list[int]]:
     """Like ``speculative_decode`` (same output distribution, token for token at T = 0), drafting concurrently."""
-    policy = policy or FixedDraftLength(drafter.num_draft_tokens, trim=False)  # pre-drafts: whole blocks
+    policy = policy or make_policy(False, drafter.num_draft_tokens, True, drafter.cost_per_pass, params=params)
     stats.pipeline = "overlap"
     draft_generator = _fork(generator)
     busy_before = worker.busy_seconds

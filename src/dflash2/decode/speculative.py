@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from dflash2.decode.draft_length import DraftLengthPolicy, FixedDraftLength, keeps_its_drafts
+from dflash2.decode.draft_length import DraftLengthPolicy, make_policy
 from dflash2.decode.stats import DecodeStats
 from dflash2.decode.step import Hidden, empty_draft, fit_draft, prompt_observation, settle
 from dflash2.drafters.base import Draft, Drafter
@@ -33,8 +33,7 @@ def speculative_decode(
 
     A cache that keeps hidden states (``cache.tap_layers`` == the drafter's) keeps those of every committed slot;
     a drafter that reads hidden states can start from a reused prefix only through them."""
-    policy = policy or FixedDraftLength(drafter.num_draft_tokens, per_pass=drafter.cost_per_pass,
-                                        trim=not keeps_its_drafts(params))
+    policy = policy or make_policy(False, drafter.num_draft_tokens, False, drafter.cost_per_pass, params=params)
     taps = drafter.hidden_layers
     cache = target.new_cache(capacity) if cache is None else cache
     reused = cache.length

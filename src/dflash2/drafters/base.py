@@ -49,10 +49,16 @@ class Draft:
         """Longest path of drafts: k for a chain, the tree's depth for a tree."""
         if self.parents is None:
             return len(self.tokens)
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return max(depths, default=0)
+        return max(node_depths(self.parents), default=0)
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """Each tree node's depth (1: a child of the pending token) from its parent (-1: the pending token); parents
+    precede their children."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
 
 
 class Drafter(ABC):

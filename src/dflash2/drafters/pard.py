@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from dflash2 import platform
-from dflash2.drafters.base import Draft
+from dflash2.drafters.base import Draft, node_depths
 from dflash2.drafters.dflash2_parts import best_tree
 from dflash2.drafters.model import CachedModelDrafter
 from dflash2.drafters.pard_load import (  # the adapter's files and the network's loading, re-exported
@@ -370,7 +370,7 @@ class PardDrafter(CachedModelDrafter):
         head = self.model.lm_head
         tokens = head.ids[chosen].cpu() if head_rows and isinstance(head, VocabSubsetHead) else chosen
         return Draft(tokens=tokens, q_draft=None, parents=parents,
-                     confidence=probabilities(logits[node_depths(parents)], chosen))
+                     confidence=probabilities(logits[[depth - 1 for depth in node_depths(parents)]], chosen))
 
     def _draft(self, logits: torch.Tensor, params: SamplingParams, generator) -> Draft:
         """logits [k, V] -> the draft: a tree (``num_paths`` > 1), the argmaxes (T = 0) or samples with q_draft."""
@@ -391,14 +391,6 @@ def probabilities(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     chosen = logits.gather(1, rows[:, None].to(logits.device))[:, 0]
     return (chosen - logits.logsumexp(dim=-1)).exp().cpu()
-
-
-def node_depths(parents: list[int]) -> list[int]:
-    """The block position (0-based: a child of the pending token is at 0) of each node of a tree."""
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return depths
 
 
 def _after_lead(lead: list[int], dists: list[torch.Tensor], rest: Draft) -> Draft:

@@ -106,6 +106,13 @@ def kernel_supports(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | 
     )
 
 
+def kernel_mask(attn_mask: torch.Tensor) -> torch.Tensor:
+    """[B or 1, 1, T or 1, S] bool -> [B or 1, T or 1, S] with a contiguous last axis: the mask as the kernel takes
+    it (``invariant_attention``, and the fused gguf layer once per forward)."""
+    mask = attn_mask[:, 0]
+    return mask if mask.stride(-1) == 1 else mask.contiguous()
+
+
 def invariant_attention(
     q: torch.Tensor,  # [B, H, T, Dh] fp32, bf16 or fp16
     k: torch.Tensor,  # [B, H_kv, S, Dh]
@@ -119,10 +126,6 @@ def invariant_attention(
     :class:`~dflash2.kernels.boundary.KernelInputError`."""
     check_attention(q, k, v, attn_mask)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    mask = None
-    if attn_mask is not None:
-        mask = attn_mask[:, 0]  # [B or 1, T or 1, S]
-        if mask.stride(-1) != 1:
-            mask = mask.contiguous()
+    mask = None if attn_mask is None else kernel_mask(attn_mask)
     out = _state["op"](q, k, v, mask, is_causal, 1.0 / math.sqrt(q.shape[-1]))  # fp32 [B, H, T, Dh]
     return out if q.dtype == torch.float32 else out.to(q.dtype)

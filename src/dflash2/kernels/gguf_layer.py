@@ -25,7 +25,7 @@ from dflash2 import platform
 from dflash2.kernels import gguf_linear as _gguf
 from dflash2.kernels import jit
 from dflash2.kernels import layer_ops
-from dflash2.kernels.attention import attention_kernel_available, use_invariant_kernel
+from dflash2.kernels.attention import attention_kernel_available, kernel_mask, use_invariant_kernel
 
 ENV = "DFLASH2_GGUF_LAYER"
 
@@ -75,8 +75,7 @@ def _kernel_mask(mask: torch.Tensor, x: torch.Tensor, length: int) -> torch.Tens
     mask_batch, mask_heads, mask_tokens, mask_slots = mask.shape
     if mask_batch not in (1, batch) or mask_heads != 1 or mask_tokens not in (1, seq) or mask_slots != length + seq:
         return None
-    mask = mask[:, 0]
-    return mask if mask.stride(-1) == 1 else mask.contiguous()
+    return kernel_mask(mask)
 
 
 def _segmented_layers(model, parts: list, lengths: list[int], x: torch.Tensor) -> LayerRunner | None:
