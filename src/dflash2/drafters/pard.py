@@ -370,7 +370,7 @@ class PardDrafter(CachedModelDrafter):
         head = self.model.lm_head
         tokens = head.ids[chosen].cpu() if head_rows and isinstance(head, VocabSubsetHead) else chosen
         return Draft(tokens=tokens, q_draft=None, parents=parents,
-                     confidence=probabilities(logits[[depth - 1 for depth in node_depths(parents)]], chosen))
+                     confidence=probabilities(logits, chosen, [depth - 1 for depth in node_depths(parents)]))
 
     def _draft(self, logits: torch.Tensor, params: SamplingParams, generator) -> Draft:
         """logits [k, V] -> the draft: a tree (``num_paths`` > 1), the argmaxes (T = 0) or samples with q_draft."""
@@ -385,12 +385,15 @@ class PardDrafter(CachedModelDrafter):
                      confidence=q_draft.gather(1, tokens[:, None].to(q_draft.device))[:, 0].float().cpu())
 
 
-def probabilities(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """logits [n, V'] and one row per line [n] -> [n] float32 softmax probabilities of those rows (the drafter's
-    confidence in each draft, ``Draft.confidence``)."""
+def probabilities(logits: torch.Tensor, rows: torch.Tensor, lines: list[int] | None = None) -> torch.Tensor:
+    """logits [k, V'] and, for each of n drafts, its row ``rows`` [n] on line ``lines[i]`` (None: line i) -> [n]
+    float32 softmax probabilities of those rows (the drafter's confidence in each draft, ``Draft.confidence``).
+    Each line is normalised once, however many of a tree's nodes sit on it."""
     logits = logits.float()
-    chosen = logits.gather(1, rows[:, None].to(logits.device))[:, 0]
-    return (chosen - logits.logsumexp(dim=-1)).exp().cpu()
+    index = torch.arange(len(rows)) if lines is None else torch.tensor(lines, dtype=torch.int64)
+    index = index.to(logits.device)
+    chosen = logits[index, rows.to(logits.device)]  # [n]
+    return (chosen - logits.logsumexp(dim=-1)[index]).exp().cpu()
 
 
 def _after_lead(lead: list[int], dists: list[torch.Tensor], rest: Draft) -> Draft:
