@@ -23,8 +23,9 @@ the interval (up to ``max_probe_interval``): a probe costs more than a draft pas
 missed while it was off, up to its catch-up window), so on text where drafts do not pay it should be rare. While on
 at one length, the verification cost's growth with k cannot be fitted (every forward has the same size): every
 ``probe_interval`` steps one step drafts one token fewer (one more when k = 1), which costs about nothing. The
-forward cost model may be shared by the requests of one engine (the same target), so later requests start from a
-fit.
+forward cost model is kept per context length (``cost_model.ContextCosts``: every row attends to the whole context)
+and may be shared by the requests of one engine (the same target), so later requests start from a fit at their
+length.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash2 import platform
-from dflash2.decode.cost_model import Acceptance, Confidence, ForwardCost, StepCosts, nodes_tested
+from dflash2.decode.cost_model import Acceptance, Confidence, ContextCosts, ForwardCost, StepCosts, nodes_tested
 from dflash2.drafters.base import Draft
 from dflash2.verify.sampling import SamplingParams
 
@@ -45,16 +46,29 @@ DRAFT_RATIO = 0.3  # prior: drafting's cost (per token, or per pass) relative to
 
 class TrimmedDrafts:
     """What both policies share to trim a draft by its confidences (:meth:`trim`): the verification cost model by
-    rows (``forward``, fitted from the verifications seen), the cost of drafting relative to a plain step
+    rows at the context length at hand (``forward``, fitted from the verifications seen at about that length; the
+    loop says the length before each step, :meth:`at_context`), the cost of drafting relative to a plain step
     (``draft_ratio``, per pass or per draft token), and the acceptance by confidence (``confidence``)."""
 
-    def __init__(self, forward: ForwardCost | None, per_pass: bool, trim: bool, decay: float = 0.9,
+    def __init__(self, forward: ForwardCost | ContextCosts | None, per_pass: bool, trim: bool, decay: float = 0.9,
                  draft_ratio: float = DRAFT_RATIO) -> None:
         # the prior (c0 + c1 = 1 plain step, c1 = VERIFY_GROWTH) holds until the sizes seen vary enough for a fit
-        self.forward = forward or ForwardCost(prior=(1.0 - VERIFY_GROWTH, VERIFY_GROWTH))
+        if isinstance(forward, ForwardCost):
+            forward = ContextCosts(single=forward)
+        self.costs = forward or ContextCosts(prior=(1.0 - VERIFY_GROWTH, VERIFY_GROWTH))
+        self.context = 0  # cached positions before the next verification
         self.per_pass, self.trims, self.decay = per_pass, trim, decay
         self.draft_ratio = draft_ratio  # seconds per draft token (or pass) / seconds per plain target step
         self.confidence = Confidence()  # acceptance by the drafter's own probability (drafts that carry one)
+
+    @property
+    def forward(self) -> ForwardCost:
+        """The verification cost model at the current context length."""
+        return self.costs.at(self.context)
+
+    def at_context(self, cached: int) -> None:
+        """The next verification follows ``cached`` positions (its rows are priced by forwards at that length)."""
+        self.context = cached
 
     def draft_cost(self, k: int) -> float:
         """Drafting k tokens, in plain target steps."""
@@ -108,7 +122,8 @@ class FixedDraftLength(TrimmedDrafts):
     """Always ``k`` drafts (capped by the room left in the cache), each draft trimmed by its confidences
     (:meth:`TrimmedDrafts.trim`) unless ``trim`` is off."""
 
-    def __init__(self, k: int, forward: ForwardCost | None = None, per_pass: bool = False, trim: bool = True) -> None:
+    def __init__(self, k: int, forward: ForwardCost | ContextCosts | None = None, per_pass: bool = False,
+                 trim: bool = True) -> None:
         if k < 0:
             raise ValueError(f"draft length must be >= 0, got {k}")
         super().__init__(forward, per_pass, trim)
@@ -145,12 +160,12 @@ class AdaptiveDraftLength(TrimmedDrafts):
     """Picks k per step from the acceptance and costs observed so far in this request; trims each draft by its
     confidences (:meth:`TrimmedDrafts.trim`) unless the config says not to or the pipeline overlaps."""
 
-    def __init__(self, config: AdaptiveConfig, forward: ForwardCost | None = None) -> None:
+    def __init__(self, config: AdaptiveConfig, forward: ForwardCost | ContextCosts | None = None) -> None:
         if config.k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {config.k_max}")
         # verification forwards over 1 + k tokens; the prior (c0 + c1 = 1 plain step, c1 = verify_growth) holds
         # until the measured draft lengths vary enough for a fit
-        super().__init__(forward or ForwardCost(prior=(1.0 - config.verify_growth, config.verify_growth)),
+        super().__init__(forward or ContextCosts(prior=(1.0 - config.verify_growth, config.verify_growth)),
                          config.per_pass, config.trim and not config.overlap, config.decay, config.draft_ratio)
         self.config = config
         self.acceptance = Acceptance(config.prior, config.prior_weight, config.decay)
@@ -239,7 +254,8 @@ def keeps_its_drafts(params: SamplingParams) -> bool:
 
 
 def make_policy(adaptive: bool, k_max: int, overlap: bool, per_pass: bool = False,
-                forward: ForwardCost | None = None, params: SamplingParams | None = None) -> DraftLengthPolicy:
+                forward: ForwardCost | ContextCosts | None = None, params: SamplingParams | None = None
+                ) -> DraftLengthPolicy:
     """A fresh policy for one request (``per_pass``: the drafter's ``cost_per_pass``; ``forward``: the engine's
     verification cost model, shared by its requests; None: the request's own; ``params``: the request's sampling,
     a seeded sampled request keeping its drafts, :func:`keeps_its_drafts`)."""
@@ -251,7 +267,7 @@ def make_policy(adaptive: bool, k_max: int, overlap: bool, per_pass: bool = Fals
     return AdaptiveDraftLength(AdaptiveConfig(k_max=k_max, overlap=overlap, per_pass=per_pass, trim=trim), forward)
 
 
-def verification_cost_model(growth: float = VERIFY_GROWTH) -> ForwardCost:
-    """A verification cost model for an engine's requests to share (prior: a verification of k drafts costs
-    ``1 + growth * k`` plain steps)."""
-    return ForwardCost(prior=(1.0 - growth, growth))
+def verification_cost_model(growth: float = VERIFY_GROWTH) -> ContextCosts:
+    """A verification cost model for an engine's requests to share, per context length (prior: a verification of
+    k drafts costs ``1 + growth * k`` plain steps)."""
+    return ContextCosts(prior=(1.0 - growth, growth))

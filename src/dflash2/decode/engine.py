@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
-from dflash2.decode.cost_model import ForwardCost
+from dflash2.decode.cost_model import ContextCosts
 from dflash2.decode.output import GenerationResult, OutputTracker, StreamChunk
 from dflash2.decode.plain import plain_decode
 from dflash2.decode.stats import DecodeStats
@@ -52,7 +52,7 @@ class Engine:
         self.adaptive_draft = adaptive_draft  # choose the draft length per step from observed acceptance
         self.draft_threads = draft_threads  # overlap: the drafter thread's intra-op threads (None: torch's default)
         self._worker = None  # overlap: the drafter's thread, started on first use
-        self._verify_costs: dict[str, ForwardCost] = {}  # pipeline -> the adaptive draft lengths' shared cost model
+        self._verify_costs: dict[str, ContextCosts] = {}  # pipeline -> the draft-length policies' shared costs
         self.prefix_cache = prefix_cache  # keep the last generation's KV cache for the next call
         self._kept: KeptCache | None = None
 

@@ -149,6 +149,7 @@ def overlap_decode(
         draft_seconds = 0.0  # the drafter's time for that block
         while cache.length < capacity:
             room = capacity - cache.length - 1
+            policy.at_context(cache.length)
             k = policy.next_length(room)
             waited = time.perf_counter()
             if k == 0:

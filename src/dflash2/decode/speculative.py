@@ -54,6 +54,7 @@ def speculative_decode(
     while cache.length < capacity:
         room = capacity - cache.length - 1  # slots left after the pending token
         started = time.perf_counter()
+        policy.at_context(cache.length)
         k = policy.next_length(room)
         draft = fit_draft(policy.trim(drafter.propose(sequence, k, params, generator)), room) if k else empty_draft()
         drafted = time.perf_counter()

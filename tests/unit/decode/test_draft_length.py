@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.decode.cost_model import Confidence, ForwardCost, nodes_tested
+from dflash2.decode.cost_model import Confidence, ContextCosts, ForwardCost, nodes_tested
 from dflash2.decode.draft_length import AdaptiveConfig, AdaptiveDraftLength, FixedDraftLength, keep_nodes, make_policy
 from dflash2.drafters.base import Draft
 
@@ -138,10 +138,38 @@ def test_at_one_length_the_policy_varies_k_once_in_a_while_to_fit_the_verificati
         would_accept = [1, 1, 0, 2, 1][step % 5]  # position 0 accepts 0.8, position 1 after it 0.25, then none
         policy.record(k, min(would_accept, k), 0.024, 0.040 * (1 + 0.33 * k))  # a pass: 0.6 step; growth 0.33
     assert 2 in lengths[:8]  # an exploring step
-    assert shared.fitted() and shared.growth() == pytest.approx(0.33)
+    assert shared.at(0).fitted() and shared.at(0).growth() == pytest.approx(0.33)
     assert policy.best_length() == 0  # k = 1: 1.8 tokens for 0.6 + 1.33 steps; plain decoding wins
     again = AdaptiveDraftLength(AdaptiveConfig(k_max=3, per_pass=True), shared)  # the engine's next request
-    assert again.forward.growth() == pytest.approx(shared.growth())
+    assert again.forward.growth() == pytest.approx(shared.at(0).growth())
+
+
+def test_verifications_are_priced_by_forwards_at_their_context_length():
+    """Rows cost more after a long context (each attends to all of it): an engine's shared costs keep one fit per
+    context bucket, a request's trim keeps fewer nodes where rows cost more, and a bucket seen for the first time
+    starts from the nearest bucket's line instead of the prior."""
+    from dflash2.decode.cost_model import context_bucket
+    from dflash2.decode.draft_length import verification_cost_model
+
+    assert [context_bucket(n) for n in (0, 1023, 1024, 2047, 2048, 8000, 16384)] == [0, 0, 1, 1, 2, 3, 5]
+    shared = verification_cost_model()
+    policy = FixedDraftLength(4, shared, per_pass=True)
+    for context, growth in ((200, 0.05), (8000, 0.6)):  # a plain step 30 ms; each further row 5% or 60% of it
+        policy.at_context(context)
+        for step in range(24):
+            rows = 1 + step % 5
+            policy.record(rows - 1, 0, 0.0, 0.030 * (1 + growth * (rows - 1)), rows)
+    assert shared.at(100).relative(5) == pytest.approx(1.2)
+    assert shared.at(7000).relative(5) == pytest.approx(3.4)
+    draft = Draft(tokens=torch.arange(4), q_draft=None, confidence=torch.tensor([0.9, 0.8, 0.7, 0.6]))
+    policy.at_context(300)
+    short = len(policy.trim(draft).tokens)
+    policy.at_context(7500)
+    long = len(policy.trim(draft).tokens)
+    assert short == 4 and long < short
+    fresh = shared.at(3000)  # 2-4K: never seen; it starts from the 4-8K line, its nearest
+    assert fresh.coefficients() == pytest.approx(shared.at(8000).coefficients())
+    assert ContextCosts(single=shared.at(0)).at(9000) is shared.at(0)
 
 
 def test_verifications_are_priced_by_the_measured_time_of_their_size():
