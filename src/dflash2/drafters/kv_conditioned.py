@@ -27,6 +27,7 @@ import torch
 from dflash2.drafters.conditioning import fuse_taps
 from dflash2.drafters.kv_conditioning import GatedKVConditioning, GatedTargetAttention
 from dflash2.drafters.target_reading import TargetReadingPardDrafter
+from dflash2.drafters.model import ContextWindow
 from dflash2.models.decoder import CachedAttention, Transformer
 
 
@@ -37,7 +38,7 @@ class KVConditionedPardDrafter(TargetReadingPardDrafter):
 
     def __init__(self, model: Transformer, mask_token_id: int, conditioning: GatedKVConditioning,
                  num_draft_tokens: int = 8, target_vocab_size: int | None = None, num_paths: int = 1,
-                 context_window: tuple[int, int] | None = None, catch_up: int | None = None,
+                 context_window: ContextWindow | tuple[int, int] | None = None, catch_up: int | None = None,
                  reader: Transformer | None = None) -> None:
         super().__init__(model, mask_token_id, conditioning, num_draft_tokens, target_vocab_size, num_paths,
                          context_window, catch_up, reader)

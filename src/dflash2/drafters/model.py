@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,13 +20,34 @@ if TYPE_CHECKING:
     from dflash2.drafters.spec import DraftOptions, DraftTarget
 
 
+@dataclass(frozen=True)
+class ContextWindow:
+    """What a fresh draft cache reads of a long prompt: its first ``sink`` ids and its last ``recent``, each at its
+    own position, where the prompt is longer than the window and than ``whole`` ids (shorter ones are read whole:
+    a window smaller than the prompts chat sends most would cost them context)."""
+
+    sink: int
+    recent: int
+    whole: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sink < 0 or self.recent < 1 or self.whole < 0:
+            raise ValueError(f"context_window = (sink >= 0, recent >= 1) ids, read whole up to whole >= 0 ids; got "
+                             f"({self.sink}, {self.recent}), whole {self.whole}")
+
+    def applies(self, length: int) -> bool:
+        """Whether ``length`` ids are read through the window (else whole)."""
+        return length > max(self.sink + self.recent, self.whole)
+
+
 class CachedModelDrafter(ExtendsAhead, Drafter):
     """A small model with its own KV cache of the committed sequence, kept in sync by rollback.
 
     ``cached_tokens`` are the committed ids the cache accounts for; ``slot_ids[s]`` is the index in them of the id
     cache slot s holds (every id keeps its own position, RoPE: a left-out id only hides context, so the drafts
     change, never the output). Two windows leave ids out:
-    - ``context_window`` = (sink, recent): a fresh cache given a longer prompt reads only its first ``sink`` and
+    - ``context_window`` (:class:`ContextWindow`, or (sink, recent)): a fresh cache given a longer prompt reads only
+      its first ``sink`` and
       last ``recent`` ids (None reads everything);
     - ``catch_up``: a cache that fell behind (a drafter idle while speculation was off, or while prompt lookup
       drafted) reads only the last ``catch_up`` of the ids it missed (None reads them all): resuming then costs
@@ -41,11 +63,11 @@ class CachedModelDrafter(ExtendsAhead, Drafter):
     READER_MIN_IDS = 32  # a read of at least this many ids goes through ``reader`` when there is one
 
     def __init__(self, model: Transformer, num_draft_tokens: int, target_vocab_size: int | None = None,
-                 context_window: tuple[int, int] | None = None, catch_up: int | None = None,
+                 context_window: ContextWindow | tuple[int, int] | None = None, catch_up: int | None = None,
                  reader: Transformer | None = None) -> None:
         super().__init__(num_draft_tokens)
-        if context_window is not None and (context_window[0] < 0 or context_window[1] < 1):
-            raise ValueError(f"context_window = (sink >= 0, recent >= 1) ids, got {context_window}")
+        if isinstance(context_window, tuple):
+            context_window = ContextWindow(*context_window)
         if catch_up is not None and catch_up < 1:
             raise ValueError(f"catch_up must be >= 1 ids (or None: all), got {catch_up}")
         self.model = model
@@ -94,7 +116,7 @@ class CachedModelDrafter(ExtendsAhead, Drafter):
         """Read the prompt (or its first chunk) into the draft cache now: one forward, no logits. A prompt longer
         than the context window is read once, at its last chunk, so that the window keeps its last ids."""
         total = len(prompt_ids) if prompt_length is None else prompt_length
-        if self.context_window is not None and total > sum(self.context_window) and len(prompt_ids) < total:
+        if self.context_window is not None and self.context_window.applies(total) and len(prompt_ids) < total:
             return
         self._read_into_cache(prompt_ids)
 
@@ -126,8 +148,8 @@ class CachedModelDrafter(ExtendsAhead, Drafter):
         positions = list(range(len(self.cached_tokens), len(ids)))
         window = self.context_window
         if not self.slot_ids:
-            if window is not None and len(positions) > sum(window):
-                sink, recent = window
+            if window is not None and window.applies(len(positions)):
+                sink, recent = window.sink, window.recent
                 self.prompt_gap_end = positions[-recent]
                 return positions[:sink] + positions[-recent:]
         elif self.catch_up is not None and len(positions) > self.catch_up:

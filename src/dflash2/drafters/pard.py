@@ -35,7 +35,7 @@ import torch
 from dflash2 import platform
 from dflash2.drafters.base import Draft, node_depths
 from dflash2.drafters.dflash2_parts import best_tree
-from dflash2.drafters.model import CachedModelDrafter
+from dflash2.drafters.model import CachedModelDrafter, ContextWindow
 from dflash2.drafters.pard_load import (  # the adapter's files and the network's loading, re-exported
     ADAPTER_FILE,
     BLOCK_FORMATS,
@@ -135,15 +135,18 @@ def pard_catch_up() -> int | None:
     return None if profile.pard_catch_up == "all" else int(profile.pard_catch_up)
 
 
-def pard_context_window() -> tuple[int, int] | None:
+def pard_context_window() -> ContextWindow | None:
     """How much of a long prompt the drafter reads: :data:`DEFAULT_CONTEXT_WINDOW`, or ``$DFLASH2_PARD_WINDOW`` =
-    ``SINK,RECENT`` (the first SINK and the last RECENT ids) or ``all``. Lossless either way (only the drafts'
+    ``SINK,RECENT`` (the first SINK and the last RECENT ids of a prompt past 512 ids and past the window) or
+    ``all``. Lossless either way (only the drafts'
     context shrinks); it bounds the drafter's share of the time to first token."""
     profile = platform.settings()
     profile.check("DFLASH2_PARD_WINDOW")
     if profile.pard_window is None:
         return DEFAULT_CONTEXT_WINDOW
-    return None if profile.pard_window == "all" else profile.pard_window
+    if profile.pard_window == "all":
+        return None
+    return ContextWindow(*profile.pard_window, whole=DEFAULT_CONTEXT_WINDOW.whole)
 
 
 def pard_weights(weights: str | None, device: str, dtype: str = "bf16", hardware: DraftHardware | None = None) -> str:
@@ -184,9 +187,10 @@ def _avx512_gguf_kernel(hardware: DraftHardware, gguf_target: bool) -> bool:
 # int8 on a CPU: one draft pass of the 0.5B (8 rows) measured 590 ms vs 669 ms in bf16 (scripts/pard_cost.py,
 # docs/pard.md); the drafts need not be exact, only verification must (and it is, whatever the drafter computes)
 DEFAULT_PARD_WEIGHTS = "int8"
-# A long prompt: the drafter reads its first 32 ids (the chat template's system turn, attention sinks) and its
-# last 480; None reads all of it (docs/pard.md, "Time to first token").
-DEFAULT_CONTEXT_WINDOW: tuple[int, int] | None = (32, 480)
+# The drafter reads a prompt of up to 512 ids whole; of a longer one its first 16 ids (the chat template's system
+# turn, attention sinks) and its last 112: on 6-7.5K-id prompts that drafts as well as 32 + 480 and reads ~0.6 s
+# less (docs/pard.md, "Reading prompts, catching up, long prompts"). None reads all of every prompt.
+DEFAULT_CONTEXT_WINDOW: ContextWindow | None = ContextWindow(16, 112, whole=512)
 # A drafter that fell behind (speculation off for a while, or prompt lookup drafting) reads only the last 8 ids it
 # missed: a probe after 100 plain steps then costs about a usual pass (docs/pard.md, "Catching up").
 DEFAULT_CATCH_UP: int | None = 8
@@ -212,7 +216,7 @@ class PardDrafter(CachedModelDrafter):
 
     def __init__(self, model: Transformer, mask_token_id: int, num_draft_tokens: int = 8,
                  target_vocab_size: int | None = None, num_paths: int = 1,
-                 context_window: tuple[int, int] | None = None, catch_up: int | None = None,
+                 context_window: ContextWindow | tuple[int, int] | None = None, catch_up: int | None = None,
                  lead_tokens: int = 0, reader: Transformer | None = None) -> None:
         super().__init__(model, num_draft_tokens, target_vocab_size, context_window, catch_up, reader)
         if num_paths < 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash2.drafters.model import ContextWindow
 from dflash2.drafters.pard import PardDrafter
 from dflash2.models.decoder import Transformer
 
@@ -17,7 +18,7 @@ class TargetReadingPardDrafter(PardDrafter):
 
     def __init__(self, model: Transformer, mask_token_id: int, conditioning, num_draft_tokens: int = 8,
                  target_vocab_size: int | None = None, num_paths: int = 1,
-                 context_window: tuple[int, int] | None = None, catch_up: int | None = None,
+                 context_window: ContextWindow | tuple[int, int] | None = None, catch_up: int | None = None,
                  reader: Transformer | None = None) -> None:
         super().__init__(model, mask_token_id, num_draft_tokens, target_vocab_size, num_paths, context_window,
                          catch_up, 0, reader)
@@ -37,9 +38,9 @@ class TargetReadingPardDrafter(PardDrafter):
         """The observed positions a pass may read: all, or past a context window's reach only its sink and its
         recent ids (a long prompt: mapping every position would cost more than the drafter's read)."""
         device = self.model.device
-        if self.context_window is None or last - first + 1 <= sum(self.context_window) + 8:
+        if self.context_window is None or not self.context_window.applies(last - first + 1 - 8):
             return torch.arange(first, last + 1, device=device)
-        sink, recent = self.context_window
+        sink, recent = self.context_window.sink, self.context_window.recent
         head = torch.arange(first, min(sink, last + 1), device=device)
         tail = torch.arange(max(first, last - recent - 8), last + 1, device=device)
         return torch.unique(torch.cat([head, tail]))

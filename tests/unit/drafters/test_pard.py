@@ -651,6 +651,30 @@ def test_context_window_reads_the_sink_and_the_recent_ids_of_a_long_prompt(model
     assert run(speculative_steps("sync", target, windowed, ids, GREEDY, None, capacity, DecodeStats())) == plain
 
 
+def test_a_context_window_reads_prompts_up_to_its_whole_length_whole(models):
+    """ContextWindow(sink, recent, whole): a prompt of at most ``whole`` ids is read whole (chat's prompts keep their
+    context), a longer one through the window; greedy output stays plain decoding's either way."""
+    from dflash2.drafters.model import ContextWindow
+
+    model, target = models["qwen2_other"], models["qwen2"]
+    short = prompt().tolist()  # 13 ids
+    long = short * 2  # 26 ids
+    for ids, read, skipped in ((short, 13, 0), (long, 7, 19)):
+        drafter = PardDrafter(model, MASK, 3, context_window=ContextWindow(2, 5, whole=16))
+        drafter.reset(64)
+        drafter.prefill(ids)
+        assert (drafter.cache.length, drafter.skipped) == (read, skipped)
+    assert not ContextWindow(16, 112, whole=512).applies(512) and ContextWindow(16, 112, whole=512).applies(513)
+    assert ContextWindow(32, 480).applies(513) and not ContextWindow(32, 480).applies(512)
+    with pytest.raises(ValueError, match="whole >= 0"):
+        ContextWindow(2, 5, whole=-1)
+    ids = torch.tensor(long)
+    capacity = len(ids) + NEW_TOKENS + 4
+    plain = run(plain_decode(target, ids, GREEDY, None, capacity, DecodeStats()))
+    windowed = PardDrafter(model, MASK, 3, context_window=ContextWindow(2, 5, whole=16))
+    assert run(speculative_steps("sync", target, windowed, ids, GREEDY, None, capacity, DecodeStats())) == plain
+
+
 class _EveryOtherThird(FixedDraftLength):
     """A draft-length policy that drafts k only every third step (speculation off in between: the drafter falls
     behind by several ids each time)."""
