@@ -51,11 +51,12 @@ class TrimmedDrafts:
     (``draft_ratio``, per pass or per draft token), and the acceptance by confidence (``confidence``)."""
 
     def __init__(self, forward: ForwardCost | ContextCosts | None, per_pass: bool, trim: bool, decay: float = 0.9,
-                 draft_ratio: float = DRAFT_RATIO) -> None:
-        # the prior (c0 + c1 = 1 plain step, c1 = VERIFY_GROWTH) holds until the sizes seen vary enough for a fit
+                 draft_ratio: float = DRAFT_RATIO, verify_growth: float = VERIFY_GROWTH) -> None:
+        # verification forwards over 1 + k tokens; without a shared model the prior (c0 + c1 = 1 plain step,
+        # c1 = verify_growth) holds until the sizes seen vary enough for a fit
         if isinstance(forward, ForwardCost):
             forward = ContextCosts(single=forward)
-        self.costs = forward or ContextCosts(prior=(1.0 - VERIFY_GROWTH, VERIFY_GROWTH))
+        self.costs = forward or ContextCosts(prior=(1.0 - verify_growth, verify_growth))
         self.context = 0  # cached positions before the next verification
         self.per_pass, self.trims, self.decay = per_pass, trim, decay
         self.draft_ratio = draft_ratio  # seconds per draft token (or pass) / seconds per plain target step
@@ -91,11 +92,11 @@ class TrimmedDrafts:
         for node, p in enumerate(draft.confidence.tolist()):
             reach.append(self.confidence.rate(p) * (1.0 if parents[node] < 0 else reach[parents[node]]))
         ranking = sorted(range(count), key=lambda node: -reach[node])  # stable: parents before their children
-        paid = self.draft_cost(count)
+        paid, forward = self.draft_cost(count), self.forward
         best, best_rate, expected = 0, 0.0, 1.0
         for n in range(1, count + 1):
             expected += reach[ranking[n - 1]]
-            rate = expected / (paid + self.forward.relative(1 + n))
+            rate = expected / (paid + forward.relative(1 + n))
             if rate > best_rate:
                 best, best_rate = n, rate
         return keep_nodes(draft, sorted(ranking[:best]))
@@ -110,10 +111,11 @@ class TrimmedDrafts:
 
     def record_costs(self, num_drafted: int, draft_seconds: float, verify_seconds: float, rows: int) -> None:
         """A verification's measured times: the forward's by its rows, drafting's relative to a plain step."""
+        forward = self.forward
         if verify_seconds > 0:
-            self.forward.record(rows, verify_seconds)
+            forward.record(rows, verify_seconds)
         if num_drafted > 0 and draft_seconds > 0 and verify_seconds > 0:
-            plain_step = verify_seconds / self.forward.relative(rows)
+            plain_step = verify_seconds / forward.relative(rows)
             measured = draft_seconds / plain_step / (1 if self.per_pass else num_drafted)
             self.draft_ratio = self.decay * self.draft_ratio + (1.0 - self.decay) * measured
 
@@ -163,10 +165,8 @@ class AdaptiveDraftLength(TrimmedDrafts):
     def __init__(self, config: AdaptiveConfig, forward: ForwardCost | ContextCosts | None = None) -> None:
         if config.k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {config.k_max}")
-        # verification forwards over 1 + k tokens; the prior (c0 + c1 = 1 plain step, c1 = verify_growth) holds
-        # until the measured draft lengths vary enough for a fit
-        super().__init__(forward or ContextCosts(prior=(1.0 - config.verify_growth, config.verify_growth)),
-                         config.per_pass, config.trim and not config.overlap, config.decay, config.draft_ratio)
+        super().__init__(forward, config.per_pass, config.trim and not config.overlap, config.decay,
+                         config.draft_ratio, config.verify_growth)
         self.config = config
         self.acceptance = Acceptance(config.prior, config.prior_weight, config.decay)
         self.steps_off = 0

@@ -27,8 +27,8 @@ import torch
 
 from dflash2.drafters.conditioning import TargetConditioning, fuse_taps, has_conditioning
 from dflash2.drafters.pard import PARD_CONFIG
-from dflash2.drafters.target_reading import TargetReadingPardDrafter
 from dflash2.drafters.model import ContextWindow
+from dflash2.drafters.target_reading import TargetReadingPardDrafter
 from dflash2.models.decoder import Transformer
 
 

@@ -26,8 +26,8 @@ import torch
 
 from dflash2.drafters.conditioning import fuse_taps
 from dflash2.drafters.kv_conditioning import GatedKVConditioning, GatedTargetAttention
-from dflash2.drafters.target_reading import TargetReadingPardDrafter
 from dflash2.drafters.model import ContextWindow
+from dflash2.drafters.target_reading import TargetReadingPardDrafter
 from dflash2.models.decoder import CachedAttention, Transformer
 
 

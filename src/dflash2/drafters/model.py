@@ -47,8 +47,7 @@ class CachedModelDrafter(ExtendsAhead, Drafter):
     cache slot s holds (every id keeps its own position, RoPE: a left-out id only hides context, so the drafts
     change, never the output). Two windows leave ids out:
     - ``context_window`` (:class:`ContextWindow`, or (sink, recent)): a fresh cache given a longer prompt reads only
-      its first ``sink`` and
-      last ``recent`` ids (None reads everything);
+      its first ``sink`` and last ``recent`` ids (None reads everything);
     - ``catch_up``: a cache that fell behind (a drafter idle while speculation was off, or while prompt lookup
       drafted) reads only the last ``catch_up`` of the ids it missed (None reads them all): resuming then costs
       about a usual pass, not a forward over every id committed meanwhile.

@@ -138,8 +138,7 @@ def pard_catch_up() -> int | None:
 def pard_context_window() -> ContextWindow | None:
     """How much of a long prompt the drafter reads: :data:`DEFAULT_CONTEXT_WINDOW`, or ``$DFLASH2_PARD_WINDOW`` =
     ``SINK,RECENT`` (the first SINK and the last RECENT ids of a prompt past 512 ids and past the window) or
-    ``all``. Lossless either way (only the drafts'
-    context shrinks); it bounds the drafter's share of the time to first token."""
+    ``all``. Lossless either way (only the drafts' context shrinks); it bounds the drafter's reading time."""
     profile = platform.settings()
     profile.check("DFLASH2_PARD_WINDOW")
     if profile.pard_window is None:
