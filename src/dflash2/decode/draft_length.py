@@ -42,6 +42,11 @@ from dflash2.verify.sampling import SamplingParams
 
 VERIFY_GROWTH = 0.05  # prior: a verification of k drafts costs (1 + VERIFY_GROWTH * k) plain steps
 DRAFT_RATIO = 0.3  # prior: drafting's cost (per token, or per pass) relative to a plain step
+# Cached positions from which a context's one-row cost is timed by a plain step rather than extrapolated from its
+# verifications (TrimmedDrafts.times_one_row). Below, a second row costs little more than the line says (gguf, Zen 4:
+# 1 / 2 rows 27 / 32 ms at 300 positions), and timing it there turned speculation off on MT-bench requests where it
+# paid (4 of 6 decodes slower, 2026-12-07).
+ONE_ROW_TIMED_FROM = 2048
 
 
 class TrimmedDrafts:
@@ -70,6 +75,18 @@ class TrimmedDrafts:
     def at_context(self, cached: int) -> None:
         """The next verification follows ``cached`` positions (its rows are priced by forwards at that length)."""
         self.context = cached
+
+    def times_one_row(self) -> bool:
+        """Whether the next step should run plain, to time one row at a long context (from
+        :data:`ONE_ROW_TIMED_FROM` cached positions): every verification seen there had more rows, so the plain step
+        (the unit of every other cost) is only extrapolated from them, and there that errs most: a second row adds
+        attention over every cached key (AMD EPYC Zen 4, gguf 1.5B, 7000 positions: 1 / 2 / 3 rows ~37 / ~60 /
+        ~66 ms, the line through 2 and 3 rows says 54 for one), so steps of ~2.1 tokens for ~2.2 plain steps looked
+        like a gain. Again whenever the window of forwards has let the one-row time go."""
+        if self.context < ONE_ROW_TIMED_FROM:
+            return False
+        samples = self.forward.samples
+        return bool(samples) and all(rows > 1 for rows, _ in samples)
 
     def draft_cost(self, k: int) -> float:
         """Drafting k tokens, in plain target steps."""
@@ -175,6 +192,8 @@ class AdaptiveDraftLength(TrimmedDrafts):
         self.probed = False  # the last step was a probe
 
     def next_length(self, room: int) -> int:
+        if self.times_one_row():
+            return 0
         k = min(self.best_length(), room)
         probed, self.probed = self.probed, False
         if k > 0:

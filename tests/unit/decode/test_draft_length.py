@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dflash2.decode.cost_model import Confidence, ContextCosts, ForwardCost, nodes_tested
-from dflash2.decode.draft_length import AdaptiveConfig, AdaptiveDraftLength, FixedDraftLength, keep_nodes, make_policy
+from dflash2.decode.draft_length import (ONE_ROW_TIMED_FROM, AdaptiveConfig, AdaptiveDraftLength, FixedDraftLength,
+                                        keep_nodes, make_policy)
 from dflash2.drafters.base import Draft
 
 
@@ -28,6 +29,23 @@ def test_full_acceptance_with_cheap_drafts_drafts_the_longest_block():
     assert min(policy.acceptance.rates(8)) > 0.95
     assert policy.next_length(room=100) == 8
     assert policy.next_length(room=3) == 3
+
+
+def test_a_plain_step_times_one_row_where_every_verification_seen_had_more():
+    policy = AdaptiveDraftLength(AdaptiveConfig(k_max=4))
+    policy.at_context(8000)
+    feed(policy, 10, accepted=4, drafted=4)
+    assert policy.next_length(room=100) == 0  # a plain step, the unit of every other cost, is only extrapolated here
+    policy.record(0, 0, 0.0, 0.05)
+    assert policy.forward.seconds(1) == pytest.approx(0.05)
+    assert policy.next_length(room=100) == 4
+    policy.at_context(3000)  # another long context, nothing verified there yet: speculation first
+    assert policy.next_length(room=100) == 4
+    feed(policy, 1, accepted=4, drafted=4)
+    assert policy.next_length(room=100) == 0
+    policy.at_context(ONE_ROW_TIMED_FROM - 1)  # a short one: its one-row cost extrapolated
+    feed(policy, 3, accepted=4, drafted=4)
+    assert policy.next_length(room=100) == 4
 
 
 def test_everything_rejected_switches_speculation_off_then_probes_less_and_less_often():
