@@ -599,7 +599,13 @@ void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t items = B * Hkv * T_;
   // About 64K multiply-adds per thread hand-off at least; a decode step over ~100 slots stays on one thread.
   const int64_t per_item = std::max<int64_t>(1, S * G * dh * 2);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_item);
+  // And a kv head's rows of a verification block or tree (up to 32 rows) in one chunk, where there are heads enough
+  // to keep every thread busy: the thread that streamed the head's keys and values for its first row finds them in
+  // its own caches for the next rows. Handed out one at a time, the rows had both threads read one head from memory
+  // together, then the other (two vCPUs need not share an L3). Only which thread runs an item changes.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t head_rows = T_ <= 32 ? std::max<int64_t>(1, std::min<int64_t>(T_, T_ * B * Hkv / threads)) : 1;
+  const int64_t grain = std::max<int64_t>(head_rows, (int64_t{1} << 16) / per_item);
   chunked_threads(items, grain, [&](Chunks& chunks) {  // (items in chunks: a slower core takes fewer)
     std::vector<int32_t> idx(S);
     const int64_t ld_max = (S + 2 * kLanes - 1) / (2 * kLanes) * 2 * kLanes;  // (a multiple of 16)
