@@ -42,6 +42,12 @@ inline __m256i xload(const int8_t* row, int64_t k) {
   return _mm256_set1_epi32(four);
 }
 
+// Keeps an accumulator in a register at this point of the loop. Without it GCC 12 computed every product of a block
+// for all rows first and added them up afterwards, so with 3-4 rows the products (and the accumulators across
+// blocks) did not fit AVX2's 16 vector registers: 30-75 vector spills in each 3- or 4-row micro-kernel.
+// An empty asm ties each row's update to its step; it emits no instruction and changes no value.
+inline void in_register(__m256i& v) { asm volatile("" : "+x"(v)); }
+
 // 8 int8 -> 8 int32 lanes whose two int16 halves both hold the value (a _mm256_madd_epi16 multiplier).
 inline __m256i dup16(const int8_t* p) {
   const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -74,6 +80,8 @@ inline void block_integers(const Args& a, int64_t p, int64_t b, const int8_t* co
         for (int r = 0; r < MR; ++r) {  // <= 4 x 2 x 15 x 127 per int16 lane: no overflow
           a0[r] = _mm256_add_epi16(a0[r], _mm256_maddubs_epi16(lo, xload(xr[r], 32 * b + 4 * c)));
           a1[r] = _mm256_add_epi16(a1[r], _mm256_maddubs_epi16(hi, xload(xr[r], 32 * b + 16 + 4 * c)));
+          in_register(a0[r]);
+          in_register(a1[r]);
         }
       }
       for (int r = 0; r < MR; ++r)
@@ -90,6 +98,7 @@ inline void block_integers(const Args& a, int64_t p, int64_t b, const int8_t* co
           acc[r] = _mm256_add_epi16(acc[r], _mm256_add_epi16(
               _mm256_maddubs_epi16(lo, xload(xr[r], 32 * b + 4 * c)),
               _mm256_maddubs_epi16(hi, xload(xr[r], 32 * b + 16 + 4 * c))));
+          in_register(acc[r]);
         }
       }
       for (int r = 0; r < MR; ++r) J[r] = _mm256_madd_epi16(acc[r], S0);
@@ -123,6 +132,7 @@ inline void block_integers(const Args& a, int64_t p, int64_t b, const int8_t* co
         const __m256i t1 = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, xload(xr[r], 32 * b + 16 + 4 * c)),
                                             _mm256_maddubs_epi16(hi1, xload(xr[r], 32 * b + 16 + 4 * c + 4)));
         J[r] = _mm256_add_epi32(J[r], _mm256_add_epi32(_mm256_madd_epi16(t0, S0), _mm256_madd_epi16(t1, S1)));
+        in_register(J[r]);
       }
     }
   } else {  // signed bytes: |w| * sign(x, w), <= 2 x 128 x 127 per step
@@ -135,6 +145,7 @@ inline void block_integers(const Args& a, int64_t p, int64_t b, const int8_t* co
       for (int r = 0; r < MR; ++r) {
         const __m256i sx = _mm256_sign_epi8(xload(xr[r], 32 * b + 4 * t), v);
         J[r] = _mm256_add_epi32(J[r], _mm256_madd_epi16(_mm256_maddubs_epi16(av, sx), ones));
+        in_register(J[r]);
       }
     }
   }
@@ -222,18 +233,18 @@ void panel_rows(const Args& a, int64_t p, int64_t m0, int64_t nv) {
   const __m256i ones = _mm256_set1_epi16(1);
   const bool zero = a.zshift >= 0;
   for (int64_t g = 0; g < a.G; ++g) {
-    __m256i Jg[MR], Zg[MR], Tg[MR];
-    for (int r = 0; r < MR; ++r) Jg[r] = Zg[r] = Tg[r] = _mm256_setzero_si256();
-    for (int64_t b = g * a.group; b < (g + 1) * a.group; ++b) {
+    const int64_t b0 = g * a.group, b1 = (g + 1) * a.group;
+    __m256i Jg[MR];
+    for (int r = 0; r < MR; ++r) Jg[r] = _mm256_setzero_si256();
+    for (int64_t b = b0; b < b1; ++b) {
       prefetch_block<KIND>(a.w + (p * a.B + b + kPanelsAhead) * block_bytes(KIND));  // (then panel p + 1's)
-      __m256i S0 = ones, S1 = ones, Spair = ones;
+      __m256i S0 = ones, S1 = ones;
       if constexpr (H == 1) {
-        S0 = S1 = Spair = dup16(a.s + (p * a.B + b) * 8);
+        S0 = S1 = dup16(a.s + (p * a.B + b) * 8);
       } else if constexpr (H == 2) {
         const int8_t* sp = a.s + (p * a.B + b) * 16;
         S0 = dup16(sp);
         S1 = dup16(sp + 8);
-        Spair = pair16(sp, sp + 8);
       }
       __m256i J[MR];
 #if GGUF_VNNI
@@ -241,19 +252,30 @@ void panel_rows(const Args& a, int64_t p, int64_t m0, int64_t nv) {
 #else
       block_integers<MR, KIND, H>(a, p, b, xr, S0, S1, J);
 #endif
-      __m256i CM = ones;  // c as an int16 pair (c, c) per output: c * bsum_0 + c * bsum_1
-      if constexpr (OFF == 2) CM = dup16(a.cm + (p * a.B + b) * 8);
-      for (int r = 0; r < MR; ++r) {
-        // the block's half sums as an int16 pair; the zero-point and offset terms are pair dot products with it
-        const __m256i bpair = _mm256_set1_epi32(a.bp[(m0 + r) * a.B + b]);
-        Jg[r] = _mm256_add_epi32(Jg[r], J[r]);
-        if (zero) Zg[r] = dot16_add(Zg[r], Spair, bpair);  // sum_h s_h * bsum_h
-        if constexpr (OFF != 0) Tg[r] = dot16_add(Tg[r], CM, bpair);
-      }
+      for (int r = 0; r < MR; ++r) Jg[r] = _mm256_add_epi32(Jg[r], J[r]);
     }
-    if (zero) {  // J -= zero * sum_b sum_h s_h * bsum_h, once per group
-      const __m128i shift = _mm_cvtsi32_si128(a.zshift);
-      for (int r = 0; r < MR; ++r) Jg[r] = _mm256_sub_epi32(Jg[r], _mm256_sll_epi32(Zg[r], shift));
+    // The zero-point and offset terms read no codes: a second, short pass over the group's multipliers, so the
+    // codes' loop above keeps one accumulator per row live, not three (AVX2 has 16 vector registers).
+    __m256i Tg[MR];
+    if (zero || OFF != 0) {
+      __m256i Zg[MR];
+      for (int r = 0; r < MR; ++r) Zg[r] = Tg[r] = _mm256_setzero_si256();
+      for (int64_t b = b0; b < b1; ++b) {
+        __m256i Spair = ones, CM = ones;  // CM: c as an int16 pair (c, c) per output: c * bsum_0 + c * bsum_1
+        if constexpr (H == 1) Spair = dup16(a.s + (p * a.B + b) * 8);
+        if constexpr (H == 2) Spair = pair16(a.s + (p * a.B + b) * 16, a.s + (p * a.B + b) * 16 + 8);
+        if constexpr (OFF == 2) CM = dup16(a.cm + (p * a.B + b) * 8);
+        for (int r = 0; r < MR; ++r) {
+          // the block's half sums as an int16 pair; the zero-point and offset terms are pair dot products with it
+          const __m256i bpair = _mm256_set1_epi32(a.bp[(m0 + r) * a.B + b]);
+          if (zero) Zg[r] = dot16_add(Zg[r], Spair, bpair);  // sum_h s_h * bsum_h
+          if constexpr (OFF != 0) Tg[r] = dot16_add(Tg[r], CM, bpair);
+        }
+      }
+      if (zero) {  // J -= zero * sum_b sum_h s_h * bsum_h, once per group
+        const __m128i shift = _mm_cvtsi32_si128(a.zshift);
+        for (int r = 0; r < MR; ++r) Jg[r] = _mm256_sub_epi32(Jg[r], _mm256_sll_epi32(Zg[r], shift));
+      }
     }
     const __m256 Av = _mm256_loadu_ps(a.A + (p * a.G + g) * kPanel);
     __m256 Cv = _mm256_setzero_ps();
