@@ -31,7 +31,8 @@ import torch
 
 
 def build_variant(directory: Path, tag: str) -> str:
-    """gemm_gguf_avx2.cpp in ``directory`` built (AVX512-VNNI flags) as op namespace dflash2_gguf_<tag>."""
+    """gemm_gguf_avx2.cpp in ``directory`` built as op namespace dflash2_gguf_<tag>, with the compiler flags of the
+    build this CPU runs (AVX2, AVX512-VNNI or AMX-INT8: what `installed` is)."""
     from torch.utils.cpp_extension import load
 
     from dflash2.kernels import gguf_linear as gl
@@ -40,8 +41,9 @@ def build_variant(directory: Path, tag: str) -> str:
     namespace = f"dflash2_gguf_{re.sub(r'[^A-Za-z0-9_]', '_', tag)}"
     out = directory / f"build_{namespace}"
     out.mkdir(exist_ok=True)
+    cflags = [f for f in gl._BUILDS[gl.gguf_backend()].cflags if not f.startswith("-DDFLASH2_GGUF_NS=")]
     load(name=namespace, sources=[str(directory / "gemm_gguf_avx2.cpp")],
-         extra_cflags=[*gl._VNNI_CFLAGS, f"-DDFLASH2_GGUF_NS={namespace}"], extra_include_paths=[str(directory)],
+         extra_cflags=[*cflags, f"-DDFLASH2_GGUF_NS={namespace}"], extra_include_paths=[str(directory)],
          extra_ldflags=jit.LDFLAGS, is_python_module=False, build_directory=str(out))
     return namespace
 

@@ -133,7 +133,7 @@ VARIABLES: tuple[Variable, ...] = (
              "merged pard drafter) at every load, write no cache"),
     Variable("DFLASH2_HUGE_PAGES", "auto", "on / off: move the weights onto transparent huge pages always / never "
              "(auto: unless a fault-in probe finds them slow)"),
-    Variable("DFLASH2_PARD_WEIGHTS", "q8_0 / q4_0 where the gguf kernel has VNNI or AMX, else int8",
+    Variable("DFLASH2_PARD_WEIGHTS", "q8_0 (q4_0 under a gguf target) where a C++ gguf kernel runs, else int8",
              "bf16, int8, int4, q8_0 or q4_0: the pard drafter's weight format"),
     Variable("DFLASH2_PARD_READER", "bf16 where bf16 runs on AMX tiles, else none", "bf16 or none: a bf16 twin of "
              "a quantized pard drafter reads the prompt"),

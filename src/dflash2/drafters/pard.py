@@ -151,13 +151,14 @@ def pard_context_window() -> ContextWindow | None:
 def pard_weights(weights: str | None, device: str, dtype: str = "bf16", hardware: DraftHardware | None = None) -> str:
     """The drafter's weight format: ``weights`` when quantized (``--weights int8 / int4`` quantizes target and
     drafter), else for bf16 / fp16 / gguf on a CPU (``$DFLASH2_PARD_WEIGHTS`` = bf16 / int8 / int4 / q8_0 / q4_0
-    overrides it), where the gguf kernel's AVX512-VNNI or AMX-INT8 build runs (its layers run as one C++ call
-    each): :data:`Q4_0` under a gguf target (the target's own bytes per weight: a 3-row draft pass 22 vs 30 ms
+    overrides it), where a C++ build of the gguf kernel runs (AVX2, AVX512-VNNI or AMX-INT8; its layers run as one
+    call each): :data:`Q4_0` under a gguf target (the target's own bytes per weight: a 3-row draft pass 22 vs 30 ms
     in Q8_0, acceptance unchanged within noise, AMD EPYC Zen 4, docs/pard.md), :data:`Q8_0` under a bf16 target
-    (a 3-row pass 23-26 vs 28-33 ms in int8); else :data:`DEFAULT_PARD_WEIGHTS`. Not quantized elsewhere (fp32
-    stays the unquantized reference, as ``load_transformer``). The blocks are quantized from the base merged with
-    the adapter, which no GGUF file holds (int8 drafts faster than the 0.5B's own Q4_K_M blocks on AVX2 at 1-9
-    rows). ``hardware``: which gguf kernel runs here (None: :func:`dflash2.kernels.profile.draft_hardware`)."""
+    (a 3-row pass 23-26 vs 28-33 ms in int8 there); on the AVX2-only AMD EPYC Zen 3 a 3-drafts pass took 24-30 ms
+    in Q4_0, 29-35 in Q8_0 and 40-53 in int8 (2026-12-07, docs/pard.md). Else (the gguf kernel's PyTorch
+    reference) :data:`DEFAULT_PARD_WEIGHTS`. Not quantized elsewhere (fp32 stays the unquantized reference, as
+    ``load_transformer``). The blocks are quantized from the base merged with the adapter, which no GGUF file
+    holds. ``hardware``: which gguf kernel runs here (None: :func:`dflash2.kernels.profile.draft_hardware`)."""
     if weights not in (None, "bf16", "gguf"):
         return weights
     if torch.device(device).type != "cpu" or dtype == "fp32":
@@ -166,17 +167,18 @@ def pard_weights(weights: str | None, device: str, dtype: str = "bf16", hardware
     profile.check("DFLASH2_PARD_WEIGHTS")
     if profile.pard_weights is not None:
         return profile.pard_weights
-    if not _avx512_gguf_kernel(hardware or _hardware(), gguf_target=weights == "gguf"):
+    if not _gguf_kernel_runs(hardware or _hardware(), gguf_target=weights == "gguf"):
         return DEFAULT_PARD_WEIGHTS
     return Q4_0 if weights == "gguf" else Q8_0
 
 
-def _avx512_gguf_kernel(hardware: DraftHardware, gguf_target: bool) -> bool:
-    """The gguf kernel chosen here is its AVX512-VNNI or AMX-INT8 build (on Intel AMX a 5-row pass of the 0.5B
-    under a gguf target: Q4_0 29 ms, Q8_0 32 ms, int8 on AMX tiles 35 ms; 2026-12-04, docs/pard.md). Under a gguf
-    target a kernel that cannot run is the target's error; under another target it only means the int8 default."""
+def _gguf_kernel_runs(hardware: DraftHardware, gguf_target: bool) -> bool:
+    """The gguf kernel chosen here is one of its C++ builds, not the PyTorch reference (on Intel AMX a 5-row pass of
+    the 0.5B under a gguf target: Q4_0 29 ms, Q8_0 32 ms, int8 on AMX tiles 35 ms; 2026-12-04, docs/pard.md). Under
+    a gguf target a kernel that cannot run is the target's error; under another target it only means the int8
+    default."""
     try:
-        return hardware.gguf_backend() in ("avx512-vnni", "amx-int8")
+        return hardware.gguf_backend() in ("avx2", "avx512-vnni", "amx-int8")
     except (RuntimeError, ValueError):  # no gguf kernel here, or a bad DFLASH2_GGUF_KERNEL
         if gguf_target:
             raise

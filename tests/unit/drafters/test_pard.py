@@ -592,18 +592,22 @@ def test_pard_with_prompt_lookup_is_lossless(models):
 
 def test_the_drafters_weight_format(monkeypatch):
     """For bf16 on a CPU, also under a gguf target (no GGUF holds the merged weights): q8_0 blocks (q4_0 under a
-    gguf target) where the gguf kernel has its VNNI (or AMX) build, else int8; the quantized formats asked for are
-    kept; fp32 and CUDA stay unquantized; the environment overrides the default."""
+    gguf target) where a C++ build of the gguf kernel runs (AVX2, VNNI or AMX), else int8; the quantized formats
+    asked for are kept; fp32 and CUDA stay unquantized; the environment overrides the default."""
     from dflash2.drafters.pard import DEFAULT_PARD_WEIGHTS, pard_weights
     from dflash2.kernels import gguf_linear
 
     monkeypatch.delenv("DFLASH2_PARD_WEIGHTS", raising=False)
     monkeypatch.delenv(gguf_linear.ENV, raising=False)
     reload_settings()
-    vnni = gguf_linear.gguf_kernels_available(gguf_linear.VNNI)
+    built = gguf_linear.gguf_kernels_available(gguf_linear.gguf_backend())
     assert DEFAULT_PARD_WEIGHTS == "int8"
-    assert pard_weights(None, "cpu") == ("q8_0" if vnni else "int8")
-    assert pard_weights("gguf", "cpu") == ("q4_0" if vnni else "int8")  # a gguf target: the target's 4-bit bytes
+    assert pard_weights(None, "cpu") == ("q8_0" if built else "int8")
+    assert pard_weights("gguf", "cpu") == ("q4_0" if built else "int8")  # a gguf target: the target's 4-bit bytes
+    if gguf_linear.gguf_kernels_available(gguf_linear.KERNEL):  # the AVX2 build too (what an AVX2-only CPU runs)
+        monkeypatch.setenv(gguf_linear.ENV, "avx2")
+        reload_settings()
+        assert pard_weights(None, "cpu") == "q8_0" and pard_weights("gguf", "cpu") == "q4_0"
     monkeypatch.setenv(gguf_linear.ENV, "torch")
     reload_settings()
     assert pard_weights("gguf", "cpu") == pard_weights(None, "cpu") == "int8"
