@@ -22,6 +22,14 @@ RUN=${RUN:-runs/conditioned/v1}
 INIT=${INIT:-src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct-pard}
 SHIPPED=${SHIPPED:-src/dflash2/drafters/trained/qwen2.5-coder-1.5b-instruct-dflash2-conditioned}
 REGEN=data/dflash-train/qwen2.5-coder-1.5b-instruct,data/dflash-train/qwen2.5-coder-1.5b-instruct-chat
+# nice ranks a process only among those of its autogroup: where the kernel groups by session
+# (/proc/sys/kernel/sched_autogroup_enabled = 1) a job in a session of its own (setsid, nohup from another terminal)
+# takes a session's share of the cores whatever its nice (seen: a features run at nice 19 halved a test run in
+# another session). Started as a session's leader (`setsid scripts/train/...`) the script lowers its session's
+# autogroup to the same nice; else `echo 19 > /proc/<pid>/autogroup` (any process of the job's session) does.
+if [ "$(ps -o sid= -p $$ | tr -d ' ')" = "$$" ] && [ -e /proc/self/autogroup ]; then
+  echo "${NICE:-15}" 2>/dev/null > /proc/self/autogroup || echo "could not lower this session's autogroup" >&2
+fi
 NICE="nice -n ${NICE:-15}"
 # shared by the experiment's two arms and the long run: the shipped adapter's shape, a gentle warm-start LR
 COMMON=(--base qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct --features "$FEATURES"
