@@ -28,7 +28,7 @@ REGEN=data/dflash-train/qwen2.5-coder-1.5b-instruct,data/dflash-train/qwen2.5-co
 # another session). Started as a session's leader (`setsid scripts/train/...`) the script lowers its session's
 # autogroup to the same nice; else `echo 19 > /proc/<pid>/autogroup` (any process of the job's session) does.
 if [ "$(ps -o sid= -p $$ | tr -d ' ')" = "$$" ] && [ -e /proc/self/autogroup ]; then
-  echo "${NICE:-15}" 2>/dev/null > /proc/self/autogroup || echo "could not lower this session's autogroup" >&2
+  echo "${NICE:-15}" 2>/dev/null > /proc/self/autogroup || echo "could not lower this job's autogroup" >&2
 fi
 NICE="nice -n ${NICE:-15}"
 # shared by the experiment's two arms and the long run: the shipped adapter's shape, a gentle warm-start LR
