@@ -10,14 +10,14 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "dflash2"
 
 # The package's layers, lowest first (docs/architecture.md): a module imports from its own layer and those below,
-# never from one above. The platform profile (the CPU, the DFLASH2_* settings), file locks and atomic writes know
-# nothing of the engine; the kernels know the platform; caches and verification are pure; the models run on kernels and caches;
+# never from one above. The platform profile (the CPU, the DFLASH2_* settings), file locks, atomic writes and the
+# packages' lazily loaded names know nothing of the engine; the kernels know the platform; caches and verification are pure; the models run on kernels and caches;
 # drafters use models; the decode loops use drafters; the public API and the CLI plumbing load decoders; the server,
 # benchmarks, the engines benchmarked against (peers: a llama.cpp peer runs a drafter that training exports),
 # training and the chat CLI sit on those; the CLI entry point on top. ``dflash2`` is the package's own __init__ only
 # (it re-exports the API). A module no entry covers fails the test.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("dflash2.platform", "dflash2.locking", "dflash2.atomic"),
+    ("dflash2.platform", "dflash2.locking", "dflash2.atomic", "dflash2.lazy"),
     ("dflash2.kernels",),
     ("dflash2.kv", "dflash2.verify"),
     ("dflash2.models",),

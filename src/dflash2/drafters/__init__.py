@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from dflash2.drafters.base import Draft, Drafter
-from dflash2.drafters.dflash import TRAINED_DIR, shipped_dflash_drafter
+from dflash2.lazy import lazy_names
 from dflash2.platform import DraftHardware
 from dflash2.drafters.spec import (
     BLOCK_DRAFTERS,
@@ -30,6 +30,14 @@ from dflash2.drafters.spec import (
     default_num_draft_tokens,
     drafter_kind,
 )
+
+if TYPE_CHECKING:
+    from dflash2.drafters.base import Draft, Drafter
+    from dflash2.drafters.dflash import TRAINED_DIR, shipped_dflash_drafter
+
+__getattr__ = lazy_names(__name__, {  # (their modules import torch: dflash2.lazy)
+    "Draft": "dflash2.drafters.base", "Drafter": "dflash2.drafters.base", "TRAINED_DIR": "dflash2.drafters.dflash",
+    "shipped_dflash_drafter": "dflash2.drafters.dflash"}, globals())
 
 
 def build_drafter(spec: str | DrafterSpec, target: DraftTarget, *, draft_model: str | None = None,

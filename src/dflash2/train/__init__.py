@@ -4,11 +4,23 @@ held-out acceptance check (:mod:`.evaluate`) and the DFlash training run (:mod:`
     from dflash2.train import DataConfig, TrainConfig, generate_training_data, train_dflash
 """
 
-from dflash2.train.data import DataConfig, TokenShards, TrainingSequence, generate_training_data
-from dflash2.train.dflash_trainer import TrainConfig, train_dflash
-from dflash2.train.evaluate import EvalResult, evaluate_acceptance
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dflash2.lazy import lazy_names
+
+if TYPE_CHECKING:
+    from dflash2.train.data import DataConfig, TokenShards, TrainingSequence, generate_training_data
+    from dflash2.train.dflash_trainer import TrainConfig, train_dflash
+    from dflash2.train.evaluate import EvalResult, evaluate_acceptance
 
 __all__ = [
     "DataConfig", "EvalResult", "TokenShards", "TrainConfig", "TrainingSequence", "evaluate_acceptance",
     "generate_training_data", "train_dflash",
 ]
+
+__getattr__ = lazy_names(__name__, {  # (their modules import torch: dflash2.lazy)
+    **dict.fromkeys(("DataConfig", "TokenShards", "TrainingSequence", "generate_training_data"), "dflash2.train.data"),
+    **dict.fromkeys(("TrainConfig", "train_dflash"), "dflash2.train.dflash_trainer"),
+    **dict.fromkeys(("EvalResult", "evaluate_acceptance"), "dflash2.train.evaluate")}, globals())
