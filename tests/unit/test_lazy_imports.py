@@ -3,6 +3,7 @@ once; the lazily loaded names still resolve to their modules' objects."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -17,10 +18,23 @@ print("torch" in sys.modules)
 """
 
 
-def test_building_every_parser_imports_no_torch():
-    done = subprocess.run([sys.executable, "-c", PARSERS_ONLY], capture_output=True, text=True, timeout=120)
+# `dflash2 models list` (the store's inventory: it reads directories, converts nothing), then what was imported.
+MODELS_LIST = """
+import sys
+from dflash2.cli import main
+main(["models", "list"])
+print("torch" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("code,verdict", [(PARSERS_ONLY, lambda done: done.stdout),
+                                          (MODELS_LIST, lambda done: done.stderr.splitlines()[-1])],
+                         ids=["parsers", "models-list"])
+def test_imports_no_torch(code, verdict, tmp_path):
+    env = {**os.environ, "DFLASH2_HOME": str(tmp_path)}  # (an empty store: nothing to list, nothing to pull)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False"
+    assert verdict(done).strip() == "False"
 
 
 @pytest.mark.parametrize("package", ["dflash2", "dflash2.drafters", "dflash2.train"])

@@ -31,19 +31,12 @@ import numpy as np
 import torch
 
 from dflash2.models import gguf_gemma3
+from dflash2.models.conversion import CONVERTER_VERSION, DTYPE_NAMES, normalize_dtype  # (re-exported)
 from dflash2.models.validate_gguf import validate_gguf
-
-# Bumped whenever the converted output changes, so cached conversions made by an older converter are redone.
-CONVERTER_VERSION = 1
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", gguf_gemma3.ARCHITECTURE)
 
-DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_DTYPE_ALIASES = {
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "f16": "fp16", "float16": "fp16", "half": "fp16",
-    "fp32": "fp32", "f32": "fp32", "float32": "fp32", "float": "fp32",
-}  # fmt: skip
+DTYPES: dict[str, torch.dtype] = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
 _SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 _TORCH_DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -77,14 +70,6 @@ _BLOCK_NAME = re.compile(r"blk\.(?P<layer>\d+)\.(?P<part>\w+)\.(?P<kind>weight|b
 
 class GGUFConvertError(RuntimeError):
     """The GGUF cannot be converted (unsupported architecture, unknown tensor, bad metadata)."""
-
-
-def normalize_dtype(dtype: str) -> str:
-    """'bf16' | 'fp16' | 'fp32' (also accepts 'bfloat16', 'float32', ...); raises ValueError otherwise."""
-    key = _DTYPE_ALIASES.get(str(dtype).lower())
-    if key is None:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-    return key
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflash2.models import store
 from dflash2.models.chunks import ModelStoreError, _remove_quietly
-from dflash2.models.gguf_convert import DTYPES
+from dflash2.models.conversion import DTYPE_NAMES
 
 GGUF_PREFIX = "gguf-"  # models/gguf-<sha12>/: conversions of .gguf files given by path
 PARD_MARK = "-pard-"  # models/<base>/<dtype>-pard-<weights>-<adapter>/: a merged PARD drafter (drafters/pard_load.py)
@@ -149,7 +149,7 @@ def _part(path: Path) -> StoredPart:
 
 def _format(directory: Path) -> str:
     name = directory.name
-    if name in DTYPES:
+    if name in DTYPE_NAMES:
         return f"safetensors {name}"
     if name == "gguf-blocks":
         return "packed GGUF blocks (--weights gguf)"
@@ -158,7 +158,7 @@ def _format(directory: Path) -> str:
         return f"merged PARD drafter ({weights}, adapter {adapter})"
     if "-packed-" in name:
         return f"packed panels for the {name.split('-packed-')[1]} kernel"
-    if "-" in name and name.split("-")[0] in DTYPES:
+    if "-" in name and name.split("-")[0] in DTYPE_NAMES:
         return f"quantized layers ({name})"
     return name
 

@@ -47,13 +47,7 @@ from dflash2.models.chunks import (
     locate_chunk,
     read_chunk,
 )
-from dflash2.models.gguf_convert import (
-    CONVERTER_VERSION,
-    DTYPES,
-    GGUFConvertError,
-    convert_gguf,
-    normalize_dtype,
-)
+from dflash2.models.conversion import CONVERTER_VERSION, DTYPE_NAMES, normalize_dtype
 from dflash2.models.validate import ModelFileError, check_model_dir
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -341,6 +335,8 @@ def _damaged_files(directory: Path, *, rehash: bool) -> list[str]:
 
 def _convert_into(gguf: Path, destination: Path, dtype: str, source: dict, progress: bool) -> Path:
     """Convert ``gguf`` into ``destination`` atomically, reusing a sibling dtype's tokenizer files."""
+    from dflash2.models.gguf_convert import GGUFConvertError, convert_gguf  # (imports torch: only to convert)
+
     destination.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(prefix=f".{dtype}.", suffix=".part", dir=destination.parent))
     try:
@@ -514,7 +510,7 @@ def verify(ref: str) -> None:
         digest = _sha256_file(gguf)
         if digest != spec.sha256:
             raise ModelStoreError(f"{gguf}: sha256 {digest} differs from the pinned {spec.sha256}")
-        for dtype in DTYPES:
+        for dtype in DTYPE_NAMES:
             directory = model_dir(name, dtype)
             if directory.exists():
                 _check_converted(directory, spec.sha256)
@@ -525,7 +521,7 @@ def verify(ref: str) -> None:
         return
     if path.is_file() and path.suffix.lower() == ".gguf":
         digest = _sha256_file(path)
-        for dtype in DTYPES:
+        for dtype in DTYPE_NAMES:
             directory = home() / "models" / f"gguf-{digest[:12]}" / dtype
             if directory.exists():
                 _check_converted(directory, digest)
@@ -544,7 +540,7 @@ def repair(ref: str, *, progress: bool = True) -> list[str]:
             _remove_quietly(gguf)
         assemble(spec.name, progress=progress)
         rebuilt.append(str(gguf))
-    for dtype in DTYPES:
+    for dtype in DTYPE_NAMES:
         directory = model_dir(spec.name, dtype)
         if not directory.exists():
             continue
@@ -573,7 +569,7 @@ def list_models() -> list[ModelStatus]:
     statuses = []
     for spec in REGISTRY.values():
         gguf = gguf_path(spec.name)
-        converted = tuple(dtype for dtype in DTYPES if _is_converted(model_dir(spec.name, dtype)))
+        converted = tuple(dtype for dtype in DTYPE_NAMES if _is_converted(model_dir(spec.name, dtype)))
         statuses.append(
             ModelStatus(
                 name=spec.name,

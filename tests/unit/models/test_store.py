@@ -333,11 +333,13 @@ def test_pip_failure_message(monkeypatch, tmp_path):
 
 
 def test_failed_conversion_leaves_no_directory(fake_model, home, monkeypatch):
+    from dflash2.models import gguf_convert  # (the store imports the converter when it converts)
+
     def broken(gguf, out, dtype, **kwargs):
         (Path(out) / "model.safetensors").write_bytes(b"half")
-        raise store.GGUFConvertError("boom")
+        raise gguf_convert.GGUFConvertError("boom")
 
-    monkeypatch.setattr(store, "convert_gguf", broken)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", broken)
     with pytest.raises(ModelStoreError, match="boom"):
         store.resolve_model(FAKE_NAME, "fp32")
     assert (home / "gguf" / f"{FAKE_NAME}.gguf").is_file(), "the verified GGUF stays"
