@@ -1,5 +1,6 @@
-"""The CLI's parsers build without importing torch (dflash2.lazy): `dflash2 --help` and argument errors answer at
-once; the lazily loaded names still resolve to their modules' objects."""
+"""The CLI's parsers build, and `dflash2 models list` runs, without importing torch (dflash2.lazy,
+models/conversion.py): `dflash2 --help`, argument errors and the listing answer at once; the lazily loaded names
+still resolve."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from dflash2.cli import build_parser
 build_parser().parse_args(["generate", "--drafter", "pard:1+4x3", "hi"])
 print("torch" in sys.modules)
 """
-
 
 # `dflash2 models list` (the store's inventory: it reads directories, converts nothing), then what was imported.
 MODELS_LIST = """

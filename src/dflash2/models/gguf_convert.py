@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from dflash2.models import gguf_gemma3
-from dflash2.models.conversion import CONVERTER_VERSION, DTYPE_NAMES, normalize_dtype  # (re-exported)
+from dflash2.models.conversion import CONVERTER_VERSION, normalize_dtype
 from dflash2.models.validate_gguf import validate_gguf
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", gguf_gemma3.ARCHITECTURE)
 
-DTYPES: dict[str, torch.dtype] = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float16, torch.float32)))
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 _TORCH_DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
